@@ -1,0 +1,87 @@
+"""Engine configuration: plain dataclasses, validated where they are built."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+ROLES = ("both", "prefill", "decode")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as '512MiB', '2GiB', '1.5G'."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a memory size; use e.g. 512MiB or 2GiB")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _has_cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    name = _ALIASES.get(name, name)
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _has_cpu_flag("avx512_bf16") else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but this machine has no usable CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; choose cpu or cuda")
+    return device
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_cache_memory: int | str = "1GiB"  # KV pool budget in bytes (or '512MiB', '2GiB')
+    block_size: int = 16  # tokens per KV block
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # requests running at once
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    role: str = "both"  # which part of a request this engine computes
+    seed: int = 0  # for requests sampled without their own seed
+    num_threads: int | None = None  # CPU threads for torch; default: torch's choice
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

@@ -1,0 +1,169 @@
+"""Paged KV blocks: allocation, reference counts, and the prefix cache.
+
+Every block is either referenced by at least one request or sits in the free queue. A freed block
+keeps its content hash, so a later request with the same prefix can take it back (a prefix-cache
+hit) until allocation evicts it, least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from pdserve.engine.request import Request
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Content hash of a full block, chained to the hash of the block before it.
+
+    A cryptographic hash, so that no prompt can be crafted to collide with another user's prefix.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update((parent_hash or 0).to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding a prefix of this request's tokens (at least one token is left
+        to compute, since the model must produce logits for the next token)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens; on first allocation, adopt `cached_blocks`.
+
+        Returns False, changing nothing, when the free queue cannot cover it.
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            table = []
+        num_total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_total) - len(table) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + revived > len(self._free):
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            table.append(block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            table.append(self._take_free_block())
+        self._tables[request.request_id] = table
+        if cached_blocks:
+            self._num_hashed[request.request_id] = len(cached_blocks)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that the request's computed tokens have filled."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(request, num_full)
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
+        self._num_hashed[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks first, so they are evicted first."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            self.blocks[block_id].block_hash = None
+        self._cached.clear()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        if not self._free:
+            raise NoFreeBlocksError("no free KV blocks")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs)))

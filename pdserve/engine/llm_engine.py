@@ -1,0 +1,241 @@
+"""The engine: requests in, incremental outputs out, one `step()` at a time.
+
+Each step reads as schedule -> run -> postprocess. Servers call `add_request`, `step` and `abort`
+from one thread; `pdserve.LLM` wraps the same calls for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.role import RoleHooks
+from pdserve.engine.scheduler import Scheduler
+from pdserve.models.arch_config import ArchConfig
+from pdserve.models.loader import build_model, load_checkpoint
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    index: int  # which of the parent's n completions
+    num_tokens_sent: int = 0
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, hooks: RoleHooks | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, device)
+        ckpt = load_checkpoint(config.model)
+        self.tokenizer = ckpt.tokenizer
+        self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
+        model = build_model(ckpt, self.dtype, device)
+        self.max_model_len = self._max_model_len(config)
+        num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of this model; raise it"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self._eos_token_ids(ckpt.generation_config),
+            hooks,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._sequences: dict[str, tuple[_Parent, _Sequence]] = {}  # by engine request id
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            limit = min(limit, self.model_config.sliding_window)  # full attention is exact up to here
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
+        return config.max_model_len or limit
+
+    def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        eos = generation_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        parent = _Parent(request_id, text, token_ids, [])
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i
+            )
+            engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params), priority)
+            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, child_params), i)
+            parent.sequences.append(seq)
+            self._sequences[engine_id] = (parent, seq)
+            self.scheduler.add(req)
+        self._parents[request_id] = parent
+        return request_id
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': list[int]}")
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but the model's maximum length is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(token_ids) + 1 > capacity:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but the KV cache holds only {capacity}; "
+                "raise kv_cache_memory"
+            )
+        bad_stop = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad_stop is not None:
+            raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {vocab})")
+
+    def _max_total_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        limit = min(self.max_model_len, capacity)
+        if params.max_tokens is not None:
+            limit = min(limit, len(token_ids) + params.max_tokens)
+        return limit
+
+    def abort(self, request_id: str) -> None:
+        """End a request at any moment; idempotent. Its final output comes from the next step()."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return
+        for seq in parent.sequences:
+            self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(self._make_output(parent, changed=set()))
+        self._forget(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._aborted)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        step = self.scheduler.schedule()
+        if step.empty:
+            return outputs
+        sampled = self.runner.execute(step)
+        advanced = self.scheduler.update(step, sampled)
+        return outputs + self._postprocess(advanced)
+
+    def _postprocess(self, advanced: list[Request]) -> list[RequestOutput]:
+        changed: dict[str, set[int]] = {}
+        for req in advanced:
+            parent, seq = self._sequences[req.request_id]
+            seq.detokenizer.add(req.output_token_ids[-1])
+            stop = seq.detokenizer.stop_string
+            if stop is not None and not req.status.finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:
+                seq.detokenizer.flush()
+            changed.setdefault(parent.request_id, set()).add(seq.index)
+        outputs = []
+        for request_id, indices in changed.items():
+            parent = self._parents[request_id]
+            out = self._make_output(parent, indices)
+            outputs.append(out)
+            if out.finished:
+                self._forget(parent)
+        return outputs
+
+    def _make_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
+        completions = []
+        for seq in parent.sequences:
+            req, detok = seq.request, seq.detokenizer
+            finished = req.status.finished
+            delta_text = detok.take_delta(finished) if seq.index in changed or finished else ""
+            delta_ids = req.output_token_ids[seq.num_tokens_sent :]
+            seq.num_tokens_sent = len(req.output_token_ids)
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=detok.text[: detok.released],
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason,
+                stop_reason=req.stop_reason,
+                delta_text=delta_text,
+                delta_token_ids=delta_ids,
+            ))
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.request.status.finished for s in parent.sequences),
+            num_cached_tokens=min(s.request.num_cached_tokens for s in parent.sequences),
+        )
+
+    def _forget(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for seq in parent.sequences:
+            self._sequences.pop(seq.request.request_id, None)

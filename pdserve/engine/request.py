@@ -1,0 +1,105 @@
+"""A request inside the engine, and its ordered status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    # Live states first; every finished state compares greater than RUNNING.
+    WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()  # decode role: blocks reserved, prompt KV not yet landed
+    PREEMPTED = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Token state of one sequence. The scheduler owns `status`; nobody else assigns it."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "priority",
+        "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
+        "generator", "max_total_tokens", "stop_reason", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_total_tokens: int,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in this request's blocks
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled lazily
+        self.max_total_tokens = max_total_tokens  # prompt + output cap (model length, max_tokens)
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower priority value first, then first come, first served."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )

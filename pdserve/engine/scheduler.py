@@ -1,0 +1,186 @@
+"""Continuous batching with chunked prefill, priorities and preemption by recompute.
+
+Lifecycle of a request in the scheduler:
+1. `add`: WAITING, in the waiting queue (ordered by priority, then arrival).
+2. `schedule`: admitted when blocks and the step's token budget allow -> RUNNING. Its prompt may be
+   computed over several steps (chunks); prefix-cache hits skip the blocks already computed.
+3. Out of blocks: the lowest-priority running request is preempted -> PREEMPTED, blocks freed,
+   back to the front of its priority class; later it recomputes prompt + output so far.
+4. `update`: counts the computed tokens, appends the sampled token when the chunk reached the end,
+   and finishes requests on eos / stop token / length.
+5. `finish`: any live request can be ended (stop string, abort); its blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.role import RoleHooks
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner computes in one step."""
+
+    requests: list[Request] = field(default_factory=list)  # decodes first, then prefill chunks
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed per request
+    num_decodes: int = 0  # leading requests that compute exactly one token
+    block_tables: list[list[int]] = field(default_factory=list)  # KV block ids per request
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids: tuple[int, ...] = (),
+        hooks: RoleHooks | None = None,
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.hooks = hooks or RoleHooks()
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key; the last is preempted first
+        self.requests: dict[str, Request] = {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        assert request.status == RequestStatus.WAITING
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, n, out):
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+            # else: req itself was preempted and removed; running[i] is now the next one
+        if not out.preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        chunks = [(r, n) for r, n in scheduled if n != 1]
+        for req, n in decodes + chunks:
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            out.block_tables.append(self.blocks.block_table(req.request_id))
+        out.num_decodes = len(decodes)
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.blocks.allocate(req, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.hooks.can_schedule(req):
+                skipped.append(self.waiting.pop(0))
+                continue
+            cached = self.blocks.find_cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.blocks.allocate(req, n, cached):
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=Request.sort_key)
+            scheduled.append((req, n))
+            budget -= n
+        for req in skipped:
+            bisect.insort(self.waiting, req, key=Request.sort_key)
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        assert req.status == RequestStatus.RUNNING
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        # Ahead of later arrivals of its priority: it came first.
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    # -- after the model ran -------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Apply a step's results; returns the requests that got a new token."""
+        advanced = []
+        for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)
+            self.hooks.on_computed(req, n)
+            if req.num_computed_tokens < req.num_tokens or req.status != RequestStatus.RUNNING:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            assert token is not None
+            req.output_token_ids.append(token)
+            advanced.append(req)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.finish(req.request_id, status)
+        return advanced
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a live request (idempotent: an unknown or finished id is ignored)."""
+        assert status.finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.hooks.on_finished(req)
+        self.blocks.free(req)
+        return req

@@ -1,0 +1,69 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is a flat slot array `[num_blocks * block_size, kv_heads, head_dim]` (one
+for K, one for V); a token at position p of a request lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. New K/V are scattered into their
+slots, then each query reads its whole context back through those slots. Requests computing one
+token (decodes) share one batched call; multi-token chunks (prefills) are computed one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    query_start: int  # offset of the chunk's first token in the step's flat token batch
+    query_len: int  # tokens computed in this chunk
+    context_len: int  # tokens the chunk attends to (cached prefix + itself)
+    context_slots: torch.Tensor  # [context_len] cache slots of positions 0..context_len-1
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plainly causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
+    num_decode_tokens: int  # the batch's first tokens are decodes, one per request
+    decode_slots: torch.Tensor | None = None  # [decodes, max_context] slots of each context
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] bool; None if all equal
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [tokens, heads * head_dim]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    gqa = num_heads != k.shape[1]
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    nd = meta.num_decode_tokens
+    if nd:
+        ctx_k = k_cache[meta.decode_slots].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
+        ctx_v = v_cache[meta.decode_slots].transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(
+            qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        s, n = chunk.query_start, chunk.query_len
+        qp = q[s : s + n].transpose(0, 1)  # [heads, n, head_dim]
+        ctx_k = k_cache[chunk.context_slots].transpose(0, 1)  # [kv_heads, ctx, head_dim]
+        ctx_v = v_cache[chunk.context_slots].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qp, ctx_k, ctx_v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+            scale=scale, enable_gqa=gqa,
+        )
+        out[s : s + n] = o.transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,61 @@
+"""Rotary position embedding (rotate-half layout) with a precomputed cos/sin table."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.models.arch_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are stretched by `factor`, short ones kept, and the band between blended.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        # The reference computes cos/sin in float32 and casts them to the activation dtype.
+        self.cos = self.cos.to(dtype)
+        self.sin = self.sin.to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,88 @@
+"""A model checkpoint in memory: Hugging Face config, tensors under Hugging Face names, tokenizer.
+
+Every format pdserve reads (a Hugging Face directory, a GGUF file) is turned into a `Checkpoint`;
+the model is built from that alone, and `save` writes it back as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    hf_config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # Hugging Face parameter names
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
+        self.tokenizer.save(out)
+        _save_sharded(self.tensors, out, max_shard_bytes)
+
+
+def load_hf_dir(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ValueError(f"{path} is not a model directory: config.json not found")
+    hf_config = json.loads(config_file.read_text())
+    gen_file = path / "generation_config.json"
+    generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    return Checkpoint(hf_config, _read_safetensors(path), Tokenizer.from_dir(path), generation_config)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = path / name
+        if not file.exists():
+            raise ValueError(f"weight shard {name} listed in the index is missing from {path}")
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,103 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model; variants are config flags.
+
+Weights are stored fused: q/k/v projections as one `qkv_proj`, gate/up as one `gate_up_proj`, so
+a decode step issues two matmuls fewer per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.layers.attention import AttentionMetadata, paged_attention
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.models.arch_config import ArchConfig
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = _weight(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+        self.qkv_bias = _weight(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
+        self.o_proj = _weight(cfg.hidden_size, cfg.q_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        positions: torch.Tensor,  # [tokens]
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [2, slots, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return F.linear(o, self.o_proj)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = _weight(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _weight(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens]
+        positions: torch.Tensor,  # [tokens]
+        kv_caches: torch.Tensor,  # [layers, 2, slots, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [tokens, hidden]
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        return F.linear(hidden, self.lm_head).float()

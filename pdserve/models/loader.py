@@ -1,0 +1,102 @@
+"""Build a model from a checkpoint: check every tensor, fuse projections, cast, place on device."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from pdserve.models.arch_config import ArchConfig
+from pdserve.models.checkpoint import Checkpoint, load_hf_dir
+from pdserve.models.llama import LlamaForCausalLM
+
+# Tensors some checkpoints carry that the model recomputes itself.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def load_checkpoint(model: str | Path) -> Checkpoint:
+    """A Hugging Face directory or a .gguf file."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(model)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from pdserve.models.default_model import load_checkpoint_cached
+
+        return load_checkpoint_cached(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    raise ValueError(f"{str(model)!r} is neither a model directory nor a .gguf file")
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    cfg = ArchConfig.from_hf_config(ckpt.hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    tensors = _TensorSource(ckpt.tensors)
+    params: dict[str, torch.Tensor] = {"embed_tokens": tensors.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = tensors.take("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+    params["norm.weight"] = tensors.take("model.norm.weight", (cfg.hidden_size,))
+    h, q, kv, inter, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        params[dst + "self_attn.qkv_proj"] = torch.cat([
+            tensors.take(attn + "q_proj.weight", (q, h)),
+            tensors.take(attn + "k_proj.weight", (kv, h)),
+            tensors.take(attn + "v_proj.weight", (kv, h)),
+        ])
+        if cfg.qkv_bias:
+            params[dst + "self_attn.qkv_bias"] = torch.cat([
+                tensors.take(attn + "q_proj.bias", (q,)),
+                tensors.take(attn + "k_proj.bias", (kv,)),
+                tensors.take(attn + "v_proj.bias", (kv,)),
+            ])
+        if cfg.qk_norm:
+            params[dst + "self_attn.q_norm.weight"] = tensors.take(attn + "q_norm.weight", (hd,))
+            params[dst + "self_attn.k_norm.weight"] = tensors.take(attn + "k_norm.weight", (hd,))
+        params[dst + "self_attn.o_proj"] = tensors.take(attn + "o_proj.weight", (h, q))
+        params[dst + "mlp.gate_up_proj"] = torch.cat([
+            tensors.take(src + "mlp.gate_proj.weight", (inter, h)),
+            tensors.take(src + "mlp.up_proj.weight", (inter, h)),
+        ])
+        params[dst + "mlp.down_proj"] = tensors.take(src + "mlp.down_proj.weight", (h, inter))
+        params[dst + "input_layernorm.weight"] = tensors.take(src + "input_layernorm.weight", (h,))
+        params[dst + "post_attention_layernorm.weight"] = tensors.take(src + "post_attention_layernorm.weight", (h,))
+    if cfg.tie_word_embeddings:
+        tensors.drop("lm_head.weight")  # some tied checkpoints still store a copy
+    tensors.check_all_used()
+    placed = {name: t.to(device=device, dtype=dtype) for name, t in params.items()}
+    model.load_state_dict(placed, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary.cast_(dtype)
+    return model.eval()
+
+
+class _TensorSource:
+    """Hands out checkpoint tensors by name and reports any missing, misshapen or left over."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._unused = {name for name in tensors if not _IGNORED.match(name)}
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {shape}")
+        self._unused.discard(name)
+        return t
+
+    def drop(self, name: str) -> None:
+        self._unused.discard(name)
+
+    def check_all_used(self) -> None:
+        if self._unused:
+            names = sorted(self._unused)
+            more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+            raise ValueError(f"checkpoint has tensors this architecture does not use: {names[:5]}{more}")

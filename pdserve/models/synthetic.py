@@ -1,0 +1,143 @@
+"""Deterministic random-weight models in Hugging Face format, with a tokenizer trained locally.
+
+`tiny` is for unit tests (well under 5 MB); `demo` (~100M parameters) makes a long prefill real
+compute on a CPU. Same seed, same files: tests and benchmarks need no download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from pdserve.models.checkpoint import Checkpoint
+from pdserve.tokenizer import Tokenizer
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+    "demo": dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=8192, max_position_embeddings=4096),
+}
+
+# Flags of each supported architecture, in Hugging Face config names.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+                  tie_word_embeddings=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None,
+                    tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                  use_sliding_window=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
+                  attention_bias=False, use_sliding_window=False),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have "
+    "an they you were her she there been one all we their has would when if so no will more can out up "
+    "model token prefill decode cache block batch request latency throughput server router worker "
+    "attention layer memory transfer queue schedule sample stream text prompt answer question "
+    "def return class import self print for while if else elif try except with lambda yield "
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / = == != < > ( ) [ ] { } : ; , . ' \" # @ "
+    "über café naïve façade 東京 北京 上海 日本語 中文 한국어 русский ελληνικά 🙂 🚀 ✨ "
+)
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) trained on a built-in corpus, padded with reserved tokens."""
+    words = _CORPUS_WORDS.split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    tok = _HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 64, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())]
+    tok.add_special_tokens(reserved)
+    config = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 1 << 20,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }
+    return Tokenizer(tok, config)
+
+
+def make_model(preset: str = "tiny", architecture: str = "llama", seed: int = 0, **overrides: Any) -> Checkpoint:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    cfg: dict[str, Any] = {
+        **PRESETS[preset], **ARCHITECTURES[architecture],
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32",
+        "initializer_range": 0.02,
+    }
+    cfg.update(overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    eos = tokenizer.token_to_id("<|im_end|>")
+    cfg.update(bos_token_id=None, eos_token_id=eos, pad_token_id=tokenizer.token_to_id("<|endoftext|>"))
+    tensors = _random_tensors(cfg, seed)
+    return Checkpoint(cfg, tensors, tokenizer, {"eos_token_id": eos})
+
+
+def write_model(out_dir: str | Path, preset: str = "tiny", architecture: str = "llama", seed: int = 0,
+                **overrides: Any) -> Path:
+    out = Path(out_dir)
+    make_model(preset, architecture, seed, **overrides).save(out)
+    return out
+
+
+def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    std = cfg["initializer_range"]
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm_weight(size: int) -> torch.Tensor:  # near 1, but not exactly: a wrong norm shows
+        return 1.0 + 0.1 * torch.randn(size, generator=g)
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = normal(heads * hd, h)
+        t[p + "self_attn.k_proj.weight"] = normal(kv_heads * hd, h)
+        t[p + "self_attn.v_proj.weight"] = normal(kv_heads * hd, h)
+        t[p + "self_attn.o_proj.weight"] = normal(h, heads * hd)
+        if cfg["architectures"][0] == "Qwen2ForCausalLM" or cfg.get("attention_bias"):
+            t[p + "self_attn.q_proj.bias"] = normal(heads * hd)
+            t[p + "self_attn.k_proj.bias"] = normal(kv_heads * hd)
+            t[p + "self_attn.v_proj.bias"] = normal(kv_heads * hd)
+        if cfg["architectures"][0] == "Qwen3ForCausalLM":
+            t[p + "self_attn.q_norm.weight"] = norm_weight(hd)
+            t[p + "self_attn.k_norm.weight"] = norm_weight(hd)
+        t[p + "mlp.gate_proj.weight"] = normal(inter, h)
+        t[p + "mlp.up_proj.weight"] = normal(inter, h)
+        t[p + "mlp.down_proj.weight"] = normal(h, inter)
+        t[p + "input_layernorm.weight"] = norm_weight(h)
+        t[p + "post_attention_layernorm.weight"] = norm_weight(h)
+    t["model.norm.weight"] = norm_weight(h)
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = normal(v, h)
+    return t

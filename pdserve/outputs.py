@@ -1,0 +1,30 @@
+"""What generation returns (the shapes of vLLM's RequestOutput / CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # all text generated so far
+    token_ids: list[int]  # all tokens generated so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""  # text new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)  # tokens new since the previous output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

