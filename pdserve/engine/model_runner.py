@@ -38,13 +38,20 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=device)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[int | None]:
-        """Runs the step; returns the sampled token of each request whose chunk reached its end."""
+    def forward(self, step: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
+        """Runs the step's tokens; returns the logits ([rows, vocab] float32) of the requests
+        whose chunk reached the end of their known tokens, and those requests' rows in the step."""
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(step)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not sample_rows:
+            return None, sample_rows
+        return self.model.compute_logits(hidden[logits_index]), sample_rows
+
+    def execute(self, step: SchedulerOutput) -> list[int | None]:
+        """Runs the step; returns the sampled token of each request whose chunk reached its end."""
+        logits, sample_rows = self.forward(step)
         sampled: list[int | None] = [None] * len(step.requests)
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_index])
+        if logits is not None:
             tokens = self.sampler(logits, [step.requests[i] for i in sample_rows])
             for row, token in zip(sample_rows, tokens):
                 sampled[row] = token

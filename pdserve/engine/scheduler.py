@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key; the last is preempted first
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,6 +134,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         # Ahead of later arrivals of its priority: it came first.
         bisect.insort(self.waiting, req, key=Request.sort_key)
 

@@ -45,25 +45,26 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     num_tokens, num_heads, head_dim = q.shape
-    gqa = num_heads != k.shape[1]
+    num_kv_heads = k.shape[1]
+    gqa = num_heads != num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decode_tokens
     if nd:
         ctx_k = k_cache[meta.decode_slots].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
         ctx_v = v_cache[meta.decode_slots].transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(
-            qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:nd] = o.squeeze(2)
+        # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
+        qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.view(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
-        qp = q[s : s + n].transpose(0, 1)  # [heads, n, head_dim]
-        ctx_k = k_cache[chunk.context_slots].transpose(0, 1)  # [kv_heads, ctx, head_dim]
-        ctx_v = v_cache[chunk.context_slots].transpose(0, 1)
+        # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math kernel.
+        qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+        ctx_k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+        ctx_v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qp, ctx_k, ctx_v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
             scale=scale, enable_gqa=gqa,
         )
-        out[s : s + n] = o.transpose(0, 1)
+        out[s : s + n] = o[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,115 @@
+"""The scheduler on its own: no model, tokens 'sampled' by the test, leaks checked after each case."""
+
+from pdserve.engine.request import RequestStatus
+from tests.factories import assert_no_leaks, make_request, make_scheduler, run_fake_step
+
+
+def drain(sched, limit=1000):
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return
+        run_fake_step(sched)
+    raise AssertionError("scheduler did not finish its requests")
+
+
+def test_continuous_batching_requests_join_and_leave():
+    sched = make_scheduler()
+    a = make_request(num_prompt_tokens=5, max_tokens=2)
+    sched.add(a)
+    run_fake_step(sched)
+    b = make_request(num_prompt_tokens=3, max_tokens=4)
+    sched.add(b)
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == [a.request_id, b.request_id]
+    assert out.num_new_tokens == [1, 3] and out.num_decodes == 1
+    sched.update(out, [5, 5])
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert len(a.output_token_ids) == 2
+    drain(sched)
+    assert b.status == RequestStatus.FINISHED_LENGTH and len(b.output_token_ids) == 4
+    assert_no_leaks(sched.blocks)
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    long = make_request(num_prompt_tokens=20, max_tokens=1)
+    short = make_request(num_prompt_tokens=3, max_tokens=3)
+    sched.add(long)
+    sched.add(short)
+    out = sched.schedule()
+    assert out.num_new_tokens == [8] and out.requests == [long]
+    sched.update(out, [None])
+    assert long.num_computed_tokens == 8 and long.output_token_ids == []
+    out = sched.schedule()
+    assert out.total_tokens <= 8
+    sched.update(out, [5 if r.num_computed_tokens + n == r.num_tokens else None
+                       for r, n in zip(out.requests, out.num_new_tokens)])
+    drain(sched)
+    assert long.output_token_ids == [5]
+    assert_no_leaks(sched.blocks)
+
+
+def test_priority_orders_admission():
+    sched = make_scheduler(max_num_seqs=1)
+    low = make_request(priority=5, max_tokens=1)
+    high = make_request(priority=-1, max_tokens=1)
+    sched.add(low)
+    sched.add(high)
+    out = sched.schedule()
+    assert out.requests == [high]
+    sched.update(out, [5])
+    drain(sched)
+    assert_no_leaks(sched.blocks)
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 6 blocks of 4 tokens; two requests of 8-token prompts that each grow to 16 tokens.
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    a = make_request(num_prompt_tokens=8, max_tokens=8)
+    b = make_request(num_prompt_tokens=8, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        preempted += out.preempted
+        sched.update(out, [5 if r.num_computed_tokens + n == r.num_tokens else None
+                           for r, n in zip(out.requests, out.num_new_tokens)])
+    assert preempted and preempted[0] is b  # the later arrival goes first
+    assert b.num_preemptions >= 1
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+    assert_no_leaks(sched.blocks)
+
+
+def test_abort_at_any_moment_frees_blocks():
+    for abort_after in range(0, 6):
+        sched = make_scheduler(max_num_batched_tokens=4)
+        reqs = [make_request(num_prompt_tokens=10, max_tokens=5) for _ in range(3)]
+        for r in reqs:
+            sched.add(r)
+        for _ in range(abort_after):
+            run_fake_step(sched)
+        victim = reqs[1]
+        if not victim.status.finished:
+            sched.finish(victim.request_id, RequestStatus.FINISHED_ABORTED)
+            assert victim.status == RequestStatus.FINISHED_ABORTED
+        sched.finish(victim.request_id, RequestStatus.FINISHED_ABORTED)  # idempotent
+        drain(sched)
+        assert_no_leaks(sched.blocks)
+
+
+def test_stop_token_ids_and_min_tokens():
+    sched = make_scheduler()
+    r = make_request(max_tokens=10, stop_token_ids=[5], min_tokens=2)
+    sched.add(r)
+    drain(sched)
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert len(r.output_token_ids) == 2 and r.stop_reason == 5
+    assert_no_leaks(sched.blocks)
+
+
+def test_status_order_puts_finished_last():
+    assert all(s.finished for s in RequestStatus if s > RequestStatus.RUNNING)
+    assert not any(s.finished for s in RequestStatus if s <= RequestStatus.RUNNING)

@@ -1,0 +1,92 @@
+"""Builders shared by the tests: requests, schedulers, tiny models, engines, leak checks."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler
+from pdserve.models.synthetic import write_model
+
+_ids = itertools.count()
+
+# One tiny checkpoint per architecture, each exercising that family's distinctive features.
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    # GQA, untied embeddings, Llama-3 rope scaling (short original length so it matters here)
+    "llama": dict(architecture="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    # MQA: a single KV head
+    "mistral": dict(architecture="mistral", num_key_value_heads=1),
+    # q/k/v biases, tied embeddings
+    "qwen2": dict(architecture="qwen2"),
+    # q/k RMSNorm, explicit head_dim (heads * head_dim != hidden)
+    "qwen3": dict(architecture="qwen3", head_dim=32),
+}
+
+
+def make_tiny_model(directory: Path, variant: str = "llama", seed: int = 0) -> Path:
+    spec = dict(TINY_VARIANTS[variant])
+    arch = spec.pop("architecture")
+    return write_model(directory, "tiny", arch, seed=seed, **spec)
+
+
+def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
+    args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=256)
+    args.update(engine_args)
+    return LLM(str(model_dir), **args)
+
+
+def make_request(
+    num_prompt_tokens: int = 8,
+    prompt: list[int] | None = None,
+    max_tokens: int = 4,
+    priority: int = 0,
+    request_id: str | None = None,
+    arrival_time: float | None = None,
+    **params: Any,
+) -> Request:
+    tokens = prompt if prompt is not None else [(i * 7 + 3) % 97 + 1 for i in range(num_prompt_tokens)]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    rid = request_id or f"r{next(_ids)}"
+    return Request(rid, tokens, sp, len(tokens) + max_tokens, priority,
+                   arrival_time=arrival_time if arrival_time is not None else float(next(_ids)))
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(blocks, max_num_batched_tokens, max_num_seqs)
+
+
+def run_fake_step(scheduler: Scheduler, token: int = 5) -> list[Request]:
+    """One step without a model: every request whose chunk ends its tokens 'samples' `token`."""
+    out = scheduler.schedule()
+    sampled = [
+        token if r.num_computed_tokens + n == r.num_tokens else None
+        for r, n in zip(out.requests, out.num_new_tokens)
+    ]
+    return scheduler.update(out, sampled)
+
+
+def assert_no_leaks(blocks: BlockManager) -> None:
+    assert blocks.num_free_blocks == blocks.num_blocks, (
+        f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks leaked"
+    )
+    assert all(b.ref_count == 0 for b in blocks.blocks)
+
+
+def assert_engine_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.scheduler.has_unfinished()
+    assert not engine.has_unfinished_requests()
+    assert_no_leaks(engine.block_manager)
