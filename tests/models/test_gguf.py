@@ -399,6 +399,7 @@ def test_sentencepiece_vocab_matches_transformers(tmp_path):
     ckpt = load_gguf(path)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     assert ckpt.tokenizer.config["add_bos_token"] is True
+    assert ckpt.tokenizer.backend.get_added_tokens_decoder() == hf_tok.backend_tokenizer.get_added_tokens_decoder()
     texts = ["the quick brown fox", " hello  world", "Hello World", "prefill<think>decode", "</s> x",
              "日本 😀", "serve\nmodel\tpiece", "", " ", "lazy dog 42"]
     for text in texts:
