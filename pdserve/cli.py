@@ -1,0 +1,147 @@
+"""The `pdserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about autumn.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or a preset: tiny, demo")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="cpu", help="cpu | cuda")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB, 2GiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+    from pdserve.models.registry import resolve_model
+
+    t0 = time.perf_counter()
+    llm = LLM(resolve_model(args.model), **engine_kwargs(args))
+    print(f"[pdserve] loaded {args.model or 'default model'} ({llm.engine.dtype}) in "
+          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    tok = llm.get_tokenizer()
+    engine = llm.engine
+    prompts = args.prompt or DEFAULT_PROMPTS
+    for i, text in enumerate(prompts):
+        if tok.chat_template and not args.raw:
+            prompt = {"prompt": text, "prompt_token_ids": tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)}
+        else:
+            prompt = text
+        engine.add_request(f"cli-{i}", prompt, params)
+    texts: dict[str, str] = {f"cli-{i}": "" for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id] += out.outputs[0].delta_text
+            num_tokens += len(out.outputs[0].delta_token_ids)
+            if len(prompts) == 1:
+                print(out.outputs[0].delta_text, end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    if len(prompts) == 1:
+        print()
+    else:
+        for i, text in enumerate(prompts):
+            print(f">>> {text}\n{texts[f'cli-{i}'].strip()}\n")
+    print(f"[pdserve] {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from pdserve.models.synthetic import write_model
+
+    out = write_model(args.out_dir, args.preset, args.architecture, seed=args.seed)
+    print(f"wrote {args.preset} ({args.architecture}) model to {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pdserve.models.loader import load_checkpoint
+    from pdserve.models.registry import resolve_model
+
+    load_checkpoint(resolve_model(args.model)).save(args.out_dir)
+    print(f"exported {args.model} to {args.out_dir}")
+    return 0
+
+
+def cmd_bench_engine(argv: list[str]) -> int:
+    from pdserve.bench.engine import main as bench_main
+
+    return bench_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from prompts (streams a single prompt)")
+    add_engine_args(gen)
+    gen.add_argument("prompt", nargs="*", help="prompts (default: a few example questions)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    mk = sub.add_parser("make-model", help="write a deterministic random-weight model (tests, demos)")
+    mk.add_argument("out_dir")
+    mk.add_argument("--preset", choices=["tiny", "demo"], default="tiny")
+    mk.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=cmd_make_model)
+
+    ex = sub.add_parser("export", help="write any loadable model (GGUF included) as a Hugging Face directory")
+    ex.add_argument("model")
+    ex.add_argument("out_dir")
+    ex.set_defaults(func=cmd_export)
+
+    sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench-engine":
+        return cmd_bench_engine(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
