@@ -7,9 +7,7 @@ builds from the same file (`from_pretrained(dir, gguf_file=...)`):
 1. tensor names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...;
 2. Llama's q/k rows: the script reorders each head's rotary halves into llama.cpp's interleaved
    pairs (Qwen2 is left alone);
-3. the tokenizer: rebuilt from the vocabulary, merges and token types, with the pre-tokenizer the
-   file's `tokenizer.ggml.pre` names. Where transformers does not know that name (SmolLM2's
-   "smollm") it falls back to GPT-2's split; we split as llama.cpp and the original model do.
+3. the tokenizer: rebuilt by `gguf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as _HFTokenizer
 
 from pdserve.models.checkpoint import Checkpoint
-from pdserve.tokenizer import Tokenizer
+from pdserve.models.gguf_tokenizer import build_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -49,30 +45,6 @@ _LAYER_TENSORS = {
 # llama.cpp's precomputed Llama 3 rope factors; folded back into `rope_scaling` instead.
 _ROPE_FREQS = "rope_freqs.weight"
 
-# tokenizer_config.json name -> `tokenizer.ggml.{key}_token_id`.
-_SPECIAL_TOKEN_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-# llama.cpp token types (`tokenizer.ggml.token_type`).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
-
-# How each `tokenizer.ggml.pre` splits text before byte-level BPE, as llama.cpp does it. Names not
-# listed (and "default", "gpt-2") use GPT-2's split, which `ByteLevel(use_regex=True)` applies itself.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"], _LLAMA3_SPLIT),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
-}
-# These isolate every digit first, then split the rest the GPT-2 way.
-_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_GPT2_SPLIT = {"default", "gpt-2", "gpt2"}
-
-
 def load_gguf(path: str | Path) -> Checkpoint:
     reader = GGUFReader(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
@@ -83,7 +55,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         )
     if meta.get(f"{arch}.expert_count", 0):
         raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
-    tokenizer = _build_tokenizer(meta)
+    tokenizer = build_gguf_tokenizer(meta)
     hf_config = _hf_config(meta, arch, {t.name: t for t in reader.tensors})
     tensors = _read_tensors(reader.tensors, arch, hf_config)
     generation_config = {
@@ -251,121 +223,3 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).copy()
 
 
-# ---- tokenizer ----
-
-
-def _build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    ids = {name: meta.get(f"tokenizer.ggml.{key}_token_id") for name, key in _SPECIAL_TOKEN_KEYS.items()}
-    special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
-    if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre", "default"))
-        add_bos_default = False
-    elif kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-        backend = _sentencepiece_bpe(tokens, scores, merges, special["unk_token"], add_prefix)
-        add_bos_default = True  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
-    else:
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2, llama")
-    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    _add_special_tokens(backend, tokens, types, {t for t in special.values() if t is not None})
-
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    bos, eos = special["bos_token"] if add_bos else None, special["eos_token"] if add_eos else None
-    backend.post_processor = _post_processor(backend, bos, eos)
-    config: dict[str, Any] = {
-        **special,
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    if template := meta.get("tokenizer.chat_template"):
-        config["chat_template"] = template
-    return Tokenizer(backend, config)
-
-
-def _add_special_tokens(backend: _HFTokenizer, tokens: list[str], types: list[int], named: set[str]) -> None:
-    # Control tokens (and the named ones: bos, eos, ...) match whole and are skipped on decode.
-    # Byte-level vocabularies respell a token with characters outside the byte alphabet, so its
-    # plain form is not in the vocabulary: llama.cpp mislabelled it, and no text can reach it.
-    vocab = backend.get_vocab()
-    special = [t for t, ty in zip(tokens, types) if (ty in (_CONTROL, _UNKNOWN) or t in named) and t in vocab]
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) 
-                                for t in dict.fromkeys(special)])
-    # User-defined tokens (like `<think>`) also match whole in llama.cpp, but are ordinary text.
-    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
-    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in dict.fromkeys(user)])
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str) -> _HFTokenizer:
-    # Byte-level vocabularies spell every byte as a printable character; a token written in plain
-    # text (llama.cpp does that for some added tokens) is respelled so the BPE model can find it.
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
-    backend = _HFTokenizer(models.BPE({t: i for i, t in enumerate(spelled)}, merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split
-    if pre in _SPLITS:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    elif pre in _DIGIT_SPLIT:
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        if pre not in _GPT2_SPLIT:
-            logger.warning("GGUF pre-tokenizer %r is unknown; splitting text the GPT-2 way", pre)
-        backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_bpe(
-    tokens: list[str], scores: list[float], merges: list[tuple[str, ...]], unk: str | None, add_prefix: bool
-) -> _HFTokenizer:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = merges or _merges_from_scores(tokens, scores, vocab)
-    backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    # A space goes in front of the text, and every space becomes "▁", as sentencepiece does.
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
-    return backend
-
-
-def _merges_from_scores(
-    tokens: list[str], scores: list[float], vocab: dict[str, int]
-) -> list[tuple[str, str]]:
-    # Sentencepiece ranks whole tokens by score, not merges. Every split of a token into two known
-    # pieces becomes a merge ranked by the token's score, ties broken as transformers does.
-    ranked: list[tuple[str, str, float]] = []
-    for tok, score in dict(zip(tokens, scores)).items():
-        pairs = [(tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab]
-        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
-        ranked += [(left, right, score) for left, right in pairs]
-    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in ranked]
-
-
-def _post_processor(backend: _HFTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
-    specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None]
-    single = (f"{bos}:0 " if bos else "") + "$A:0" + (f" {eos}:0" if eos else "")
-    pair = single + (f" {bos}:1" if bos else "") + " $B:1" + (f" {eos}:1" if eos else "")
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's byte alphabet: printable bytes stand for themselves, the rest move up past U+00FF.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    spelling = {b: chr(b) for b in printable}
-    for extra, b in enumerate(b for b in range(256) if b not in spelling):
-        spelling[b] = chr(256 + extra)
-    return spelling

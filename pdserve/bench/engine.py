@@ -1,0 +1,571 @@
+"""Engine benchmark: pdserve against this machine's limits, transformers and llama.cpp.
+
+Per dtype, on the demo model (~102M parameters, random weights; `--model` for another):
+1. machine: matmul GFLOP/s in the dtype and memory bandwidth, measured now (`pdserve.bench.machine`).
+2. prefill: one L-token prompt in one chunk, one token generated; tokens/s and MFU.
+3. decode: B requests of 64-token prompts; only steady decode is timed, from the moment every request
+   holds its first token to the end; tokens/s and MBU.
+4. offline: a seeded mixed-length workload, all submitted at once to our engine, in static
+   left-padded batches to transformers; output tokens/s.
+Then on the default model (SmolLM2-135M GGUF): batch-1 decode, ours vs llama-cpp-python.
+Every timed configuration runs once untimed first. Progress goes to stderr, one summary line per
+configuration to stdout, everything to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.machine import MachineLimits, measure
+from pdserve.config import resolve_dtype
+from pdserve.models.arch_config import ArchConfig
+
+DTYPES = ("float32", "bfloat16")
+FLOP_COUNT = (
+    "MFU = 2 * non-embedding parameters * prompt tokens / seconds / measured matmul peak (the Kaplan "
+    "et al. count: one multiply-add per weight per token; embedding lookup and the one-token lm_head "
+    "excluded). Causal attention adds 2 * layers * q_size * L**2 FLOP (QK^T and AV); "
+    "mfu_incl_attention_pct counts it too."
+)
+BYTE_COUNT = (
+    "MBU = bytes read per decode step / step time / measured read bandwidth, where a step reads every "
+    "weight once (all layers and lm_head; one embedding row is ignored) plus each request's K and V "
+    "for its whole context (mean context over the timed steps)."
+)
+
+
+@dataclass(slots=True, frozen=True)
+class Sizes:
+    prefill_lengths: tuple[int, ...] = (512, 2048)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    decode_prompt_len: int = 64
+    decode_steps: int = 32  # timed decode steps per repetition
+    offline_requests: int = 64
+    offline_prompt_range: tuple[int, int] = (16, 384)  # uniform, inclusive
+    offline_new_tokens: int = 48
+    hf_batch: int = 8  # transformers' static batch in the offline workload
+    reps: int = 3  # timed repetitions of prefill and decode; the best counts
+    default_decode_steps: int = 64
+    matmul_size: int = 2048
+    buffer_mib: int = 512
+
+
+FULL = Sizes()
+QUICK = Sizes(prefill_lengths=(512,), decode_batches=(1, 8, 64), decode_steps=12, offline_requests=16,
+              offline_new_tokens=16, reps=1, default_decode_steps=24)
+
+
+@dataclass(slots=True)
+class Workload:
+    """Every prompt of one run, drawn once from the seed; ours and transformers get the same ones.
+    Warm-ups get prompts of their own, so our prefix cache never turns a timed run into a hit."""
+
+    prefill: dict[int, list[list[int]]]  # length -> [warm-up, rep 1, ...]
+    decode: dict[int, list[list[list[int]]]]  # batch -> [warm-up batch, rep 1 batch, ...]
+    offline_warmup: list[list[int]]
+    offline: list[list[int]]
+
+
+def make_workload(sizes: Sizes, vocab_size: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    lo, hi = sizes.offline_prompt_range
+    return Workload(
+        prefill={n: [prompt(n) for _ in range(1 + sizes.reps)] for n in sizes.prefill_lengths},
+        decode={b: [[prompt(sizes.decode_prompt_len) for _ in range(b)] for _ in range(1 + sizes.reps)]
+                for b in sizes.decode_batches},
+        offline_warmup=[prompt(rng.randint(lo, hi)) for _ in range(min(8, sizes.offline_requests))],
+        offline=[prompt(rng.randint(lo, hi)) for _ in range(sizes.offline_requests)],
+    )
+
+
+# -- model arithmetic --------------------------------------------------------------------------
+
+
+def non_embedding_parameters(cfg: ArchConfig) -> int:
+    return cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+
+
+def prefill_flops(cfg: ArchConfig, tokens: int) -> tuple[float, float]:
+    """(matmul FLOP, causal attention FLOP) of one prompt."""
+    return 2.0 * non_embedding_parameters(cfg) * tokens, 2.0 * cfg.num_layers * cfg.q_size * tokens**2
+
+
+def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_context: float) -> float:
+    weights = non_embedding_parameters(cfg) + cfg.vocab_size * cfg.hidden_size  # + lm_head
+    kv = 2 * cfg.num_layers * cfg.kv_size * mean_context * batch
+    return (weights + kv) * element_size
+
+
+def _rate(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else float("inf")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return resolve_dtype(name, torch.device("cpu"))
+
+
+# -- our engine --------------------------------------------------------------------------------
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def ours_prefill(llm: LLM, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], _greedy(1))
+    return time.perf_counter() - start
+
+
+def ours_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, int]:
+    """(seconds, tokens) of `steps` engine steps once every request holds its first token."""
+    engine = llm.engine
+    # Room for the tokens early requests decode while later ones still prefill: none may finish
+    # inside the timed window, so every timed step runs the whole batch.
+    params = _greedy(steps + len(prompts) + 2)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in engine.step())
+    tokens = 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens += len(engine.step())  # one output per request that got a token
+    seconds = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()  # hands back the aborted requests; their blocks are already free
+    return seconds, tokens
+
+
+def ours_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(new_tokens))
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return seconds
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+class _PrefillClock:
+    """A logits processor that notes when generate() first calls it: right after the prefill."""
+
+    def __init__(self) -> None:
+        self.time: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.time is None:
+            self.time = time.perf_counter()
+        return scores
+
+
+def load_transformers(path: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generation-config chatter on every call
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_torch_dtype(dtype)).eval()
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """One static batch, left-padded, greedy: (total seconds, seconds after the prefill)."""
+    from transformers import LogitsProcessorList
+
+    pad = model.config.pad_token_id or 0
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    clock = _PrefillClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # min: no early stop on eos
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    end = time.perf_counter()
+    assert out.shape == (len(prompts), width + new_tokens)
+    return end - start, end - clock.time
+
+
+# -- one dtype on the demo model ---------------------------------------------------------------
+
+
+def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, limits: MachineLimits,
+                with_hf: bool) -> dict[str, Any]:
+    ours = _run_ours(model_path, dtype, sizes, workload)
+    theirs = _run_transformers(model_path, dtype, sizes, workload) if with_hf else None
+    cfg: ArchConfig = ours.pop("arch")
+    element_size = _torch_dtype(dtype).itemsize
+    result: dict[str, Any] = {"prefill": [], "decode": []}
+
+    for length in sizes.prefill_lengths:
+        matmul, attention = prefill_flops(cfg, length)
+        row: dict[str, Any] = {"prompt_tokens": length}
+        for name, runs in (("ours", ours), ("transformers", theirs)):
+            if runs is None:
+                continue
+            seconds = runs["prefill"][length]
+            flops = _rate(matmul, seconds) / 1e9
+            row[name] = {
+                "seconds": seconds,
+                "tokens_per_s": _rate(length, seconds),
+                "mfu_pct": 100 * flops / limits.matmul_gflops,
+                "mfu_incl_attention_pct": 100 * _rate(matmul + attention, seconds) / 1e9 / limits.matmul_gflops,
+            }
+        _compare(row, "tokens_per_s")
+        result["prefill"].append(row)
+        _say(_line(f"demo {dtype} prefill {length}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
+
+    for batch in sizes.decode_batches:
+        # The timed steps compute positions P .. P+steps-1 of requests already holding P+1 tokens.
+        mean_context = sizes.decode_prompt_len + 1 + (sizes.decode_steps - 1) / 2
+        step_bytes = decode_step_bytes(cfg, element_size, batch, mean_context)
+        row = {"batch": batch, "prompt_tokens": sizes.decode_prompt_len, "steps": sizes.decode_steps}
+        for name, runs in (("ours", ours), ("transformers", theirs)):
+            if runs is None:
+                continue
+            seconds, tokens = runs["decode"][batch]
+            steps_per_s = _rate(tokens / batch, seconds)
+            row[name] = {
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": _rate(tokens, seconds),
+                "ms_per_step": 1000 / steps_per_s,
+                "mbu_pct": 100 * step_bytes * steps_per_s / 1e9 / limits.read_gbs,
+            }
+        _compare(row, "tokens_per_s")
+        result["decode"].append(row)
+        _say(_line(f"demo {dtype} decode batch {batch}", row, "tokens_per_s", "tok/s", "mbu_pct", "MBU"))
+
+    output_tokens = sizes.offline_requests * sizes.offline_new_tokens
+    row = {
+        "requests": sizes.offline_requests,
+        "prompt_tokens": sum(map(len, workload.offline)),
+        "output_tokens": output_tokens,
+    }
+    for name, runs in (("ours", ours), ("transformers", theirs)):
+        if runs is not None:
+            row[name] = {"seconds": runs["offline"], "output_tokens_per_s": _rate(output_tokens, runs["offline"])}
+    if theirs is not None:
+        row["transformers"]["static_batch"] = sizes.hf_batch
+    _compare(row, "output_tokens_per_s")
+    result["offline"] = row
+    _say(_line(f"demo {dtype} offline {sizes.offline_requests} requests", row, "output_tokens_per_s",
+               "output tok/s"))
+
+    result["memory"] = ours["memory"]
+    result["memory"]["peak_rss_bytes"] = peak_rss_bytes()  # the process so far, transformers included
+    mem = result["memory"]
+    _say(f"demo {dtype} memory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB, weights "
+         f"{mem['weight_bytes'] / 2**20:.0f} MiB, KV cache {mem['kv_cache_bytes'] / 2**20:.0f} MiB "
+         f"({mem['kv_blocks']} blocks)")
+    return result
+
+
+def _run_ours(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) -> dict[str, Any]:
+    runs: dict[str, Any] = {"prefill": {}, "decode": {}}
+    # Prefill gets its own engine with a token budget of the longest prompt: one chunk per prompt.
+    longest = max(sizes.prefill_lengths)
+    llm = LLM(str(model_path), dtype=dtype, max_num_batched_tokens=longest, max_num_seqs=1,
+              kv_cache_memory="256MiB")
+    for length, prompts in workload.prefill.items():
+        _log(f"{dtype}: ours prefill {length}")
+        ours_prefill(llm, prompts[0])
+        runs["prefill"][length] = min(ours_prefill(llm, p) for p in prompts[1:])
+    del llm
+    gc.collect()
+
+    llm = LLM(str(model_path), dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=512, max_num_seqs=64)
+    for batch, batches in workload.decode.items():
+        _log(f"{dtype}: ours decode batch {batch}")
+        ours_decode(llm, batches[0], 2)
+        runs["decode"][batch] = min((ours_decode(llm, b, sizes.decode_steps) for b in batches[1:]),
+                                    key=lambda r: r[0] / r[1])
+    _log(f"{dtype}: ours offline, {len(workload.offline)} requests")
+    ours_offline(llm, workload.offline_warmup, 4)
+    runs["offline"] = ours_offline(llm, workload.offline, sizes.offline_new_tokens)
+
+    runner = llm.engine.runner
+    weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}  # tied weights once
+    runs["memory"] = {
+        "weight_bytes": sum(weights.values()),
+        "kv_cache_budget_bytes": llm.engine.config.kv_cache_memory,
+        "kv_cache_bytes": runner.kv_cache.nbytes,
+        "kv_blocks": llm.engine.block_manager.num_blocks,
+        "rss_with_engine_bytes": current_rss_bytes(),
+    }
+    runs["arch"] = llm.engine.model_config
+    del llm, runner
+    gc.collect()
+    return runs
+
+
+def _run_transformers(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) -> dict[str, Any]:
+    model = load_transformers(model_path, dtype)
+    runs: dict[str, Any] = {"prefill": {}, "decode": {}}
+    for length, prompts in workload.prefill.items():
+        _log(f"{dtype}: transformers prefill {length}")
+        hf_generate(model, [prompts[0]], 1)
+        runs["prefill"][length] = min(hf_generate(model, [p], 1)[0] for p in prompts[1:])
+    for batch, batches in workload.decode.items():
+        _log(f"{dtype}: transformers decode batch {batch}")
+        hf_generate(model, batches[0], 3)
+        best = min(hf_generate(model, b, 1 + sizes.decode_steps)[1] for b in batches[1:])
+        runs["decode"][batch] = (best, batch * sizes.decode_steps)
+    _log(f"{dtype}: transformers offline, static batches of {sizes.hf_batch}")
+    hf_generate(model, workload.offline_warmup[: sizes.hf_batch], 4)
+    prompts = workload.offline
+    runs["offline"] = sum(
+        hf_generate(model, prompts[i : i + sizes.hf_batch], sizes.offline_new_tokens)[0]
+        for i in range(0, len(prompts), sizes.hf_batch)
+    )
+    del model
+    gc.collect()
+    return runs
+
+
+def _compare(row: dict[str, Any], key: str) -> None:
+    if "transformers" in row:
+        row["ours_over_transformers"] = row["ours"][key] / row["transformers"][key]
+
+
+def _line(label: str, row: dict[str, Any], key: str, unit: str, pct: str | None = None, pct_name: str = "") -> str:
+    parts = [f"{label}: ours {row['ours'][key]:.1f} {unit}"]
+    if pct:
+        parts[0] += f" ({pct_name} {row['ours'][pct]:.0f}%)"
+    if "transformers" in row:
+        parts.append(f"transformers {row['transformers'][key]:.1f} {unit}")
+        parts.append(f"ours/transformers {row['ours_over_transformers']:.2f}x")
+    return " | ".join(parts)
+
+
+# -- the default model: ours vs llama.cpp ------------------------------------------------------
+
+
+def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: int) -> dict[str, Any]:
+    """Batch-1 decode of the default GGUF model at each dtype of `limits`, and through llama.cpp."""
+    from pdserve.models.default_model import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        _say(f"default model: skipped ({e})")
+        return {"skipped": str(e)}
+    steps = sizes.default_decode_steps
+    result: dict[str, Any] = {"path": str(path), "file_bytes": path.stat().st_size, "decode_steps": steps}
+    prompts: list[list[list[int]]] = []  # [warm-up, rep 1, ...], each a batch of one
+    for dtype in limits:
+        llm = LLM(str(path), dtype=dtype, kv_cache_memory="256MiB")
+        cfg = llm.engine.model_config
+        if not prompts:
+            sizes_1 = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
+            prompts = make_workload(sizes_1, cfg.vocab_size, seed).decode[1]
+        _log(f"default model {dtype}: ours decode batch 1")
+        ours_decode(llm, prompts[0], 2)
+        seconds, tokens = min((ours_decode(llm, b, steps) for b in prompts[1:]), key=lambda r: r[0] / r[1])
+        del llm
+        gc.collect()
+        mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
+        step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, 1, mean_context)
+        result[dtype] = {"ours": {
+            "seconds": seconds, "tokens": tokens, "tokens_per_s": _rate(tokens, seconds),
+            "mbu_pct": 100 * step_bytes * _rate(tokens, seconds) / 1e9 / limits[dtype].read_gbs,
+        }}
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        _say("default model: llama-cpp-python is not installed; no llama.cpp comparison")
+        result["llama_cpp"] = {"skipped": "llama-cpp-python is not installed"}
+    else:
+        _log("default model: llama.cpp decode batch 1")
+        result["llama_cpp"] = llamacpp_decode(path, prompts, steps)
+        bandwidth = max(m.read_gbs for m in limits.values())
+        # Bytes per token ~ the file: the quantized weights, read once per token.
+        result["llama_cpp"]["mbu_pct_approx"] = (
+            100 * path.stat().st_size * result["llama_cpp"]["tokens_per_s"] / 1e9 / bandwidth)
+    for dtype in limits:
+        row = result[dtype]
+        line = f"smollm2 {dtype} decode batch 1: ours {row['ours']['tokens_per_s']:.1f} tok/s (MBU {row['ours']['mbu_pct']:.0f}%)"
+        if "tokens_per_s" in result["llama_cpp"]:
+            row["ours_over_llama_cpp"] = row["ours"]["tokens_per_s"] / result["llama_cpp"]["tokens_per_s"]
+            line += (f" | llama.cpp (GGUF as is) {result['llama_cpp']['tokens_per_s']:.1f} tok/s"
+                     f" | ours/llama.cpp {row['ours_over_llama_cpp']:.2f}x")
+        _say(line)
+    return result
+
+
+def llamacpp_decode(path: Path, batches: list[list[list[int]]], steps: int) -> dict[str, Any]:
+    """Greedy batch-1 decode through llama-cpp-python: the time from its first token to its last."""
+    from llama_cpp import Llama
+
+    prompt_len = max(len(b[0]) for b in batches)
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(path), n_ctx=prompt_len + steps + 16, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+
+    def run(prompt: list[int], n: int) -> float:
+        stamps = []
+        gen = llm.generate(prompt, top_k=1, temp=0.0)  # generate never stops at eos; callers do
+        for token in gen:
+            stamps.append(time.perf_counter())
+            if len(stamps) == n + 1:
+                break
+        gen.close()
+        return stamps[-1] - stamps[0]
+
+    run(batches[0][0], 2)
+    seconds = min(run(b[0], steps) for b in batches[1:])
+    del llm
+    return {"seconds": seconds, "tokens": steps, "tokens_per_s": _rate(steps, seconds), "threads": threads}
+
+
+# -- process -----------------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _log(message: str) -> None:
+    print(f"[bench-engine {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def demo_model_path() -> Path:
+    from pdserve.models.default_model import default_cache_dir
+
+    return default_cache_dir().parent / "models" / "demo"
+
+
+def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_hf: bool = True,
+        with_default_model: bool = True) -> dict[str, Any]:
+    """Every section in turn; returns what the JSON holds."""
+    started = time.time()
+    torch.manual_seed(seed)
+    cfg = ArchConfig.from_hf_config(json.loads((model_path / "config.json").read_text()))
+    workload = make_workload(sizes, cfg.vocab_size, seed)
+    results: dict[str, Any] = {
+        "benchmark": "pdserve.bench.engine",
+        "seed": seed,
+        "sizes": asdict(sizes),
+        "environment": _environment(),
+        "flop_count": FLOP_COUNT,
+        "byte_count": BYTE_COUNT,
+        "model": {
+            "path": str(model_path),
+            "parameters": cfg.num_parameters(),
+            "non_embedding_parameters": non_embedding_parameters(cfg),
+            "arch": asdict(cfg),
+        },
+        "dtypes": {},
+    }
+    limits: dict[str, MachineLimits] = {}
+    for dtype in dtypes:
+        _log(f"{dtype}: measuring the machine")
+        limits[dtype] = m = measure(dtype, sizes.matmul_size, sizes.buffer_mib)
+        _say(f"machine {dtype}: matmul {m.matmul_gflops:.0f} GFLOP/s, read {m.read_gbs:.1f} GB/s, "
+             f"copy {m.copy_gbs:.1f} GB/s, {m.threads} threads")
+        results["dtypes"][dtype] = {"machine": asdict(m)}
+        results["dtypes"][dtype] |= bench_dtype(model_path, dtype, sizes, workload, m, with_hf)
+    if with_default_model:
+        results["default_model"] = bench_default_model(limits, sizes, seed)
+    results["peak_rss_bytes"] = peak_rss_bytes()
+    results["environment"]["load_average_end"] = os.getloadavg()
+    results["wall_seconds"] = time.time() - started
+    return results
+
+
+def _environment() -> dict[str, Any]:
+    load = os.getloadavg()
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        _log(f"load average {load[0]:.1f} on {os.cpu_count()} CPUs: something else is running; expect noise")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(),
+        "load_average_start": load,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a Hugging Face model directory (default: the demo model)")
+    parser.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: both")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, one repetition (< 3 minutes)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
+    parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare with transformers (default: on)")
+    parser.add_argument("--default-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="also bench the default GGUF model against llama.cpp (default: on)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model_path = args.model or demo_model_path()
+    if args.model is None and not (model_path / "config.json").is_file():
+        from pdserve.models.synthetic import write_model
+
+        _log(f"writing the demo model to {model_path}")
+        write_model(model_path, "demo")
+    if not (model_path / "config.json").is_file():
+        parser.error(f"{model_path} is not a Hugging Face model directory (no config.json)")
+    if args.transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            parser.error("transformers is not installed; install it or pass --no-transformers")
+
+    dtypes = list(dict.fromkeys(args.dtype or DTYPES))
+    results = run(model_path, dtypes, QUICK if args.quick else FULL, args.seed, args.transformers,
+                  args.default_model)
+    results["quick"] = args.quick
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _log(f"wrote {args.out} ({results['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
