@@ -62,6 +62,7 @@ class Sizes:
     default_decode_steps: int = 64
     matmul_size: int = 2048
     buffer_mib: int = 512
+    kv_cache_memory: str = "1GiB"  # our engine's KV pool for decode and offline
 
 
 FULL = Sizes()
@@ -184,6 +185,7 @@ def load_transformers(path: Path, dtype: str):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generation-config chatter on every call
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=_torch_dtype(dtype)).eval()
 
 
@@ -217,68 +219,22 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float
 def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, limits: MachineLimits,
                 with_hf: bool) -> dict[str, Any]:
     ours = _run_ours(model_path, dtype, sizes, workload)
-    theirs = _run_transformers(model_path, dtype, sizes, workload) if with_hf else None
+    runs = {"ours": ours}
+    if with_hf:
+        runs["transformers"] = _run_transformers(model_path, dtype, sizes, workload)
     cfg: ArchConfig = ours.pop("arch")
-    element_size = _torch_dtype(dtype).itemsize
-    result: dict[str, Any] = {"prefill": [], "decode": []}
-
-    for length in sizes.prefill_lengths:
-        matmul, attention = prefill_flops(cfg, length)
-        row: dict[str, Any] = {"prompt_tokens": length}
-        for name, runs in (("ours", ours), ("transformers", theirs)):
-            if runs is None:
-                continue
-            seconds = runs["prefill"][length]
-            flops = _rate(matmul, seconds) / 1e9
-            row[name] = {
-                "seconds": seconds,
-                "tokens_per_s": _rate(length, seconds),
-                "mfu_pct": 100 * flops / limits.matmul_gflops,
-                "mfu_incl_attention_pct": 100 * _rate(matmul + attention, seconds) / 1e9 / limits.matmul_gflops,
-            }
-        _compare(row, "tokens_per_s")
-        result["prefill"].append(row)
-        _say(_line(f"demo {dtype} prefill {length}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
-
-    for batch in sizes.decode_batches:
-        # The timed steps compute positions P .. P+steps-1 of requests already holding P+1 tokens.
-        mean_context = sizes.decode_prompt_len + 1 + (sizes.decode_steps - 1) / 2
-        step_bytes = decode_step_bytes(cfg, element_size, batch, mean_context)
-        row = {"batch": batch, "prompt_tokens": sizes.decode_prompt_len, "steps": sizes.decode_steps}
-        for name, runs in (("ours", ours), ("transformers", theirs)):
-            if runs is None:
-                continue
-            seconds, tokens = runs["decode"][batch]
-            steps_per_s = _rate(tokens / batch, seconds)
-            row[name] = {
-                "seconds": seconds,
-                "tokens": tokens,
-                "tokens_per_s": _rate(tokens, seconds),
-                "ms_per_step": 1000 / steps_per_s,
-                "mbu_pct": 100 * step_bytes * steps_per_s / 1e9 / limits.read_gbs,
-            }
-        _compare(row, "tokens_per_s")
-        result["decode"].append(row)
-        _say(_line(f"demo {dtype} decode batch {batch}", row, "tokens_per_s", "tok/s", "mbu_pct", "MBU"))
-
-    output_tokens = sizes.offline_requests * sizes.offline_new_tokens
-    row = {
-        "requests": sizes.offline_requests,
-        "prompt_tokens": sum(map(len, workload.offline)),
-        "output_tokens": output_tokens,
+    result: dict[str, Any] = {
+        "prefill": [_prefill_row(cfg, n, limits, runs) for n in sizes.prefill_lengths],
+        "decode": [_decode_row(cfg, dtype, b, sizes, limits, runs) for b in sizes.decode_batches],
+        "offline": _offline_row(sizes, workload, runs),
+        "memory": ours["memory"] | {"peak_rss_bytes": peak_rss_bytes()},  # so far, transformers included
     }
-    for name, runs in (("ours", ours), ("transformers", theirs)):
-        if runs is not None:
-            row[name] = {"seconds": runs["offline"], "output_tokens_per_s": _rate(output_tokens, runs["offline"])}
-    if theirs is not None:
-        row["transformers"]["static_batch"] = sizes.hf_batch
-    _compare(row, "output_tokens_per_s")
-    result["offline"] = row
-    _say(_line(f"demo {dtype} offline {sizes.offline_requests} requests", row, "output_tokens_per_s",
-               "output tok/s"))
-
-    result["memory"] = ours["memory"]
-    result["memory"]["peak_rss_bytes"] = peak_rss_bytes()  # the process so far, transformers included
+    for row in result["prefill"]:
+        _say(_line(f"demo {dtype} prefill {row['prompt_tokens']}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
+    for row in result["decode"]:
+        _say(_line(f"demo {dtype} decode batch {row['batch']}", row, "tokens_per_s", "tok/s", "mbu_pct", "MBU"))
+    _say(_line(f"demo {dtype} offline {sizes.offline_requests} requests", result["offline"],
+               "output_tokens_per_s", "output tok/s"))
     mem = result["memory"]
     _say(f"demo {dtype} memory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB, weights "
          f"{mem['weight_bytes'] / 2**20:.0f} MiB, KV cache {mem['kv_cache_bytes'] / 2**20:.0f} MiB "
@@ -286,12 +242,59 @@ def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, 
     return result
 
 
+def _prefill_row(cfg: ArchConfig, length: int, limits: MachineLimits, runs: dict[str, Any]) -> dict[str, Any]:
+    matmul, attention = prefill_flops(cfg, length)
+    row: dict[str, Any] = {"prompt_tokens": length}
+    for name, run in runs.items():
+        seconds = run["prefill"][length]
+        row[name] = {
+            "seconds": seconds,
+            "tokens_per_s": _rate(length, seconds),
+            "mfu_pct": 100 * _rate(matmul, seconds) / 1e9 / limits.matmul_gflops,
+            "mfu_incl_attention_pct": 100 * _rate(matmul + attention, seconds) / 1e9 / limits.matmul_gflops,
+        }
+    return _compare(row, "tokens_per_s")
+
+
+def _decode_row(cfg: ArchConfig, dtype: str, batch: int, sizes: Sizes, limits: MachineLimits,
+                runs: dict[str, Any]) -> dict[str, Any]:
+    # The timed steps compute positions P .. P+steps-1 of requests already holding P+1 tokens.
+    mean_context = sizes.decode_prompt_len + 1 + (sizes.decode_steps - 1) / 2
+    step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, batch, mean_context)
+    row: dict[str, Any] = {"batch": batch, "prompt_tokens": sizes.decode_prompt_len, "steps": sizes.decode_steps}
+    for name, run in runs.items():
+        seconds, tokens = run["decode"][batch]
+        steps_per_s = _rate(tokens / batch, seconds)
+        row[name] = {
+            "seconds": seconds,
+            "tokens": tokens,
+            "tokens_per_s": _rate(tokens, seconds),
+            "ms_per_step": 1000 / steps_per_s,
+            "mbu_pct": 100 * step_bytes * steps_per_s / 1e9 / limits.read_gbs,
+        }
+    return _compare(row, "tokens_per_s")
+
+
+def _offline_row(sizes: Sizes, workload: Workload, runs: dict[str, Any]) -> dict[str, Any]:
+    output_tokens = sizes.offline_requests * sizes.offline_new_tokens
+    row: dict[str, Any] = {
+        "requests": sizes.offline_requests,
+        "prompt_tokens": sum(map(len, workload.offline)),
+        "output_tokens": output_tokens,
+    }
+    for name, run in runs.items():
+        row[name] = {"seconds": run["offline"], "output_tokens_per_s": _rate(output_tokens, run["offline"])}
+    if "transformers" in row:
+        row["transformers"]["static_batch"] = sizes.hf_batch
+    return _compare(row, "output_tokens_per_s")
+
+
 def _run_ours(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) -> dict[str, Any]:
     runs: dict[str, Any] = {"prefill": {}, "decode": {}}
     # Prefill gets its own engine with a token budget of the longest prompt: one chunk per prompt.
     longest = max(sizes.prefill_lengths)
     llm = LLM(str(model_path), dtype=dtype, max_num_batched_tokens=longest, max_num_seqs=1,
-              kv_cache_memory="256MiB")
+              kv_cache_memory=sizes.kv_cache_memory)
     for length, prompts in workload.prefill.items():
         _log(f"{dtype}: ours prefill {length}")
         ours_prefill(llm, prompts[0])
@@ -299,7 +302,8 @@ def _run_ours(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) ->
     del llm
     gc.collect()
 
-    llm = LLM(str(model_path), dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=512, max_num_seqs=64)
+    llm = LLM(str(model_path), dtype=dtype, kv_cache_memory=sizes.kv_cache_memory, max_num_batched_tokens=512,
+              max_num_seqs=64)
     for batch, batches in workload.decode.items():
         _log(f"{dtype}: ours decode batch {batch}")
         ours_decode(llm, batches[0], 2)
@@ -348,9 +352,10 @@ def _run_transformers(model_path: Path, dtype: str, sizes: Sizes, workload: Work
     return runs
 
 
-def _compare(row: dict[str, Any], key: str) -> None:
+def _compare(row: dict[str, Any], key: str) -> dict[str, Any]:
     if "transformers" in row:
         row["ours_over_transformers"] = row["ours"][key] / row["transformers"][key]
+    return row
 
 
 def _line(label: str, row: dict[str, Any], key: str, unit: str, pct: str | None = None, pct_name: str = "") -> str:
