@@ -18,9 +18,7 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,7 +28,7 @@ from typing import Any
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.machine import MachineLimits, measure
+from pdserve.bench.machine import MachineLimits, current_rss_bytes, environment, measure, peak_rss_bytes
 from pdserve.config import resolve_dtype
 from pdserve.models.arch_config import ArchConfig
 
@@ -45,6 +43,10 @@ BYTE_COUNT = (
     "MBU = bytes read per decode step / step time / measured read bandwidth, where a step reads every "
     "weight once (all layers and lm_head; one embedding row is ignored) plus each request's K and V "
     "for its whole context (mean context over the timed steps)."
+)
+LLAMA_CPP_NOTE = (
+    "llama.cpp computes on the GGUF's quantized weights as they are (Q4_1: ~5 bits per weight); ours "
+    "dequantizes them to the dtype at load, so it reads ~3x (bfloat16) or ~6x (float32) the bytes per token."
 )
 
 
@@ -223,6 +225,7 @@ def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, 
     if with_hf:
         runs["transformers"] = _run_transformers(model_path, dtype, sizes, workload)
     cfg: ArchConfig = ours.pop("arch")
+    label = f"{model_path.name} {dtype}"
     result: dict[str, Any] = {
         "prefill": [_prefill_row(cfg, n, limits, runs) for n in sizes.prefill_lengths],
         "decode": [_decode_row(cfg, dtype, b, sizes, limits, runs) for b in sizes.decode_batches],
@@ -230,13 +233,13 @@ def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, 
         "memory": ours["memory"] | {"peak_rss_bytes": peak_rss_bytes()},  # so far, transformers included
     }
     for row in result["prefill"]:
-        _say(_line(f"demo {dtype} prefill {row['prompt_tokens']}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
+        _say(_line(f"{label} prefill {row['prompt_tokens']}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
     for row in result["decode"]:
-        _say(_line(f"demo {dtype} decode batch {row['batch']}", row, "tokens_per_s", "tok/s", "mbu_pct", "MBU"))
-    _say(_line(f"demo {dtype} offline {sizes.offline_requests} requests", result["offline"],
+        _say(_line(f"{label} decode batch {row['batch']}", row, "tokens_per_s", "tok/s", "mbu_pct", "MBU"))
+    _say(_line(f"{label} offline {sizes.offline_requests} requests", result["offline"],
                "output_tokens_per_s", "output tok/s"))
     mem = result["memory"]
-    _say(f"demo {dtype} memory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB, weights "
+    _say(f"{label} memory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB, weights "
          f"{mem['weight_bytes'] / 2**20:.0f} MiB, KV cache {mem['kv_cache_bytes'] / 2**20:.0f} MiB "
          f"({mem['kv_blocks']} blocks)")
     return result
@@ -402,13 +405,14 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
         }}
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
-        _say("default model: llama-cpp-python is not installed; no llama.cpp comparison")
-        result["llama_cpp"] = {"skipped": "llama-cpp-python is not installed"}
+    except (ImportError, OSError) as e:  # OSError: installed, but its shared library will not load
+        _say(f"default model: no llama.cpp comparison, llama-cpp-python does not import ({e})")
+        result["llama_cpp"] = {"skipped": f"llama-cpp-python does not import: {e}"}
     else:
         _log("default model: llama.cpp decode batch 1")
         result["llama_cpp"] = llamacpp_decode(path, prompts, steps)
         bandwidth = max(m.read_gbs for m in limits.values())
+        result["llama_cpp"]["note"] = LLAMA_CPP_NOTE
         # Bytes per token ~ the file: the quantized weights, read once per token.
         result["llama_cpp"]["mbu_pct_approx"] = (
             100 * path.stat().st_size * result["llama_cpp"]["tokens_per_s"] / 1e9 / bandwidth)
@@ -448,16 +452,7 @@ def llamacpp_decode(path: Path, batches: list[list[list[int]]], steps: int) -> d
     return {"seconds": seconds, "tokens": steps, "tokens_per_s": _rate(steps, seconds), "threads": threads}
 
 
-# -- process -----------------------------------------------------------------------------------
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+# -- the run ---------------------------------------------------------------------------------------
 
 
 def _log(message: str) -> None:
@@ -481,11 +476,14 @@ def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_h
     torch.manual_seed(seed)
     cfg = ArchConfig.from_hf_config(json.loads((model_path / "config.json").read_text()))
     workload = make_workload(sizes, cfg.vocab_size, seed)
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        _log(f"load average {load:.1f} on {os.cpu_count()} CPUs: something else is running; expect noise")
     results: dict[str, Any] = {
         "benchmark": "pdserve.bench.engine",
         "seed": seed,
         "sizes": asdict(sizes),
-        "environment": _environment(),
+        "environment": environment(),
         "flop_count": FLOP_COUNT,
         "byte_count": BYTE_COUNT,
         "model": {
@@ -510,29 +508,6 @@ def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_h
     results["environment"]["load_average_end"] = os.getloadavg()
     results["wall_seconds"] = time.time() - started
     return results
-
-
-def _environment() -> dict[str, Any]:
-    load = os.getloadavg()
-    if load[0] > 0.5 * (os.cpu_count() or 1):
-        _log(f"load average {load[0]:.1f} on {os.cpu_count()} CPUs: something else is running; expect noise")
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "cpu": _cpu_name(),
-        "load_average_start": load,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:

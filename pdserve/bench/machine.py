@@ -1,4 +1,5 @@
-"""This machine's limits, measured on the spot: matmul throughput and memory bandwidth.
+"""This machine's limits, measured on the spot (matmul throughput, memory bandwidth), and the facts
+a benchmark records beside them (CPU, load, this process's memory).
 
 Benchmarks divide by these for MFU and MBU. Measured rather than read from a datasheet, because
 what counts is what this process gets now: its thread count, a shared host, a busy neighbour.
@@ -7,8 +8,12 @@ Both are best-of-N, so they are the ceiling of a quiet moment, and a takes-a-few
 
 from __future__ import annotations
 
+import os
+import platform
+import resource
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,3 +75,32 @@ def _best_seconds(fn, reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(),
+        "load_average_start": os.getloadavg(),  # a busy neighbour shows here, and in every number
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()

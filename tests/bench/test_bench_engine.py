@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import pdserve.bench.engine as bench
 from pdserve.bench.machine import measure
@@ -19,6 +20,16 @@ TINY_SIZES = bench.Sizes(
     offline_requests=5, offline_prompt_range=(4, 24), offline_new_tokens=4, hf_batch=2, reps=1,
     default_decode_steps=3, matmul_size=64, buffer_mib=4, kv_cache_memory="8MiB",
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and lose a lot when another process holds
+    the second core (the threads wait on each other); one thread keeps the test fast either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -77,3 +77,15 @@ def test_greedy_chat_answers_match_transformers(llm, hf_model):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), q
     assert outs[0].outputs[0].text == "The capital of France is Paris."
     assert_engine_idle(llm)
+
+
+def test_export_writes_an_equivalent_hugging_face_directory(llm, tmp_path):
+    from pdserve.cli import main
+
+    assert main(["export", str(default_model_path()), str(tmp_path / "hf")]) == 0
+    exported = LLM(str(tmp_path / "hf"), dtype="float32", kv_cache_memory="64MiB")
+    ids = chat_ids(llm, QUESTIONS[0])
+    assert chat_ids(exported, QUESTIONS[0]) == ids
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert (exported.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+            == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids)

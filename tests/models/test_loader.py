@@ -25,10 +25,11 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_llama):
     assert greedy(make_llm(tmp_path / "sharded")) == greedy(make_llm(tiny_llama))
 
 
-def test_bfloat16_runs_close_to_float32(tiny_llama):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_close_to_float32(tiny_llama, dtype):
     llm32 = make_llm(tiny_llama)
-    llm16 = make_llm(tiny_llama, dtype="bfloat16")
-    assert llm16.engine.runner.kv_cache.dtype == torch.bfloat16
+    llm16 = make_llm(tiny_llama, dtype=str(dtype).removeprefix("torch."))
+    assert llm16.engine.runner.kv_cache.dtype == dtype
     a, b = greedy(llm32, 4), greedy(llm16, 4)
     assert a[0] == b[0]  # random weights: only the first token is stable across precisions
 
