@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -138,8 +138,8 @@ def ours_prefill(llm: LLM, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def ours_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, int]:
-    """(seconds, tokens) of `steps` engine steps once every request holds its first token."""
+def ours_decode(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    """Seconds of `steps` engine steps once every request holds its first token."""
     engine = llm.engine
     # Room for the tokens early requests decode while later ones still prefill: none may finish
     # inside the timed window, so every timed step runs the whole batch.
@@ -156,7 +156,9 @@ def ours_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, 
     for request_id in ids:
         engine.abort(request_id)
     engine.step()  # hands back the aborted requests; their blocks are already free
-    return seconds, tokens
+    if tokens != steps * len(prompts):  # then it timed preemption and recompute, not decode
+        raise RuntimeError(f"batch {len(prompts)} does not fit the KV cache; raise kv_cache_memory")
+    return seconds
 
 
 def ours_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -220,17 +222,13 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float
 
 def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, limits: MachineLimits,
                 with_hf: bool) -> dict[str, Any]:
-    ours = _run_ours(model_path, dtype, sizes, workload)
-    runs = {"ours": ours}
-    if with_hf:
-        runs["transformers"] = _run_transformers(model_path, dtype, sizes, workload)
-    cfg: ArchConfig = ours.pop("arch")
+    timings, cfg, memory = _time_configurations(model_path, dtype, sizes, workload, with_hf)
     label = f"{model_path.name} {dtype}"
     result: dict[str, Any] = {
-        "prefill": [_prefill_row(cfg, n, limits, runs) for n in sizes.prefill_lengths],
-        "decode": [_decode_row(cfg, dtype, b, sizes, limits, runs) for b in sizes.decode_batches],
-        "offline": _offline_row(sizes, workload, runs),
-        "memory": ours["memory"] | {"peak_rss_bytes": peak_rss_bytes()},  # so far, transformers included
+        "prefill": [_prefill_row(cfg, n, limits, timings["prefill"][n]) for n in sizes.prefill_lengths],
+        "decode": [_decode_row(cfg, dtype, b, sizes, limits, timings["decode"][b]) for b in sizes.decode_batches],
+        "offline": _offline_row(sizes, workload, timings["offline"]),
+        "memory": memory | {"peak_rss_bytes": peak_rss_bytes()},  # so far, transformers included
     }
     for row in result["prefill"]:
         _say(_line(f"{label} prefill {row['prompt_tokens']}", row, "tokens_per_s", "tok/s", "mfu_pct", "MFU"))
@@ -245,11 +243,10 @@ def bench_dtype(model_path: Path, dtype: str, sizes: Sizes, workload: Workload, 
     return result
 
 
-def _prefill_row(cfg: ArchConfig, length: int, limits: MachineLimits, runs: dict[str, Any]) -> dict[str, Any]:
+def _prefill_row(cfg: ArchConfig, length: int, limits: MachineLimits, timings: dict[str, float]) -> dict[str, Any]:
     matmul, attention = prefill_flops(cfg, length)
     row: dict[str, Any] = {"prompt_tokens": length}
-    for name, run in runs.items():
-        seconds = run["prefill"][length]
+    for name, seconds in timings.items():
         row[name] = {
             "seconds": seconds,
             "tokens_per_s": _rate(length, seconds),
@@ -260,14 +257,14 @@ def _prefill_row(cfg: ArchConfig, length: int, limits: MachineLimits, runs: dict
 
 
 def _decode_row(cfg: ArchConfig, dtype: str, batch: int, sizes: Sizes, limits: MachineLimits,
-                runs: dict[str, Any]) -> dict[str, Any]:
+                timings: dict[str, float]) -> dict[str, Any]:
     # The timed steps compute positions P .. P+steps-1 of requests already holding P+1 tokens.
     mean_context = sizes.decode_prompt_len + 1 + (sizes.decode_steps - 1) / 2
     step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, batch, mean_context)
     row: dict[str, Any] = {"batch": batch, "prompt_tokens": sizes.decode_prompt_len, "steps": sizes.decode_steps}
-    for name, run in runs.items():
-        seconds, tokens = run["decode"][batch]
-        steps_per_s = _rate(tokens / batch, seconds)
+    tokens = batch * sizes.decode_steps
+    for name, seconds in timings.items():
+        steps_per_s = _rate(sizes.decode_steps, seconds)
         row[name] = {
             "seconds": seconds,
             "tokens": tokens,
@@ -278,81 +275,79 @@ def _decode_row(cfg: ArchConfig, dtype: str, batch: int, sizes: Sizes, limits: M
     return _compare(row, "tokens_per_s")
 
 
-def _offline_row(sizes: Sizes, workload: Workload, runs: dict[str, Any]) -> dict[str, Any]:
+def _offline_row(sizes: Sizes, workload: Workload, timings: dict[str, float]) -> dict[str, Any]:
     output_tokens = sizes.offline_requests * sizes.offline_new_tokens
     row: dict[str, Any] = {
         "requests": sizes.offline_requests,
         "prompt_tokens": sum(map(len, workload.offline)),
         "output_tokens": output_tokens,
     }
-    for name, run in runs.items():
-        row[name] = {"seconds": run["offline"], "output_tokens_per_s": _rate(output_tokens, run["offline"])}
+    for name, seconds in timings.items():
+        row[name] = {"seconds": seconds, "output_tokens_per_s": _rate(output_tokens, seconds)}
     if "transformers" in row:
         row["transformers"]["static_batch"] = sizes.hf_batch
     return _compare(row, "output_tokens_per_s")
 
 
-def _run_ours(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) -> dict[str, Any]:
-    runs: dict[str, Any] = {"prefill": {}, "decode": {}}
+def _time_configurations(model_path: Path, dtype: str, sizes: Sizes, workload: Workload,
+                         with_hf: bool) -> tuple[dict[str, Any], ArchConfig, dict[str, int]]:
+    """Seconds of each configuration by contender ({"prefill": {512: {"ours": s, ...}}, ...}),
+    ours and transformers taking turns; and our model's config and memory use."""
+    hf = load_transformers(model_path, dtype) if with_hf else None
+
+    def both(label: str, inputs: list, ours: Callable[[Any], float], theirs: Callable[[Any], float]):
+        contenders = {"ours": ours} | ({"transformers": theirs} if hf is not None else {})
+        return _turn_about(f"{dtype}: {label}", inputs, contenders)
+
     # Prefill gets its own engine with a token budget of the longest prompt: one chunk per prompt.
-    longest = max(sizes.prefill_lengths)
-    llm = LLM(str(model_path), dtype=dtype, max_num_batched_tokens=longest, max_num_seqs=1,
-              kv_cache_memory=sizes.kv_cache_memory)
-    for length, prompts in workload.prefill.items():
-        _log(f"{dtype}: ours prefill {length}")
-        ours_prefill(llm, prompts[0])
-        runs["prefill"][length] = min(ours_prefill(llm, p) for p in prompts[1:])
+    llm = LLM(str(model_path), dtype=dtype, max_num_batched_tokens=max(sizes.prefill_lengths, default=1),
+              max_num_seqs=1, kv_cache_memory=sizes.kv_cache_memory)
+    timings: dict[str, Any] = {"prefill": {
+        n: both(f"prefill {n}", prompts, lambda p: ours_prefill(llm, p), lambda p: hf_generate(hf, [p], 1)[0])
+        for n, prompts in workload.prefill.items()
+    }}
     del llm
     gc.collect()
 
     llm = LLM(str(model_path), dtype=dtype, kv_cache_memory=sizes.kv_cache_memory, max_num_batched_tokens=512,
               max_num_seqs=64)
-    for batch, batches in workload.decode.items():
-        _log(f"{dtype}: ours decode batch {batch}")
-        ours_decode(llm, batches[0], 2)
-        runs["decode"][batch] = min((ours_decode(llm, b, sizes.decode_steps) for b in batches[1:]),
-                                    key=lambda r: r[0] / r[1])
-    _log(f"{dtype}: ours offline, {len(workload.offline)} requests")
-    ours_offline(llm, workload.offline_warmup, 4)
-    runs["offline"] = ours_offline(llm, workload.offline, sizes.offline_new_tokens)
-
+    steps, new_tokens, hf_batch = sizes.decode_steps, sizes.offline_new_tokens, sizes.hf_batch
+    timings["decode"] = {
+        b: both(f"decode batch {b}", batches, lambda x: ours_decode(llm, x, steps),
+                lambda x: hf_generate(hf, x, 1 + steps)[1])
+        for b, batches in workload.decode.items()
+    }
+    timings["offline"] = both(
+        f"offline, {len(workload.offline)} requests", [workload.offline_warmup, workload.offline],
+        lambda ps: ours_offline(llm, ps, new_tokens),
+        lambda ps: sum(hf_generate(hf, ps[i : i + hf_batch], new_tokens)[0] for i in range(0, len(ps), hf_batch)),
+    )
     runner = llm.engine.runner
     weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}  # tied weights once
-    runs["memory"] = {
+    memory = {
         "weight_bytes": sum(weights.values()),
         "kv_cache_budget_bytes": llm.engine.config.kv_cache_memory,
         "kv_cache_bytes": runner.kv_cache.nbytes,
         "kv_blocks": llm.engine.block_manager.num_blocks,
-        "rss_with_engine_bytes": current_rss_bytes(),
+        "rss_with_engines_bytes": current_rss_bytes(),  # ours, and transformers' copy when compared
     }
-    runs["arch"] = llm.engine.model_config
-    del llm, runner
+    cfg = llm.engine.model_config
+    del llm, runner, hf
     gc.collect()
-    return runs
+    return timings, cfg, memory
 
 
-def _run_transformers(model_path: Path, dtype: str, sizes: Sizes, workload: Workload) -> dict[str, Any]:
-    model = load_transformers(model_path, dtype)
-    runs: dict[str, Any] = {"prefill": {}, "decode": {}}
-    for length, prompts in workload.prefill.items():
-        _log(f"{dtype}: transformers prefill {length}")
-        hf_generate(model, [prompts[0]], 1)
-        runs["prefill"][length] = min(hf_generate(model, [p], 1)[0] for p in prompts[1:])
-    for batch, batches in workload.decode.items():
-        _log(f"{dtype}: transformers decode batch {batch}")
-        hf_generate(model, batches[0], 3)
-        best = min(hf_generate(model, b, 1 + sizes.decode_steps)[1] for b in batches[1:])
-        runs["decode"][batch] = (best, batch * sizes.decode_steps)
-    _log(f"{dtype}: transformers offline, static batches of {sizes.hf_batch}")
-    hf_generate(model, workload.offline_warmup[: sizes.hf_batch], 4)
-    prompts = workload.offline
-    runs["offline"] = sum(
-        hf_generate(model, prompts[i : i + sizes.hf_batch], sizes.offline_new_tokens)[0]
-        for i in range(0, len(prompts), sizes.hf_batch)
-    )
-    del model
-    gc.collect()
-    return runs
+def _turn_about(label: str, inputs: list, contenders: dict[str, Callable[[Any], float]]) -> dict[str, float]:
+    """Warms each contender up on inputs[0], then times them in turn on every later input; the best
+    of each. Taking turns, a neighbour's burst of load hits both sides alike, not one whole side."""
+    _log(label)
+    for run_once in contenders.values():
+        run_once(inputs[0])
+    best = dict.fromkeys(contenders, float("inf"))
+    for x in inputs[1:]:
+        for name, run_once in contenders.items():
+            best[name] = min(best[name], run_once(x))
+    return best
 
 
 def _compare(row: dict[str, Any], key: str) -> dict[str, Any]:
@@ -375,7 +370,7 @@ def _line(label: str, row: dict[str, Any], key: str, unit: str, pct: str | None 
 
 
 def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: int) -> dict[str, Any]:
-    """Batch-1 decode of the default GGUF model at each dtype of `limits`, and through llama.cpp."""
+    """Batch-1 decode of the default GGUF model: ours at each dtype of `limits`, and llama.cpp."""
     from pdserve.models.default_model import default_model_path
 
     try:
@@ -384,72 +379,69 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
         _say(f"default model: skipped ({e})")
         return {"skipped": str(e)}
     steps = sizes.default_decode_steps
+    engines = {dtype: LLM(str(path), dtype=dtype, kv_cache_memory="256MiB") for dtype in limits}
+    cfg = next(iter(engines.values())).engine.model_config
+    one = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
+    prompts = make_workload(one, cfg.vocab_size, seed).decode[1]  # [warm-up, rep 1, ...], batches of one
+    contenders = {dtype: (lambda b, llm=llm: ours_decode(llm, b, steps)) for dtype, llm in engines.items()}
     result: dict[str, Any] = {"path": str(path), "file_bytes": path.stat().st_size, "decode_steps": steps}
-    prompts: list[list[list[int]]] = []  # [warm-up, rep 1, ...], each a batch of one
-    for dtype in limits:
-        llm = LLM(str(path), dtype=dtype, kv_cache_memory="256MiB")
-        cfg = llm.engine.model_config
-        if not prompts:
-            sizes_1 = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
-            prompts = make_workload(sizes_1, cfg.vocab_size, seed).decode[1]
-        _log(f"default model {dtype}: ours decode batch 1")
-        ours_decode(llm, prompts[0], 2)
-        seconds, tokens = min((ours_decode(llm, b, steps) for b in prompts[1:]), key=lambda r: r[0] / r[1])
-        del llm
-        gc.collect()
-        mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
-        step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, 1, mean_context)
-        result[dtype] = {"ours": {
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": _rate(tokens, seconds),
-            "mbu_pct": 100 * step_bytes * _rate(tokens, seconds) / 1e9 / limits[dtype].read_gbs,
-        }}
     try:
         import llama_cpp  # noqa: F401
     except (ImportError, OSError) as e:  # OSError: installed, but its shared library will not load
         _say(f"default model: no llama.cpp comparison, llama-cpp-python does not import ({e})")
         result["llama_cpp"] = {"skipped": f"llama-cpp-python does not import: {e}"}
     else:
-        _log("default model: llama.cpp decode batch 1")
-        result["llama_cpp"] = llamacpp_decode(path, prompts, steps)
+        contenders["llama_cpp"] = llamacpp_decoder(path, sizes.decode_prompt_len + steps + 16, steps)
+    seconds = _turn_about("default model: decode batch 1", prompts, contenders)
+    del engines, contenders
+    gc.collect()
+
+    mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
+    for dtype, m in limits.items():
+        step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, 1, mean_context)
+        tokens_per_s = _rate(steps, seconds[dtype])
+        result[dtype] = {"ours": {"seconds": seconds[dtype], "tokens": steps, "tokens_per_s": tokens_per_s,
+                                  "mbu_pct": 100 * step_bytes * tokens_per_s / 1e9 / m.read_gbs}}
+    if "llama_cpp" in seconds:
+        tokens_per_s = _rate(steps, seconds["llama_cpp"])
         bandwidth = max(m.read_gbs for m in limits.values())
-        result["llama_cpp"]["note"] = LLAMA_CPP_NOTE
-        # Bytes per token ~ the file: the quantized weights, read once per token.
-        result["llama_cpp"]["mbu_pct_approx"] = (
-            100 * path.stat().st_size * result["llama_cpp"]["tokens_per_s"] / 1e9 / bandwidth)
+        result["llama_cpp"] = {
+            "seconds": seconds["llama_cpp"], "tokens": steps, "tokens_per_s": tokens_per_s,
+            "threads": torch.get_num_threads(),
+            # Bytes per token ~ the file: its quantized weights, each read once per token.
+            "mbu_pct_approx": 100 * path.stat().st_size * tokens_per_s / 1e9 / bandwidth,
+            "note": LLAMA_CPP_NOTE,
+        }
     for dtype in limits:
-        row = result[dtype]
-        line = f"smollm2 {dtype} decode batch 1: ours {row['ours']['tokens_per_s']:.1f} tok/s (MBU {row['ours']['mbu_pct']:.0f}%)"
-        if "tokens_per_s" in result["llama_cpp"]:
-            row["ours_over_llama_cpp"] = row["ours"]["tokens_per_s"] / result["llama_cpp"]["tokens_per_s"]
-            line += (f" | llama.cpp (GGUF as is) {result['llama_cpp']['tokens_per_s']:.1f} tok/s"
-                     f" | ours/llama.cpp {row['ours_over_llama_cpp']:.2f}x")
+        ours = result[dtype]["ours"]
+        line = f"smollm2 {dtype} decode batch 1: ours {ours['tokens_per_s']:.1f} tok/s (MBU {ours['mbu_pct']:.0f}%)"
+        if "llama_cpp" in seconds:
+            theirs = result["llama_cpp"]["tokens_per_s"]
+            ratio = result[dtype]["ours_over_llama_cpp"] = ours["tokens_per_s"] / theirs
+            line += f" | llama.cpp (GGUF as is) {theirs:.1f} tok/s | ours/llama.cpp {ratio:.2f}x"
         _say(line)
     return result
 
 
-def llamacpp_decode(path: Path, batches: list[list[list[int]]], steps: int) -> dict[str, Any]:
-    """Greedy batch-1 decode through llama-cpp-python: the time from its first token to its last."""
+def llamacpp_decoder(path: Path, n_ctx: int, steps: int) -> Callable[[list[list[int]]], float]:
+    """Greedy decode through llama-cpp-python of a batch of one: seconds from its first token to the
+    `steps`-th after it, as for our engine."""
     from llama_cpp import Llama
 
-    prompt_len = max(len(b[0]) for b in batches)
     threads = torch.get_num_threads()
-    llm = Llama(model_path=str(path), n_ctx=prompt_len + steps + 16, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
 
-    def run(prompt: list[int], n: int) -> float:
+    def decode(batch: list[list[int]]) -> float:
         stamps = []
-        gen = llm.generate(prompt, top_k=1, temp=0.0)  # generate never stops at eos; callers do
-        for token in gen:
+        gen = llm.generate(batch[0], top_k=1, temp=0.0)  # generate never stops at eos; its callers do
+        for _ in gen:
             stamps.append(time.perf_counter())
-            if len(stamps) == n + 1:
+            if len(stamps) == steps + 1:
                 break
         gen.close()
         return stamps[-1] - stamps[0]
 
-    run(batches[0][0], 2)
-    seconds = min(run(b[0], steps) for b in batches[1:])
-    del llm
-    return {"seconds": seconds, "tokens": steps, "tokens_per_s": _rate(steps, seconds), "threads": threads}
+    return decode
 
 
 # -- the run ---------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        # [layers, K/V, slots, kv_heads, head_dim]; one slot per token position of a block
+        # [layers, slots, K/V, kv_heads, head_dim]; one slot per token position of a block
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim,
             dtype=dtype, device=device,
         )
         self.sampler = Sampler(seed)

@@ -1,7 +1,8 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is a flat slot array `[num_blocks * block_size, kv_heads, head_dim]` (one
-for K, one for V); a token at position p of a request lives in slot
+The cache of one layer is a flat slot array `[num_blocks * block_size, 2, kv_heads, head_dim]`, a
+token's K and V side by side (one write and one read per layer; a block's KV for a layer is one
+contiguous range, which is what a transfer ships); a token at position p of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`. New K/V are scattered into their
 slots, then each query reads its whole context back through those slots. Requests computing one
 token (decodes) share one batched call; multi-token chunks (prefills) are computed one by one.
@@ -35,23 +36,21 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
-    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,  # [tokens, 2, kv_heads, head_dim] the new tokens' K and V
+    kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [tokens, heads * head_dim]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    kv_cache.index_copy_(0, meta.slot_mapping, kv)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = kv.shape[2]
     gqa = num_heads != num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decode_tokens
     if nd:
-        ctx_k = k_cache[meta.decode_slots].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
-        ctx_v = v_cache[meta.decode_slots].transpose(1, 2)
+        ctx = kv_cache[meta.decode_slots]  # [decodes, max_ctx, 2, kv_heads, head_dim]
+        ctx_k = ctx[:, :, 0].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
+        ctx_v = ctx[:, :, 1].transpose(1, 2)
         # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
@@ -60,8 +59,9 @@ def paged_attention(
         s, n = chunk.query_start, chunk.query_len
         # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math kernel.
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        ctx_k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
-        ctx_v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+        ctx = kv_cache[chunk.context_slots]  # [ctx, 2, kv_heads, head_dim]
+        ctx_k = ctx[:, 0].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+        ctx_v = ctx[:, 1].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qp, ctx_k, ctx_v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
             scale=scale, enable_gqa=gqa,

@@ -47,13 +47,11 @@ class RotaryEmbedding(nn.Module):
         self.cos = self.cos.to(dtype)
         self.sin = self.sin.to(dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, heads, head_dim] (q and k heads may come stacked: one pass for both)
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -37,18 +37,23 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,  # [tokens, hidden]
         positions: torch.Tensor,  # [tokens]
         rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor,  # [2, slots, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, 1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side: one rotary pass for both
+            qk = rotary(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+        else:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            qk = rotary(positions, torch.cat([q, k], dim=1))
+        q = qk[:, : self.num_heads]  # [tokens, heads, head_dim]
+        kv = torch.cat([qk[:, self.num_heads :].unsqueeze(1), v], dim=1)  # [tokens, 2, kv_heads, head_dim]
+        o = paged_attention(q, kv, kv_cache, meta, self.scale)
         return F.linear(o, self.o_proj)
 
 
@@ -91,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [tokens]
         positions: torch.Tensor,  # [tokens]
-        kv_caches: torch.Tensor,  # [layers, 2, slots, kv_heads, head_dim]
+        kv_caches: torch.Tensor,  # [layers, slots, 2, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, hidden]
         x = F.embedding(input_ids, self.embed_tokens)
