@@ -17,17 +17,19 @@ from pdserve.models.synthetic import write_model
 
 TINY_SIZES = bench.Sizes(
     prefill_lengths=(16, 40), decode_batches=(1, 3), decode_prompt_len=8, decode_steps=3,
-    offline_requests=5, offline_prompt_range=(4, 24), offline_new_tokens=4, hf_batch=2, reps=1,
+    offline_requests=5, offline_prompt_range=(4, 24), offline_new_tokens=4, hf_batch=2, reps=1, offline_reps=2,
     default_decode_steps=3, matmul_size=64, buffer_mib=4, kv_cache_memory="8MiB",
 )
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(request: pytest.FixtureRequest):
     """Tiny matmuls gain nothing from a second thread, and lose a lot when another process holds
-    the second core (the threads wait on each other); one thread keeps the test fast either way."""
+    the second core (the threads wait on each other); one thread keeps the test fast either way.
+    The slow test runs the real benchmark, with the threads it would have."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if request.node.get_closest_marker("slow") is None:
+        torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
