@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.attention import AttentionMetadata, paged_attention
+from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.arch_config import ArchConfig
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         v = qkv[:, self.q_size + self.kv_size :].view(t, 1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side: one rotary pass for both
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [tokens, heads, head_dim]
         kv = torch.cat([qk[:, self.num_heads :].unsqueeze(1), v], dim=1)  # [tokens, 2, kv_heads, head_dim]
         o = paged_attention(q, kv, kv_cache, meta, self.scale)
-        return F.linear(o, self.o_proj)
+        return linear(o, self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -65,8 +66,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = _weight(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,4 +106,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
