@@ -18,18 +18,20 @@ import argparse
 import gc
 import json
 import os
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.bench.machine import MachineLimits, current_rss_bytes, environment, measure, peak_rss_bytes
-from pdserve.config import resolve_dtype
+from pdserve.bench.runners import (
+    hf_generate, llamacpp_decoder, load_transformers, ours_decode, ours_offline, ours_prefill, torch_dtype,
+)
+from pdserve.bench.workload import FULL, QUICK, Sizes, Workload, make_workload
 from pdserve.models.arch_config import ArchConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -48,59 +50,6 @@ LLAMA_CPP_NOTE = (
     "llama.cpp computes on the GGUF's quantized weights as they are (Q4_1: ~5 bits per weight); ours "
     "dequantizes them to the dtype at load, so it reads ~3x (bfloat16) or ~6x (float32) the bytes per token."
 )
-
-
-@dataclass(slots=True, frozen=True)
-class Sizes:
-    prefill_lengths: tuple[int, ...] = (512, 2048)
-    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
-    decode_prompt_len: int = 64
-    decode_steps: int = 32  # timed decode steps per repetition
-    offline_requests: int = 64
-    offline_prompt_range: tuple[int, int] = (16, 384)  # uniform, inclusive
-    offline_new_tokens: int = 48
-    hf_batch: int = 8  # transformers' static batch in the offline workload
-    reps: int = 3  # timed repetitions of prefill and decode; the best counts
-    offline_reps: int = 2  # the same, for the (long) offline workload
-    default_decode_steps: int = 64
-    matmul_size: int = 2048
-    buffer_mib: int = 512
-    kv_cache_memory: str = "1GiB"  # our engine's KV pool for decode and offline
-
-
-FULL = Sizes()
-QUICK = Sizes(prefill_lengths=(512,), decode_batches=(1, 8, 64), decode_steps=12, offline_requests=16,
-              offline_new_tokens=16, reps=1, offline_reps=1, default_decode_steps=24)
-
-
-@dataclass(slots=True)
-class Workload:
-    """Every prompt of one run, drawn once from the seed; ours and transformers get the same ones.
-    Warm-ups get prompts of their own, so our prefix cache never turns a timed run into a hit."""
-
-    prefill: dict[int, list[list[int]]]  # length -> [warm-up, rep 1, ...]
-    decode: dict[int, list[list[list[int]]]]  # batch -> [warm-up batch, rep 1 batch, ...]
-    offline_warmup: list[list[int]]
-    offline: list[list[list[int]]]  # one set of prompts per repetition
-
-
-def make_workload(sizes: Sizes, vocab_size: int, seed: int) -> Workload:
-    rng = random.Random(seed)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(vocab_size) for _ in range(n)]
-
-    lo, hi = sizes.offline_prompt_range
-    offline = [prompt(rng.randint(lo, hi)) for _ in range(sizes.offline_requests)]
-    return Workload(
-        prefill={n: [prompt(n) for _ in range(1 + sizes.reps)] for n in sizes.prefill_lengths},
-        decode={b: [[prompt(sizes.decode_prompt_len) for _ in range(b)] for _ in range(1 + sizes.reps)]
-                for b in sizes.decode_batches},
-        offline_warmup=[prompt(rng.randint(lo, hi)) for _ in range(min(8, sizes.offline_requests))],
-        # Each repetition changes only the first token of every prompt: the same work, but block
-        # hashes are chained, so no repetition finds the blocks of the one before in our prefix cache.
-        offline=[[[(p[0] + r) % vocab_size, *p[1:]] for p in offline] for r in range(sizes.offline_reps)],
-    )
 
 
 # -- model arithmetic --------------------------------------------------------------------------
@@ -123,103 +72,6 @@ def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_conte
 
 def _rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("inf")
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return resolve_dtype(name, torch.device("cpu"))
-
-
-# -- our engine --------------------------------------------------------------------------------
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def ours_prefill(llm: LLM, prompt: list[int]) -> float:
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], _greedy(1))
-    return time.perf_counter() - start
-
-
-def ours_decode(llm: LLM, prompts: list[list[int]], steps: int) -> float:
-    """Seconds of `steps` engine steps once every request holds its first token."""
-    engine = llm.engine
-    # Room for the tokens early requests decode while later ones still prefill: none may finish
-    # inside the timed window, so every timed step runs the whole batch.
-    params = _greedy(steps + len(prompts) + 2)
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
-    started: set[str] = set()
-    while len(started) < len(ids):
-        started.update(out.request_id for out in engine.step())
-    tokens = 0
-    start = time.perf_counter()
-    for _ in range(steps):
-        tokens += len(engine.step())  # one output per request that got a token
-    seconds = time.perf_counter() - start
-    for request_id in ids:
-        engine.abort(request_id)
-    engine.step()  # hands back the aborted requests; their blocks are already free
-    if tokens != steps * len(prompts):  # then it timed preemption and recompute, not decode
-        raise RuntimeError(f"batch {len(prompts)} does not fit the KV cache; raise kv_cache_memory")
-    return seconds
-
-
-def ours_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(new_tokens))
-    seconds = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-    assert all(o.num_cached_tokens == 0 for o in outs), "a prefix-cache hit: less work than transformers does"
-    return seconds
-
-
-# -- transformers ------------------------------------------------------------------------------
-
-
-class _PrefillClock:
-    """A logits processor that notes when generate() first calls it: right after the prefill."""
-
-    def __init__(self) -> None:
-        self.time: float | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.time is None:
-            self.time = time.perf_counter()
-        return scores
-
-
-def load_transformers(path: Path, dtype: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # generation-config chatter on every call
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_torch_dtype(dtype)).eval()
-
-
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """One static batch, left-padded, greedy: (total seconds, seconds after the prefill)."""
-    from transformers import LogitsProcessorList
-
-    pad = model.config.pad_token_id or 0
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    clock = _PrefillClock()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # min: no early stop on eos
-            logits_processor=LogitsProcessorList([clock]),
-        )
-    end = time.perf_counter()
-    assert out.shape == (len(prompts), width + new_tokens)
-    return end - start, end - clock.time
 
 
 # -- one dtype on the demo model ---------------------------------------------------------------
@@ -265,7 +117,7 @@ def _decode_row(cfg: ArchConfig, dtype: str, batch: int, sizes: Sizes, limits: M
                 timings: dict[str, float]) -> dict[str, Any]:
     # The timed steps compute positions P .. P+steps-1 of requests already holding P+1 tokens.
     mean_context = sizes.decode_prompt_len + 1 + (sizes.decode_steps - 1) / 2
-    step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, batch, mean_context)
+    step_bytes = decode_step_bytes(cfg, torch_dtype(dtype).itemsize, batch, mean_context)
     row: dict[str, Any] = {"batch": batch, "prompt_tokens": sizes.decode_prompt_len, "steps": sizes.decode_steps}
     tokens = batch * sizes.decode_steps
     for name, seconds in timings.items():
@@ -403,7 +255,7 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
 
     mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
     for dtype, m in limits.items():
-        step_bytes = decode_step_bytes(cfg, _torch_dtype(dtype).itemsize, 1, mean_context)
+        step_bytes = decode_step_bytes(cfg, torch_dtype(dtype).itemsize, 1, mean_context)
         tokens_per_s = _rate(steps, seconds[dtype])
         result[dtype] = {"ours": {"seconds": seconds[dtype], "tokens": steps, "tokens_per_s": tokens_per_s,
                                   "mbu_pct": 100 * step_bytes * tokens_per_s / 1e9 / m.read_gbs}}
@@ -426,27 +278,6 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
             line += f" | llama.cpp (GGUF as is) {theirs:.1f} tok/s | ours/llama.cpp {ratio:.2f}x"
         _say(line)
     return result
-
-
-def llamacpp_decoder(path: Path, n_ctx: int, steps: int) -> Callable[[list[list[int]]], float]:
-    """Greedy decode through llama-cpp-python of a batch of one: seconds from its first token to the
-    `steps`-th after it, as for our engine."""
-    from llama_cpp import Llama
-
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def decode(batch: list[list[int]]) -> float:
-        stamps = []
-        gen = llm.generate(batch[0], top_k=1, temp=0.0)  # generate never stops at eos; its callers do
-        for _ in gen:
-            stamps.append(time.perf_counter())
-            if len(stamps) == steps + 1:
-                break
-        gen.close()
-        return stamps[-1] - stamps[0]
-
-    return decode
 
 
 # -- the run ---------------------------------------------------------------------------------------
