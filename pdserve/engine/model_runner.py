@@ -35,7 +35,6 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         self.sampler = Sampler(seed)
-        self._block_offsets = torch.arange(block_size, device=device)
 
     @torch.inference_mode()
     def forward(self, step: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
@@ -76,6 +75,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
+            block_size=bs,
             num_decode_tokens=step.num_decodes,
         )
         if step.num_decodes:
@@ -96,18 +96,14 @@ class ModelRunner:
             torch.tensor(last_token_index, device=dev),
         )
 
-    def _context_slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
-        # tables: [rows, blocks] -> [rows, length] slots of positions 0..length-1
-        slots = tables.unsqueeze(-1) * self.block_size + self._block_offsets
-        return slots.flatten(1)[:, :length]
-
     def _decode_metadata(self, step: SchedulerOutput, meta: AttentionMetadata) -> None:
         nd = step.num_decodes
         context_lens = [r.num_computed_tokens + 1 for r in step.requests[:nd]]
         max_len = max(context_lens)
         max_blocks = -(-max_len // self.block_size)
         tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
-        meta.decode_slots = self._context_slots(torch.tensor(tables, device=self.device), max_len)
+        meta.decode_blocks = torch.tensor(tables, device=self.device)
+        meta.decode_context_len = max_len
         if min(context_lens) != max_len:
             lens = torch.tensor(context_lens, device=self.device)
             valid = torch.arange(max_len, device=self.device) < lens.unsqueeze(1)
@@ -116,10 +112,9 @@ class ModelRunner:
     def _prefill_chunk(self, query_start: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         context_len = start + n
         num_blocks = -(-context_len // self.block_size)
-        blocks = torch.tensor(table[:num_blocks], device=self.device).unsqueeze(0)
-        context_slots = self._context_slots(blocks, context_len)[0]
+        blocks = torch.tensor(table[:num_blocks], device=self.device)
         mask = None
         if start:  # query i (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=self.device).unsqueeze(1)
             mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= q_pos
-        return PrefillChunk(query_start, n, context_len, context_slots, mask)
+        return PrefillChunk(query_start, n, context_len, blocks, mask)

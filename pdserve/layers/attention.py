@@ -4,7 +4,8 @@ The cache of one layer is a flat slot array `[num_blocks * block_size, 2, kv_hea
 token's K and V side by side (one write and one read per layer; a block's KV for a layer is one
 contiguous range, which is what a transfer ships); a token at position p of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`. New K/V are scattered into their
-slots, then each query reads its whole context back through those slots. Requests computing one
+slots, then each query reads its context back a whole block at a time (`index_select` of blocks:
+~10x faster on CPU than advanced indexing of single slots). Requests computing one
 token (decodes) share one batched call; multi-token chunks (prefills) are computed one by one.
 """
 
@@ -21,15 +22,17 @@ class PrefillChunk:
     query_start: int  # offset of the chunk's first token in the step's flat token batch
     query_len: int  # tokens computed in this chunk
     context_len: int  # tokens the chunk attends to (cached prefix + itself)
-    context_slots: torch.Tensor  # [context_len] cache slots of positions 0..context_len-1
+    context_blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids holding them
     mask: torch.Tensor | None  # [query_len, context_len] bool, None when plainly causal
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
+    block_size: int
     num_decode_tokens: int  # the batch's first tokens are decodes, one per request
-    decode_slots: torch.Tensor | None = None  # [decodes, max_context] slots of each context
+    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block tables, padded
+    decode_context_len: int = 0  # longest decode context
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] bool; None if all equal
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -47,8 +50,10 @@ def paged_attention(
     gqa = num_heads != num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decode_tokens
+    blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
     if nd:
-        ctx = kv_cache[meta.decode_slots]  # [decodes, max_ctx, 2, kv_heads, head_dim]
+        ctx = _read_blocks(blocks, meta.decode_blocks, kv_cache.shape[1:])
+        ctx = ctx[:, : meta.decode_context_len]  # [decodes, max_ctx, 2, kv_heads, head_dim]
         ctx_k = ctx[:, :, 0].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
         ctx_v = ctx[:, :, 1].transpose(1, 2)
         # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
@@ -59,7 +64,7 @@ def paged_attention(
         s, n = chunk.query_start, chunk.query_len
         # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math kernel.
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        ctx = kv_cache[chunk.context_slots]  # [ctx, 2, kv_heads, head_dim]
+        ctx = _read_blocks(blocks, chunk.context_blocks, kv_cache.shape[1:])[0, : chunk.context_len]
         ctx_k = ctx[:, 0].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
         ctx_v = ctx[:, 1].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -68,3 +73,9 @@ def paged_attention(
         )
         out[s : s + n] = o[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _read_blocks(blocks: torch.Tensor, tables: torch.Tensor, slot_shape: torch.Size) -> torch.Tensor:
+    # tables: [rows, n] or [n] block ids -> [rows, n * block_size, 2, kv_heads, head_dim]
+    rows = tables.shape[0] if tables.dim() == 2 else 1
+    return blocks.index_select(0, tables.reshape(-1)).view(rows, -1, *slot_shape)

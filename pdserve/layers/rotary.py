@@ -49,8 +49,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, heads, head_dim] (q and k heads may come stacked: one pass for both)
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return x * cos + _rotate_half(x) * sin
 
 
