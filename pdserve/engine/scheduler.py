@@ -117,6 +117,7 @@ class Scheduler:
             if not self.blocks.allocate(req, n, cached):
                 break
             self.waiting.pop(0)
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
+from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
 # Tensors some checkpoints carry that the model recomputes itself.
@@ -71,8 +72,11 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> L
     model.load_state_dict(placed, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head = model.embed_tokens
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
-    model.rotary.cast_(dtype)
+    # Built for real here: under the meta device above its cos/sin tables hold no values.
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model.rotary.to(device).cast_(dtype)
+    left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    assert not left_on_meta, f"parameters never loaded: {left_on_meta}"
     return model.eval()
 
 
