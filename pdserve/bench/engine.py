@@ -180,9 +180,9 @@ def _time_configurations(model_path: Path, dtype: str, sizes: Sizes, workload: W
         lambda ps: sum(hf_generate(hf, ps[i : i + hf_batch], new_tokens)[0] for i in range(0, len(ps), hf_batch)),
     )
     runner = llm.engine.runner
-    weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}  # tied weights once
     memory = {
-        "weight_bytes": sum(weights.values()),
+        # from the architecture: packed matmul weights are not module parameters
+        "weight_bytes": llm.engine.model_config.num_parameters() * llm.engine.dtype.itemsize,
         "kv_cache_budget_bytes": llm.engine.config.kv_cache_memory,
         "kv_cache_bytes": runner.kv_cache.nbytes,
         "kv_blocks": llm.engine.block_manager.num_blocks,
