@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", choices=["int4"], default=None,
+                   help="int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,6 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads, seed=args.seed,
+        quantization=args.quantization,
     )
 
 

@@ -13,6 +13,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 ROLES = ("both", "prefill", "decode")
+QUANTIZATIONS = (None, "int4")
 
 
 def parse_size(value: int | str) -> int:
@@ -70,6 +71,7 @@ class EngineConfig:
     role: str = "both"  # which part of a request this engine computes
     seed: int = 0  # for requests sampled without their own seed
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
+    quantization: str | None = None  # None (weights in `dtype`) | "int4" (4-bit groups of 32, CPU)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -83,5 +85,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of none, int4; got {self.quantization!r}")
+        if self.quantization == "int4" and torch.device(self.device).type != "cpu":
+            raise ValueError("int4 weights use torch's CPU kernel; run them with device='cpu'")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.layers.quant import Int4Weight
+
 _SPLIT_MAX_ROWS = 64
 
 
@@ -25,8 +27,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [rows, in], weight: [out, in] (or packed by `pack_weight`) -> [rows, out]
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [rows, in], weight: [out, in] (or packed by `pack_weight`, or 4-bit) -> [rows, out]
+    if isinstance(weight, Int4Weight):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     rows = x.shape[0]

@@ -10,6 +10,7 @@ import torch
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.layers.linear import pack_weight
+from pdserve.layers.quant import Int4Weight, quantize_int4
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -31,7 +32,9 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
     raise ValueError(f"{str(model)!r} is neither a model directory nor a .gguf file")
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> LlamaForCausalLM:
     cfg = ArchConfig.from_hf_config(ckpt.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -78,20 +81,23 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> L
     model.rotary.to(device).cast_(dtype)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     assert not left_on_meta, f"parameters never loaded: {left_on_meta}"
-    _pack_matmul_weights(model)
+    _pack_matmul_weights(model, dtype, quantization)
     return model.eval()
 
 
-def _pack_matmul_weights(model: LlamaForCausalLM) -> None:
+def _pack_matmul_weights(model: LlamaForCausalLM, dtype: torch.dtype, quantization: str | None) -> None:
+    def pack(weight: torch.Tensor):
+        return quantize_int4(weight, dtype) if quantization == "int4" else pack_weight(weight)
+
     for layer in model.layers:
         for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            _replace(module, name, pack_weight(getattr(module, name)))
+            _replace(module, name, pack(getattr(module, name)))
     # A tied head gets its own packed copy: the embedding lookup needs the plain layout.
-    _replace(model, "lm_head", pack_weight(model.lm_head))
+    _replace(model, "lm_head", pack(model.lm_head))
 
 
-def _replace(module: torch.nn.Module, name: str, weight: torch.Tensor) -> None:
+def _replace(module: torch.nn.Module, name: str, weight: torch.Tensor | Int4Weight) -> None:
     module._parameters.pop(name, None)  # a packed tensor cannot be a Parameter
     setattr(module, name, weight)
 

@@ -89,3 +89,16 @@ def test_export_writes_an_equivalent_hugging_face_directory(llm, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8)
     assert (exported.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
             == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids)
+
+
+def test_int4_weights_reproduce_the_q4_1_file_and_answer(llm):
+    from pdserve.layers.quant import dequantize_int4_reference
+    from pdserve.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(default_model_path())
+    w = ckpt.tensors["model.layers.3.mlp.down_proj.weight"]  # a Q4_1 tensor of the file
+    torch.testing.assert_close(dequantize_int4_reference(w), w, atol=1e-5, rtol=0)
+    q4 = LLM(str(default_model_path()), dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")
+    out = q4.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=20))
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+    assert_engine_idle(q4)
