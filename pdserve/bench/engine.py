@@ -237,6 +237,8 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
         return {"skipped": str(e)}
     steps = sizes.default_decode_steps
     engines = {dtype: LLM(str(path), dtype=dtype, kv_cache_memory="256MiB") for dtype in limits}
+    if "bfloat16" in limits:  # 4-bit weights (the file's own Q4_1 values), bfloat16 activations
+        engines["int4"] = LLM(str(path), dtype="bfloat16", quantization="int4", kv_cache_memory="256MiB")
     cfg = next(iter(engines.values())).engine.model_config
     one = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
     prompts = make_workload(one, cfg.vocab_size, seed).decode[1]  # [warm-up, rep 1, ...], batches of one
@@ -254,8 +256,13 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
     gc.collect()
 
     mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
-    for dtype, m in limits.items():
-        step_bytes = decode_step_bytes(cfg, torch_dtype(dtype).itemsize, 1, mean_context)
+    for dtype in [d for d in seconds if d != "llama_cpp"]:
+        m = limits.get(dtype) or limits["bfloat16"]
+        if dtype == "int4":  # half a byte per weight, plus a bfloat16 scale and zero per 32
+            kv_bytes = decode_step_bytes(cfg, 2, 1, mean_context) - decode_step_bytes(cfg, 2, 1, 0)
+            step_bytes = decode_step_bytes(cfg, 1, 1, 0) * (0.5 + 4 / 32) + kv_bytes
+        else:
+            step_bytes = decode_step_bytes(cfg, torch_dtype(dtype).itemsize, 1, mean_context)
         tokens_per_s = _rate(steps, seconds[dtype])
         result[dtype] = {"ours": {"seconds": seconds[dtype], "tokens": steps, "tokens_per_s": tokens_per_s,
                                   "mbu_pct": 100 * step_bytes * tokens_per_s / 1e9 / m.read_gbs}}
@@ -269,7 +276,7 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
             "mbu_pct_approx": 100 * path.stat().st_size * tokens_per_s / 1e9 / bandwidth,
             "note": LLAMA_CPP_NOTE,
         }
-    for dtype in limits:
+    for dtype in [d for d in seconds if d != "llama_cpp"]:
         ours = result[dtype]["ours"]
         line = f"smollm2 {dtype} decode batch 1: ours {ours['tokens_per_s']:.1f} tok/s (MBU {ours['mbu_pct']:.0f}%)"
         if "llama_cpp" in seconds:
