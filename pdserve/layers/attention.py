@@ -48,8 +48,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
     gqa = num_heads != num_kv_heads
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decode_tokens
+    out = None if nd == num_tokens else torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
     if nd:
         ctx = _read_blocks(blocks, meta.decode_blocks, kv_cache.shape[1:])
@@ -59,6 +59,8 @@ def paged_attention(
         # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
+        if not meta.prefills:  # a decode-only step: no buffer to assemble
+            return o.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = o.view(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len

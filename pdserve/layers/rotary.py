@@ -47,11 +47,18 @@ class RotaryEmbedding(nn.Module):
         self.cos = self.cos.to(dtype)
         self.sin = self.sin.to(dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, heads, head_dim] (q and k heads may come stacked: one pass for both)
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [tokens, 1, head_dim]
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the step's positions, [tokens, 1, head_dim] each: looked up once per
+        step, shared by every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # x: [tokens, heads, head_dim] (q and k heads may come stacked: one pass for both)
+    cos, sin = cos_sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

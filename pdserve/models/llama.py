@@ -13,7 +13,7 @@ from torch import nn
 from pdserve.layers.attention import AttentionMetadata, paged_attention
 from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pdserve.models.arch_config import ArchConfig
 
 
@@ -36,8 +36,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [tokens, hidden]
-        positions: torch.Tensor,  # [tokens]
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables at the tokens' positions
         kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -46,12 +45,12 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, 1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side: one rotary pass for both
-            qk = rotary(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
         else:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-            qk = rotary(positions, torch.cat([q, k], dim=1))
+            qk = apply_rotary(torch.cat([q, k], dim=1), cos_sin)
         q = qk[:, : self.num_heads]  # [tokens, heads, head_dim]
         kv = torch.cat([qk[:, self.num_heads :].unsqueeze(1), v], dim=1)  # [tokens, 2, kv_heads, head_dim]
         o = paged_attention(q, kv, kv_cache, meta, self.scale)
@@ -78,8 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, hidden]
         x = F.embedding(input_ids, self.embed_tokens)
+        cos_sin = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
