@@ -1,0 +1,152 @@
+"""The KV wire format of the `tcp` transfer backend.
+
+A frame is a fixed 20-byte prefix, a msgpack header (msgspec, typed per frame kind), then raw
+payload bytes (KV block data, received straight into destination memory):
+
+    magic "PDKV" | version u8 | kind u8 | reserved u16 | header length u32 | payload length u64
+
+Sizes are checked against limits before a byte of header or payload is read, and a WRITE's
+payload must match the exact destination the receiver's lease gives it. Nothing here can execute
+code from the wire: msgspec decodes into fixed struct types only. This module imports no torch
+(and so no pickle).
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+
+MAGIC = b"PDKV"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHIQ")
+
+
+class FrameError(ValueError):
+    """A frame that breaks the format or the limits; the connection should be dropped."""
+
+
+class FrameKind(enum.IntEnum):
+    WRITE = 1  # KV bytes for some blocks of one layer of a request
+    NOTIFY = 2  # prefill finished: the first sampled token
+    ABORT = 3
+    ACK = 4
+
+
+class WriteHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int  # the lease generation this write belongs to; stale ones are rejected
+    layer: int
+    block_ids: list[int]  # destination blocks, in the receiver's numbering
+    dtype: str
+
+
+class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int
+    first_token: int
+    num_prompt_tokens: int
+
+
+class AbortHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int
+    reason: str = ""
+
+
+class AckHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int
+    ok: bool
+    error: str = ""
+
+
+Header = WriteHeader | NotifyHeader | AbortHeader | AckHeader
+_HEADER_TYPES: dict[FrameKind, type] = {
+    FrameKind.WRITE: WriteHeader,
+    FrameKind.NOTIFY: NotifyHeader,
+    FrameKind.ABORT: AbortHeader,
+    FrameKind.ACK: AckHeader,
+}
+_KINDS = {t: k for k, t in _HEADER_TYPES.items()}
+_DECODERS = {k: msgspec.msgpack.Decoder(t) for k, t in _HEADER_TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass(slots=True, frozen=True)
+class FrameLimits:
+    max_header_bytes: int = 64 << 10
+    max_payload_bytes: int = 256 << 20
+
+
+def encode_frame(header: Header, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    """The frame as buffers for `socket.sendmsg` (the payload is not copied)."""
+    kind = _KINDS[type(header)]
+    if kind != FrameKind.WRITE and len(payload):
+        raise FrameError(f"{kind.name} frames carry no payload")
+    raw = _ENCODER.encode(header)
+    return [PREFIX.pack(MAGIC, VERSION, kind, 0, len(raw), len(payload)) + raw, memoryview(payload)]
+
+
+def decode_prefix(prefix: bytes, limits: FrameLimits) -> tuple[FrameKind, int, int]:
+    magic, version, kind, _, header_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FrameError("not a pdserve KV frame (bad magic)")
+    if version != VERSION:
+        raise FrameError(f"KV frame version {version}, this side speaks {VERSION}")
+    try:
+        kind = FrameKind(kind)
+    except ValueError:
+        raise FrameError(f"unknown KV frame kind {kind}") from None
+    if header_len > limits.max_header_bytes:
+        raise FrameError(f"KV frame header of {header_len} bytes exceeds {limits.max_header_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise FrameError(f"KV frame payload of {payload_len} bytes exceeds {limits.max_payload_bytes}")
+    if kind != FrameKind.WRITE and payload_len:
+        raise FrameError(f"{kind.name} frames carry no payload, got {payload_len} bytes")
+    return kind, header_len, payload_len
+
+
+def decode_header(kind: FrameKind, raw: bytes) -> Header:
+    try:
+        return _DECODERS[kind].decode(raw)
+    except msgspec.DecodeError as e:
+        raise FrameError(f"malformed {kind.name} header: {e}") from None
+
+
+# Given a WRITE header, the receiver returns the memory its payload must land in (sized by the
+# lease), or raises FrameError to refuse it (stale fence, unknown request, wrong blocks).
+PayloadSink = Callable[[WriteHeader], memoryview]
+
+
+def read_frame(sock: socket.socket, limits: FrameLimits, sink: PayloadSink) -> Header:
+    """Reads one frame; a WRITE's payload goes straight into the memory `sink` hands out."""
+    kind, header_len, payload_len = decode_prefix(_recv_exact(sock, PREFIX.size), limits)
+    header = decode_header(kind, _recv_exact(sock, header_len))
+    if kind == FrameKind.WRITE:
+        dest = sink(header)
+        if dest.nbytes != payload_len:
+            raise FrameError(
+                f"WRITE for {header.request_id!r} carries {payload_len} bytes, its lease expects {dest.nbytes}"
+            )
+        _recv_into_exact(sock, dest.cast("B"))
+    return header
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise FrameError(f"connection closed mid-frame ({got} of {len(view)} bytes)")
+        got += n

@@ -1,0 +1,115 @@
+"""The tcp backend's frame format: round trips, and every malformed frame refused cleanly."""
+
+import random
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from pdserve.kv_transfer.codec import (
+    PREFIX, AbortHeader, FrameError, FrameKind, FrameLimits, NotifyHeader, WriteHeader, decode_prefix,
+    encode_frame, read_frame,
+)
+
+LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=1 << 20)
+
+
+def send(sock: socket.socket, buffers) -> None:
+    try:
+        for b in buffers:
+            sock.sendall(b)
+        sock.shutdown(socket.SHUT_WR)  # the reader sees the end instead of waiting for more
+    except OSError:
+        pass  # the reader refused the frame and closed its end
+
+
+def exchange(frame_buffers, sink):
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=send, args=(a, frame_buffers))
+        t.start()
+        try:
+            return read_frame(b, LIMITS, sink)
+        finally:
+            b.close()
+            t.join(timeout=10)
+            assert not t.is_alive()
+
+
+def test_write_lands_in_the_leased_memory():
+    payload = bytes(random.Random(0).randrange(256) for _ in range(4096))
+    dest = bytearray(4096)
+    header = WriteHeader("r1", fence=3, layer=2, block_ids=[7, 9], dtype="bfloat16")
+    got = exchange(encode_frame(header, payload), lambda h: memoryview(dest))
+    assert got == header and bytes(dest) == payload
+
+
+def test_control_frames_round_trip():
+    for header in [NotifyHeader("r1", 1, first_token=42, num_prompt_tokens=17), AbortHeader("r1", 1, "client gone")]:
+        assert exchange(encode_frame(header), lambda h: pytest.fail("no payload expected")) == header
+
+
+def test_payload_must_match_the_lease():
+    dest = bytearray(100)
+    frame = encode_frame(WriteHeader("r1", 1, 0, [1], "float32"), b"x" * 64)
+    with pytest.raises(FrameError, match="lease expects 100"):
+        exchange(frame, lambda h: memoryview(dest))
+    assert bytes(dest) == bytes(100)  # nothing written
+
+
+def test_a_refusing_sink_writes_nothing():
+    def stale(h):
+        raise FrameError(f"stale fence {h.fence}")
+    with pytest.raises(FrameError, match="stale fence 1"):
+        exchange(encode_frame(WriteHeader("r1", 1, 0, [1], "float32"), b"x" * 8), stale)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda p: b"NOPE" + p[4:], "bad magic"),
+    (lambda p: p[:4] + bytes([9]) + p[5:], "version 9"),
+    (lambda p: p[:5] + bytes([77]) + p[6:], "unknown KV frame kind 77"),
+    (lambda p: PREFIX.pack(b"PDKV", 1, 1, 0, 1 << 20, 0), "header of 1048576 bytes exceeds"),
+    (lambda p: PREFIX.pack(b"PDKV", 1, 1, 0, 10, 1 << 40), "payload of 1099511627776 bytes exceeds"),
+    (lambda p: PREFIX.pack(b"PDKV", 1, int(FrameKind.ABORT), 0, 10, 5), "ABORT frames carry no payload"),
+])
+def test_bad_prefixes_are_refused_before_reading_more(mutate, message):
+    prefix = encode_frame(AbortHeader("r", 1))[0][: PREFIX.size]
+    with pytest.raises(FrameError, match=message):
+        decode_prefix(mutate(prefix), LIMITS)
+
+
+def test_malformed_and_truncated_frames():
+    good = encode_frame(NotifyHeader("r1", 1, 5, 3))[0]
+    bad_header = PREFIX.pack(b"PDKV", 1, int(FrameKind.NOTIFY), 0, 3, 0) + b"\x93\x01\x02"
+    with pytest.raises(FrameError, match="malformed NOTIFY header"):
+        exchange([bad_header], lambda h: None)
+    with pytest.raises(FrameError, match="closed mid-frame"):
+        exchange([good[:-2]], lambda h: None)
+
+
+def test_random_bytes_never_crash_the_parser():
+    rng = random.Random(1)
+    for _ in range(300):
+        junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        if rng.random() < 0.5:  # a valid prefix followed by junk reaches the header decoder
+            junk = PREFIX.pack(b"PDKV", 1, rng.randrange(1, 5), 0, len(junk), 0) + junk
+        try:
+            exchange([junk], lambda h: memoryview(bytearray(0)))
+        except FrameError:
+            pass
+
+
+def test_wire_code_imports_no_pickle():
+    # The module alone, in a fresh interpreter (the package's own __init__ brings in torch).
+    from pdserve.kv_transfer import codec
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('codec', {codec.__file__!r})\n"
+        "module = sys.modules['codec'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "assert 'pickle' not in sys.modules, 'pickle imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
