@@ -7,8 +7,8 @@ payload bytes (KV block data, received straight into destination memory):
 
 Sizes are checked against limits before a byte of header or payload is read, and a WRITE's
 payload must match the exact destination the receiver's lease gives it. Nothing here can execute
-code from the wire: msgspec decodes into fixed struct types only. This module imports no torch
-(and so no pickle).
+code from the wire: msgspec decodes into fixed struct types only, and this module imports no
+torch, so no code-executing deserializer is even loaded (a test checks it).
 """
 
 from __future__ import annotations
