@@ -72,6 +72,7 @@ class EngineConfig:
     seed: int = 0  # for requests sampled without their own seed
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     quantization: str | None = None  # None (weights in `dtype`) | "int4" (4-bit groups of 32, CPU)
+    decode_headroom_tokens: int = 64  # decode role: free KV a reservation must leave for generation
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -89,5 +90,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of none, int4; got {self.quantization!r}")
         if self.quantization == "int4" and torch.device(self.device).type != "cpu":
             raise ValueError("int4 weights use torch's CPU kernel; run them with device='cpu'")
+        if self.decode_headroom_tokens < 0:
+            raise ValueError("decode_headroom_tokens must not be negative")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

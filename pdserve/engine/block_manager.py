@@ -129,9 +129,22 @@ class BlockManager:
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; tail blocks first, so they are evicted first."""
-        table = self._tables.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
+        self.release(request.request_id)
+
+    def hand_over(self, request_id: str, holder_id: str) -> None:
+        """Move a request's blocks to another holder (e.g. a lease awaiting its peer's
+        acknowledgement), so that freeing the request leaves them referenced."""
+        if holder_id in self._tables:
+            raise ValueError(f"block holder {holder_id!r} already exists")
+        table = self._tables.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
+        if table is not None:
+            self._tables[holder_id] = table
+
+    def release(self, holder_id: str) -> None:
+        """Release a holder's blocks; tail blocks first, so they are evicted first."""
+        table = self._tables.pop(holder_id, None)
+        self._num_hashed.pop(holder_id, None)
         if table is None:
             return
         for block_id in reversed(table):

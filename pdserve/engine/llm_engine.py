@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,7 +44,12 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, hooks: RoleHooks | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hooks: RoleHooks | None = None,
+        kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -52,6 +57,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, device)
         if config.quantization == "int4" and self.dtype != torch.bfloat16:
             raise ValueError("int4 weights run with bfloat16 activations; pass dtype='bfloat16'")
+        self.hooks = hooks or RoleHooks()
         ckpt = load_checkpoint(config.model)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
@@ -68,12 +74,14 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self._eos_token_ids(ckpt.generation_config),
-            hooks,
+            self.hooks,
+            config.decode_headroom_tokens,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator)
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, tuple[_Parent, _Sequence]] = {}  # by engine request id
         self._aborted: list[RequestOutput] = []
+        self._landed: list[Request] = []  # got their first token from a prefill worker
         self._ids = itertools.count()
 
     def _max_model_len(self, config: EngineConfig) -> int:
@@ -100,7 +108,10 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         priority: int = 0,
+        remote_prefill: bool = False,
     ) -> str:
+        """Queue a request. With `remote_prefill` (decode role, n == 1) its prompt's KV is
+        reserved for a prefill worker to fill; `kv_landed` / `kv_failed` tell how that went."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._parents:
@@ -113,7 +124,8 @@ class LLMEngine:
                 n=1, seed=None if params.seed is None else params.seed + i
             )
             engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params), priority)
+            req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
+                          priority, remote_prefill=remote_prefill and params.n == 1)
             seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, child_params), i)
             parent.sequences.append(seq)
             self._sequences[engine_id] = (parent, seq)
@@ -172,8 +184,32 @@ class LLMEngine:
         self._aborted.append(self._make_output(parent, changed=set()))
         self._forget(parent)
 
+    def kv_landed(self, request_id: str, first_token: int) -> bool:
+        """A prefill worker filled the request's reserved blocks and sampled `first_token`.
+        Its output comes from the next step(). False if the request is no longer waiting for it."""
+        req = self.scheduler.kv_landed(request_id, first_token)
+        if req is None:
+            return False
+        if req.generator is not None and not req.params.greedy:
+            # the prefill worker drew the first token's noise from the same seed: skip that draw
+            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+        self._landed.append(req)
+        return True
+
+    def kv_failed(self, request_id: str) -> None:
+        """The prompt's KV will not come: the request computes it here (the colocated path)."""
+        self.scheduler.kv_failed(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self._parents)
+
+    def has_runnable_work(self) -> bool:
+        """Would step() do anything now? (Requests awaiting their KV alone do not count.)"""
+        s = self.scheduler
+        return bool(s.waiting or s.running or self._landed or self._aborted)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._aborted)
+        return bool(self._parents) or bool(self._aborted) or bool(self._landed)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -183,10 +219,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        if self._landed:
+            landed, self._landed = self._landed, []
+            outputs += self._postprocess([r for r in landed if r.request_id in self._sequences])
         step = self.scheduler.schedule()
         if step.empty:
             return outputs
-        sampled = self.runner.execute(step)
+        on_layer = self.hooks.before_execute(step)
+        try:
+            sampled = self.runner.execute(step, on_layer)
+        finally:
+            self.hooks.after_execute(step)
         advanced = self.scheduler.update(step, sampled)
         return outputs + self._postprocess(advanced)
 

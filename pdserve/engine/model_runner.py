@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
@@ -24,31 +26,36 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         # [layers, slots, K/V, kv_heads, head_dim]; one slot per token position of a block
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim,
-            dtype=dtype, device=device,
-        )
+        shape = (cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
+        if kv_allocator is not None:  # e.g. in shared memory, for a same-host prefill worker to fill
+            self.kv_cache = kv_allocator(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
-    def forward(self, step: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
+    def forward(
+        self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor | None, list[int]]:
         """Runs the step's tokens; returns the logits ([rows, vocab] float32) of the requests
-        whose chunk reached the end of their known tokens, and those requests' rows in the step."""
+        whose chunk reached the end of their known tokens, and those requests' rows in the step.
+        `on_layer(i)` is called as soon as layer i's KV for the step is in the cache."""
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         if not sample_rows:
             return None, sample_rows
         return self.model.compute_logits(hidden[logits_index]), sample_rows
 
-    def execute(self, step: SchedulerOutput) -> list[int | None]:
+    def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> list[int | None]:
         """Runs the step; returns the sampled token of each request whose chunk reached its end."""
-        logits, sample_rows = self.forward(step)
+        logits, sample_rows = self.forward(step, on_layer)
         sampled: list[int | None] = [None] * len(step.requests)
         if logits is not None:
             tokens = self.sampler(logits, [step.requests[i] for i in sample_rows])

@@ -44,7 +44,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority",
         "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
-        "generator", "max_total_tokens", "stop_reason", "num_preemptions",
+        "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
     )
 
     def __init__(
@@ -55,6 +55,7 @@ class Request:
         max_total_tokens: int,
         priority: int = 0,
         arrival_time: float | None = None,
+        remote_prefill: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +70,7 @@ class Request:
         self.max_total_tokens = max_total_tokens  # prompt + output cap (model length, max_tokens)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.remote_prefill = remote_prefill  # decode role: the prompt's KV comes from a prefill worker
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -1,18 +1,35 @@
-"""Hooks through which a worker role changes what the shared scheduler does.
+"""Hooks through which a worker role changes what the shared engine does.
 
-The colocated engine uses the defaults, which change nothing. A prefill worker stops a request
-after its first token and ships its KV; a decode worker admits a request only once its KV landed.
+The colocated engine uses the defaults, which change nothing. A prefill worker ships each layer's
+KV as soon as the layer is computed and stops a request after its first token; a decode worker
+leases reserved blocks to a prefill worker and admits the request once its KV landed.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import SchedulerOutput
 
 
 class RoleHooks:
     def can_schedule(self, request: Request) -> bool:
         """May this waiting request be scheduled now?"""
         return True
+
+    def on_reserved(self, request: Request) -> None:
+        """Blocks for a remote-prefill request's prompt were reserved (status WAITING_FOR_KV)."""
+
+    def before_execute(self, step: SchedulerOutput) -> Callable[[int], None] | None:
+        """Called before the model runs a step; may return a function called with each layer's
+        index as soon as that layer's KV for the step is written."""
+        return None
+
+    def after_execute(self, step: SchedulerOutput) -> None:
+        """Called after the model ran a step, before its results are applied (and blocks freed)."""
 
     def on_computed(self, request: Request, num_new_tokens: int) -> None:
         """Called after a step computed KV for `num_new_tokens` more tokens of the request."""

@@ -9,6 +9,11 @@ Lifecycle of a request in the scheduler:
 4. `update`: counts the computed tokens, appends the sampled token when the chunk reached the end,
    and finishes requests on eos / stop token / length.
 5. `finish`: any live request can be ended (stop string, abort); its blocks go back to the pool.
+
+A request whose prompt KV is computed elsewhere (`remote_prefill`, decode role) is admitted by
+reservation instead: blocks for the whole prompt (minus prefix-cache hits) plus headroom for
+generation -> WAITING_FOR_KV, and `hooks.on_reserved` leases them out. `kv_landed` then makes it
+RUNNING with its first token; `kv_failed` sends it back to waiting to be computed here.
 """
 
 from __future__ import annotations
@@ -48,19 +53,27 @@ class Scheduler:
         max_num_seqs: int,
         eos_token_ids: tuple[int, ...] = (),
         hooks: RoleHooks | None = None,
+        headroom_tokens: int = 0,
     ) -> None:
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.hooks = hooks or RoleHooks()
+        self.headroom_tokens = headroom_tokens  # generation room a KV reservation must leave
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key; the last is preempted first
+        self.waiting_for_kv: dict[str, Request] = {}  # reserved, prompt KV arriving from elsewhere
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    @property
+    def num_live(self) -> int:
+        """Requests holding blocks for their whole prompt: running or awaiting their KV."""
+        return len(self.running) + len(self.waiting_for_kv)
 
     def add(self, request: Request) -> None:
         assert request.status == RequestStatus.WAITING
@@ -106,10 +119,15 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_live < self.max_num_seqs:
             req = self.waiting[0]
             if not self.hooks.can_schedule(req):
                 skipped.append(self.waiting.pop(0))
+                continue
+            if req.remote_prefill:
+                if not self._reserve(req):
+                    break
+                self.waiting.pop(0)
                 continue
             cached = self.blocks.find_cached_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
@@ -127,6 +145,56 @@ class Scheduler:
         for req in skipped:
             bisect.insort(self.waiting, req, key=Request.sort_key)
         return budget
+
+    def _reserve(self, req: Request) -> bool:
+        assert req.status == RequestStatus.WAITING
+        cached = self.blocks.find_cached_prefix(req)
+        num_cached = len(cached) * self.blocks.block_size
+        needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
+        if needed > self.blocks.num_free_blocks:
+            return False
+        if not self.blocks.allocate(req, req.num_tokens - num_cached, cached):
+            return False
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = num_cached
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[req.request_id] = req
+        self.hooks.on_reserved(req)
+        return True
+
+    def kv_landed(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV is in the reserved blocks and the first token was sampled elsewhere.
+
+        Returns the request, now RUNNING (or finished, if that token ends it); None if it is gone.
+        """
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return None
+        assert req.status == RequestStatus.WAITING_FOR_KV
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=Request.sort_key)
+        self.blocks.cache_full_blocks(req)
+        req.output_token_ids.append(first_token)
+        status = self._stop_status(req, first_token)
+        if status is not None:
+            self.finish(request_id, status)
+        return req
+
+    def kv_failed(self, request_id: str) -> None:
+        """The prompt's KV will not arrive: compute it here instead (the colocated path).
+
+        The caller has already handed over any blocks a peer might still write into.
+        """
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return
+        assert req.status == RequestStatus.WAITING_FOR_KV
+        self.blocks.free(req)
+        req.remote_prefill = False
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, req, key=Request.sort_key)
 
     def _preempt(self, req: Request) -> None:
         assert req.status == RequestStatus.RUNNING
@@ -181,6 +249,8 @@ class Scheduler:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            del self.waiting_for_kv[request_id]
         else:
             self.waiting.remove(req)
         req.status = status

@@ -30,19 +30,43 @@ class FrameError(ValueError):
     """A frame that breaks the format or the limits; the connection should be dropped."""
 
 
+class StaleWrite(Exception):
+    """A well-formed WRITE the receiver refuses (stale fence, closed lease): its payload is read
+    and dropped, and the connection goes on."""
+
+
 class FrameKind(enum.IntEnum):
-    WRITE = 1  # KV bytes for some blocks of one layer of a request
-    NOTIFY = 2  # prefill finished: the first sampled token
-    ABORT = 3
-    ACK = 4
+    HELLO = 1  # first frame of a connection: who is sending, with which model and KV layout
+    WRITE = 2  # KV bytes of one layer for a range of token positions of a request
+    CLAIM = 3  # the sender will write into this lease's memory directly (shared memory, NIXL)
+    NOTIFY = 4  # prefill finished: the first sampled token
+    ABORT = 5
+    ACK = 6
+
+
+class HelloHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    token: str  # the cluster's shared secret ("" when none is set)
+    model_hash: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    backend: str
+    sender: str
 
 
 class WriteHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: str
     fence: int  # the lease generation this write belongs to; stale ones are rejected
     layer: int
-    block_ids: list[int]  # destination blocks, in the receiver's numbering
-    dtype: str
+    start: int  # first token position
+    num_tokens: int
+    encoding: str = "raw"  # raw | int8 | fp8; "direct" when the bytes were written in place
+
+
+class ClaimHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int
 
 
 class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -65,9 +89,11 @@ class AckHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str = ""
 
 
-Header = WriteHeader | NotifyHeader | AbortHeader | AckHeader
+Header = HelloHeader | WriteHeader | ClaimHeader | NotifyHeader | AbortHeader | AckHeader
 _HEADER_TYPES: dict[FrameKind, type] = {
+    FrameKind.HELLO: HelloHeader,
     FrameKind.WRITE: WriteHeader,
+    FrameKind.CLAIM: ClaimHeader,
     FrameKind.NOTIFY: NotifyHeader,
     FrameKind.ABORT: AbortHeader,
     FrameKind.ACK: AckHeader,
@@ -83,13 +109,15 @@ class FrameLimits:
     max_payload_bytes: int = 256 << 20
 
 
-def encode_frame(header: Header, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
-    """The frame as buffers for `socket.sendmsg` (the payload is not copied)."""
+def encode_frame(header: Header, *payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """The frame as buffers for `socket.sendmsg`; payload pieces are sent in order, not copied."""
     kind = _KINDS[type(header)]
-    if kind != FrameKind.WRITE and len(payload):
+    views = [memoryview(p).cast("B") for p in payload]
+    size = sum(v.nbytes for v in views)
+    if kind != FrameKind.WRITE and size:
         raise FrameError(f"{kind.name} frames carry no payload")
     raw = _ENCODER.encode(header)
-    return [PREFIX.pack(MAGIC, VERSION, kind, 0, len(raw), len(payload)) + raw, memoryview(payload)]
+    return [PREFIX.pack(MAGIC, VERSION, kind, 0, len(raw), size) + raw, *views]
 
 
 def decode_prefix(prefix: bytes, limits: FrameLimits) -> tuple[FrameKind, int, int]:
@@ -118,9 +146,10 @@ def decode_header(kind: FrameKind, raw: bytes) -> Header:
         raise FrameError(f"malformed {kind.name} header: {e}") from None
 
 
-# Given a WRITE header, the receiver returns the memory its payload must land in (sized by the
-# lease), or raises FrameError to refuse it (stale fence, unknown request, wrong blocks).
-PayloadSink = Callable[[WriteHeader], memoryview]
+# Given a WRITE header and its payload size, the receiver returns the memory the payload must land
+# in (pieces filled in order, sized by the lease); it raises StaleWrite to drop the payload, or
+# FrameError to refuse the frame and drop the connection.
+PayloadSink = Callable[[WriteHeader, int], list[memoryview]]
 
 
 def read_frame(sock: socket.socket, limits: FrameLimits, sink: PayloadSink) -> Header:
@@ -128,13 +157,26 @@ def read_frame(sock: socket.socket, limits: FrameLimits, sink: PayloadSink) -> H
     kind, header_len, payload_len = decode_prefix(_recv_exact(sock, PREFIX.size), limits)
     header = decode_header(kind, _recv_exact(sock, header_len))
     if kind == FrameKind.WRITE:
-        dest = sink(header)
-        if dest.nbytes != payload_len:
+        try:
+            dest = [v.cast("B") for v in sink(header, payload_len)]
+        except StaleWrite:
+            _discard(sock, payload_len)
+            raise
+        expected = sum(v.nbytes for v in dest)
+        if expected != payload_len:
             raise FrameError(
-                f"WRITE for {header.request_id!r} carries {payload_len} bytes, its lease expects {dest.nbytes}"
+                f"WRITE for {header.request_id!r} carries {payload_len} bytes, its lease expects {expected}"
             )
-        _recv_into_exact(sock, dest.cast("B"))
+        for view in dest:
+            _recv_into_exact(sock, view)
     return header
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        _recv_into_exact(sock, scratch[: min(n, len(scratch))])
+        n -= min(n, len(scratch))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

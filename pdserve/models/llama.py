@@ -6,6 +6,8 @@ a decode step issues two matmuls fewer per layer.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,11 +100,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [tokens]
         kv_caches: torch.Tensor,  # [layers, slots, 2, kv_heads, head_dim]
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,  # told each layer's index once its KV is written
     ) -> torch.Tensor:  # [tokens, hidden]
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos_sin, kv_cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from pdserve.kv_transfer.codec import (
-    PREFIX, AbortHeader, FrameError, FrameKind, FrameLimits, NotifyHeader, WriteHeader, decode_prefix,
+    PREFIX, AbortHeader, FrameError, StaleWrite, FrameKind, FrameLimits, NotifyHeader, WriteHeader, decode_prefix,
     encode_frame, read_frame,
 )
 
@@ -41,9 +41,10 @@ def exchange(frame_buffers, sink):
 def test_write_lands_in_the_leased_memory():
     payload = bytes(random.Random(0).randrange(256) for _ in range(4096))
     dest = bytearray(4096)
-    header = WriteHeader("r1", fence=3, layer=2, block_ids=[7, 9], dtype="bfloat16")
-    got = exchange(encode_frame(header, payload), lambda h: memoryview(dest))
-    assert got == header and bytes(dest) == payload
+    header = WriteHeader("r1", fence=3, layer=2, start=16, num_tokens=8)
+    view = memoryview(dest)
+    got = exchange(encode_frame(header, payload[:1000], payload[1000:]), lambda h, n: [view[3000:], view[:3000]])
+    assert got == header and bytes(dest) == payload[1096:] + payload[:1096]
 
 
 def test_control_frames_round_trip():
@@ -53,17 +54,32 @@ def test_control_frames_round_trip():
 
 def test_payload_must_match_the_lease():
     dest = bytearray(100)
-    frame = encode_frame(WriteHeader("r1", 1, 0, [1], "float32"), b"x" * 64)
+    frame = encode_frame(WriteHeader("r1", 1, 0, 0, 4), b"x" * 64)
     with pytest.raises(FrameError, match="lease expects 100"):
-        exchange(frame, lambda h: memoryview(dest))
+        exchange(frame, lambda h, n: [memoryview(dest)])
     assert bytes(dest) == bytes(100)  # nothing written
 
 
 def test_a_refusing_sink_writes_nothing():
-    def stale(h):
-        raise FrameError(f"stale fence {h.fence}")
-    with pytest.raises(FrameError, match="stale fence 1"):
-        exchange(encode_frame(WriteHeader("r1", 1, 0, [1], "float32"), b"x" * 8), stale)
+    def refuse(h, n):
+        raise FrameError(f"unknown request {h.request_id}")
+    with pytest.raises(FrameError, match="unknown request r1"):
+        exchange(encode_frame(WriteHeader("r1", 1, 0, 0, 2), b"x" * 8), refuse)
+
+
+def test_a_stale_write_is_dropped_and_the_stream_goes_on():
+    a, b = socket.socketpair()
+    frames = encode_frame(WriteHeader("r1", 1, 0, 0, 2), b"x" * 3000) + encode_frame(AbortHeader("r1", 1))
+
+    def stale(h, n):
+        raise StaleWrite(f"fence {h.fence} is stale")
+    with a, b:
+        t = threading.Thread(target=send, args=(a, frames))
+        t.start()
+        with pytest.raises(StaleWrite):
+            read_frame(b, LIMITS, stale)
+        assert read_frame(b, LIMITS, stale) == AbortHeader("r1", 1)
+        t.join(timeout=10)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -84,9 +100,9 @@ def test_malformed_and_truncated_frames():
     good = encode_frame(NotifyHeader("r1", 1, 5, 3))[0]
     bad_header = PREFIX.pack(b"PDKV", 1, int(FrameKind.NOTIFY), 0, 3, 0) + b"\x93\x01\x02"
     with pytest.raises(FrameError, match="malformed NOTIFY header"):
-        exchange([bad_header], lambda h: None)
+        exchange([bad_header], lambda h, n: None)
     with pytest.raises(FrameError, match="closed mid-frame"):
-        exchange([good[:-2]], lambda h: None)
+        exchange([good[:-2]], lambda h, n: None)
 
 
 def test_random_bytes_never_crash_the_parser():
@@ -94,9 +110,9 @@ def test_random_bytes_never_crash_the_parser():
     for _ in range(300):
         junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
         if rng.random() < 0.5:  # a valid prefix followed by junk reaches the header decoder
-            junk = PREFIX.pack(b"PDKV", 1, rng.randrange(1, 5), 0, len(junk), 0) + junk
+            junk = PREFIX.pack(b"PDKV", 1, rng.randrange(1, 7), 0, len(junk), 0) + junk
         try:
-            exchange([junk], lambda h: memoryview(bytearray(0)))
+            exchange([junk], lambda h, n: [memoryview(bytearray(0))])
         except FrameError:
             pass
 

@@ -1,0 +1,127 @@
+"""What every KV transfer backend shares: the KV layout both sides must agree on, leases,
+transfer statuses, and the mapping from token positions to slots of a paged KV cache.
+
+The interface is non-blocking on both sides:
+- the prefill side's `KVSender` (one per decode peer): `write(lease, layer, start, end)` queues
+  that layer's KV for positions [start, end); `notify(lease, first_token)` follows the writes;
+  `abort(lease)`; `poll(request_id)` -> `TransferStatus`; `flush()` waits until queued writes no
+  longer need the source memory.
+- the decode side's receiver: `open_lease`, `close_lease`, and events (KV landed, peer aborted,
+  blocks safe to reuse) delivered to the decode worker's own queue.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from pdserve.models.arch_config import ArchConfig
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or went wrong; the prompt is then recomputed on decode."""
+
+
+class TransferStatus(enum.IntEnum):
+    """Of one request's transfer. Worst first: the status of several parts is their minimum."""
+
+    FAILED = 0  # connection lost or refused
+    REJECTED = 1  # the receiver refused it (stale fence, closed lease)
+    ABORTED = 2  # ended on purpose by either side
+    PENDING = 3  # queued or in flight
+    DONE = 4  # all writes and the notify left this side
+
+    @property
+    def ended(self) -> bool:
+        return self != TransferStatus.PENDING
+
+
+KV_TRANSFER_DTYPES = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of one token's KV (all layers) in a worker's cache, and the model it belongs to."""
+
+    model_hash: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name of the cache, e.g. "float32"
+
+    @classmethod
+    def of(cls, cfg: ArchConfig, dtype: torch.dtype) -> KVLayout:
+        return cls(model_fingerprint(cfg), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).split(".")[-1])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    def check_compatible(self, other: KVLayout) -> None:
+        if self.model_hash != other.model_hash:
+            raise TransferError(
+                f"model mismatch: this worker serves model {self.model_hash[:12]}, the peer {other.model_hash[:12]}"
+            )
+        if self != other:
+            raise TransferError(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
+
+
+def model_fingerprint(cfg: ArchConfig) -> str:
+    """A hash of the architecture config: workers that disagree on it must not share KV."""
+    blob = json.dumps(asdict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+@dataclass(slots=True)
+class Lease:
+    """Blocks a decode worker reserved for one request's prompt KV, valid for one fence."""
+
+    request_id: str
+    fence: int  # unique per lease on the decode worker; writes carrying another are stale
+    block_table: list[int]  # decode worker's block ids
+    block_size: int  # decode worker's block size
+    start: int  # first position to be written (earlier ones hit decode's prefix cache)
+    end: int  # number of prompt tokens
+    deadline: float  # monotonic time after which decode stops waiting
+    received: list[int] = field(default_factory=list)  # per layer: tokens landed
+
+    def slot_runs(self, start: int, end: int) -> list[tuple[int, int]]:
+        return slot_runs(self.block_table, self.block_size, start, end)
+
+    @property
+    def complete(self) -> bool:
+        n = self.end - self.start
+        return all(r == n for r in self.received)
+
+
+def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:
+    """Positions [start, end) as runs (first slot, count) of consecutive slots in a paged cache."""
+    runs: list[tuple[int, int]] = []
+    pos = start
+    while pos < end:
+        block = pos // block_size
+        if block >= len(block_table):
+            raise TransferError(f"position {pos} is past the {len(block_table)} blocks of the table")
+        slot = block_table[block] * block_size + pos % block_size
+        n = min(end, (block + 1) * block_size) - pos
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((slot, n))
+        pos += n
+    return runs
+
+
+def kv_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache `[layers, slots, 2, kv_heads, head_dim]` as bytes `[layers, slots, slot_bytes]`."""
+    layers, slots = kv_cache.shape[:2]
+    return kv_cache.view(layers, slots, -1).view(torch.uint8)

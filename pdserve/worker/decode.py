@@ -1,0 +1,182 @@
+"""The decode role: reserve blocks, lease them to a prefill worker, admit the request once its KV
+landed, and recompute the prompt here whenever the transfer does not come through.
+
+Lifecycle of a request with a prefill worker, on the decode worker:
+1. `generate(..., prefill_url=...)`: the request waits for admission in the scheduler's queue.
+2. Admission reserves blocks for its prompt (minus this worker's own prefix-cache hit) plus
+   headroom -> WAITING_FOR_KV -> `on_reserved`: a lease with a new fence opens in the receiver and
+   the prefill worker is asked, off the engine thread, to fill it.
+3. LANDED -> `engine.kv_landed`: RUNNING, with the prefill worker's first token.
+4. FAILED (prefill aborted, was lost, or notified early), a refused prefill request, or the lease
+   timing out -> the blocks move to a holder `lease-<fence>` until the receiver says RELEASABLE,
+   and the request recomputes its prompt here (the colocated path).
+5. Abort while WAITING_FOR_KV: the same hand-over; the lease closes and the prefill worker is told.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import httpx
+
+from pdserve.engine.request import Request
+from pdserve.engine.role import RoleHooks
+from pdserve.kv_transfer.base import Lease
+from pdserve.kv_transfer.receiver import EventKind, KVReceiver, ReceiverEvent
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("pdserve.worker.decode")
+
+
+def holder_id(fence: int) -> str:
+    return f"lease-{fence}"
+
+
+class DecodeRole(RoleHooks):
+    def __init__(self, lease_timeout_s: float = 30.0, token: str = "", kv_transfer_dtype: str = "auto") -> None:
+        self.lease_timeout_s = lease_timeout_s
+        self.token = token
+        self.kv_transfer_dtype = kv_transfer_dtype
+        self.engine: LLMEngine | None = None
+        self.receiver: KVReceiver | None = None
+        self.offers: dict[str, dict] = {}  # backend -> how a prefill worker reaches this one
+        self.targets: dict[str, str] = {}  # request id -> prefill worker URL, until its lease is open
+        self.leases: dict[str, Lease] = {}  # live leases by request id
+        self._prefill_urls: dict[int, str] = {}  # fence -> the prefill worker filling it
+        self._fences = iter(range(1, 1 << 62))
+        self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=30.0))
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-dispatch")
+        self.num_landed = 0
+        self.num_recomputed = 0
+        self.call = lambda fn: fn()  # set by the worker: run on the engine thread
+
+    def attach(self, engine: LLMEngine, receiver: KVReceiver, offers: dict[str, dict], call) -> None:
+        self.engine, self.receiver, self.offers, self.call = engine, receiver, offers, call
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    # -- scheduler hooks (engine thread) -------------------------------------------------------
+
+    def on_reserved(self, request: Request) -> None:
+        url = self.targets.pop(request.request_id)
+        lease = Lease(
+            request.request_id, next(self._fences), list(self.engine.block_manager.block_table(request.request_id)),
+            self.engine.block_manager.block_size, request.num_computed_tokens, request.num_prompt_tokens,
+            time.monotonic() + self.lease_timeout_s,
+        )
+        self.leases[request.request_id] = lease
+        self.receiver.open_lease(lease)
+        body = {
+            "request_id": request.request_id,
+            "fence": lease.fence,
+            "prompt_token_ids": request.prompt_token_ids,
+            "sampling": asdict(request.params),
+            "start": lease.start,
+            "block_table": lease.block_table,
+            "block_size": lease.block_size,
+            "model_hash": self.receiver.layout.model_hash,
+            "kv_transfer_dtype": self.kv_transfer_dtype,
+            "decode": self.offers,
+        }
+        self._prefill_urls[lease.fence] = url
+        self._pool.submit(self._dispatch, url, body, lease.fence)
+
+    def on_finished(self, request: Request) -> None:
+        self.targets.pop(request.request_id, None)
+        lease = self.leases.pop(request.request_id, None)
+        if lease is not None:  # aborted while its KV was on the way
+            self._end_lease(lease, "request aborted")
+
+    # -- transfer events and timers (engine thread) --------------------------------------------
+
+    def poll(self) -> None:
+        while True:
+            try:
+                event: ReceiverEvent = self.receiver.events.get_nowait()
+            except Exception:
+                break
+            self._on_event(event)
+        now = time.monotonic()
+        for lease in self.receiver.expired(now):
+            self._fall_back(lease.request_id, lease.fence, "KV transfer timed out")
+
+    def _on_event(self, event: ReceiverEvent) -> None:
+        if event.kind == EventKind.RELEASABLE:
+            self.engine.block_manager.release(holder_id(event.fence))
+            return
+        lease = self.leases.get(event.request_id)
+        if lease is None or lease.fence != event.fence:
+            return  # a lease that already ended here
+        if event.kind == EventKind.LANDED:
+            del self.leases[event.request_id]
+            self.num_landed += 1
+            self.engine.kv_landed(event.request_id, event.first_token)
+        else:
+            self._fall_back(event.request_id, event.fence, event.reason)
+
+    def _fall_back(self, request_id: str, fence: int, reason: str) -> None:
+        lease = self.leases.get(request_id)
+        if lease is None or lease.fence != fence:
+            return
+        log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
+        del self.leases[request_id]
+        self._end_lease(lease, reason)
+        self.num_recomputed += 1
+        self.engine.kv_failed(request_id)
+
+    def _end_lease(self, lease: Lease, reason: str) -> None:
+        """The request gives its blocks to a holder, freed once no write can reach them."""
+        blocks = self.engine.block_manager
+        blocks.hand_over(lease.request_id, holder_id(lease.fence))
+        if not self.receiver.close_lease(lease.fence, reason):
+            blocks.release(holder_id(lease.fence))  # its KV had landed in full: nothing writes any more
+        url = self._prefill_urls.pop(lease.fence, None)
+        if url is not None:
+            self._pool.submit(self._post, url, "/v1/prefill/abort", {"request_id": lease.request_id, "fence": lease.fence})
+
+    # -- the prefill worker, off the engine thread ---------------------------------------------
+
+    def _dispatch(self, url: str, body: dict, fence: int) -> None:
+        try:
+            r = self._post(url, "/v1/prefill", body)
+            if r is not None and r.status_code == 200:
+                return
+            reason = f"prefill worker refused: {_error_message(r)}" if r is not None else "prefill worker unreachable"
+        except Exception as e:  # any failure here ends in recomputation, never a lost request
+            reason = f"prefill dispatch failed: {e}"
+        self._prefill_urls.pop(fence, None)
+        self.call(lambda: self._fall_back(body["request_id"], fence, reason))
+
+    def _post(self, url: str, path: str, body: dict) -> httpx.Response | None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            return self._http.post(url.rstrip("/") + path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            log.warning("POST %s%s failed: %s", url, path, e)
+            return None
+
+    def stats(self) -> dict:
+        rx = self.receiver
+        return {
+            "kv_leases_open": len(self.leases),
+            "kv_landed": self.num_landed,
+            "kv_recomputed": self.num_recomputed,
+            "kv_stale_writes": rx.num_stale_writes if rx else 0,
+            "kv_bytes_received": rx.bytes_received if rx else 0,
+        }
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except Exception:
+        return f"HTTP {r.status_code}"
+

@@ -1,0 +1,133 @@
+"""The engine of a worker, on a thread of its own.
+
+Lifecycle:
+1. `start()`: the engine thread runs until `stop()`.
+2. Other threads never touch the engine: they `call(fn)` closures, run in order on the engine
+   thread between steps (add a request, abort, KV landed ...).
+3. Each turn: run queued closures, let the role poll its transfer events and timers, step the
+   engine if it has runnable work (else wait briefly for a closure), and hand each output to the
+   sink its request registered.
+4. An exception from a step ends every live request with an error, not the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.outputs import RequestOutput
+
+log = logging.getLogger("pdserve.worker")
+
+IDLE_WAIT_S = 0.02
+EWMA_ALPHA = 0.1
+
+OutputSink = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, poll: Callable[[], None] = lambda: None) -> None:
+        self.engine = engine
+        self.poll = poll  # the role's transfer events and timers, on the engine thread
+        self.sinks: dict[str, OutputSink] = {}
+        self.step_latency_ewma_s = 0.0
+        self.num_steps = 0
+        self._calls: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._calls.put(lambda: None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread, in order with other calls."""
+        self._calls.put(fn)
+
+    def call_and_wait(self, fn: Callable[[], object], timeout: float = 30.0) -> object:
+        """Run `fn` on the engine thread and return its result (or raise its exception)."""
+        done = threading.Event()
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # handed to the caller
+                box.append((False, e))
+            finally:
+                done.set()
+
+        self.call(run)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not answer in time")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            busy = self.engine.has_runnable_work()
+            self._run_calls(wait=0.0 if busy else IDLE_WAIT_S)
+            self.poll()
+            if not self.engine.has_runnable_work():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed; ending every live request with an error")
+                self._fail_all(e)
+                continue
+            dt = time.perf_counter() - t0
+            self.num_steps += 1
+            a = EWMA_ALPHA if self.num_steps > 1 else 1.0
+            self.step_latency_ewma_s += a * (dt - self.step_latency_ewma_s)
+            for out in outputs:
+                self._deliver(out)
+            if not outputs and not self.engine.scheduler.running:
+                self._run_calls(wait=IDLE_WAIT_S / 4)  # waiting requests that cannot be admitted yet
+
+    def _run_calls(self, wait: float) -> None:
+        try:
+            fn = self._calls.get(timeout=wait) if wait else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                fn()
+            except Exception:
+                log.exception("engine call failed")
+            try:
+                fn = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self.sinks.get(out.request_id)
+        if out.finished:
+            self.sinks.pop(out.request_id, None)
+        if sink is not None:
+            sink(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            sink = self.sinks.pop(request_id, None)
+            if sink is not None:
+                sink(error)
+        try:
+            self.engine.step()  # drains the aborted outputs; their sinks are gone
+        except Exception:
+            log.exception("engine step failed again while ending requests")

@@ -1,0 +1,39 @@
+"""A worker's stats in the Prometheus text format."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_HELP = {
+    "running": "requests in the running batch",
+    "waiting": "requests waiting for admission",
+    "waiting_for_kv": "requests whose prompt KV is on its way from a prefill worker",
+    "queued_prefill_tokens": "prompt tokens not yet computed",
+    "kv_blocks_total": "KV cache blocks",
+    "kv_blocks_used": "KV cache blocks in use",
+    "step_latency_ewma_ms": "moving average of the engine step time",
+    "num_preemptions": "requests preempted since start",
+    "kv_landed": "prompts whose KV arrived from a prefill worker",
+    "kv_recomputed": "prompts recomputed here after a failed transfer",
+    "kv_stale_writes": "KV writes refused for a stale fence",
+    "kv_bytes_received": "KV bytes received",
+    "kv_bytes_sent": "KV bytes sent",
+    "kv_notified": "prefills handed to decode workers",
+}
+
+
+class _Snapshot:
+    def __init__(self, stats: dict) -> None:
+        self.stats = stats
+
+    def collect(self):
+        for key, value in self.stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield GaugeMetricFamily(f"pdserve_worker_{key}", _HELP.get(key, key.replace("_", " ")), value=value)
+
+
+def render_metrics(stats: dict) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(stats))
+    return generate_latest(registry).decode()

@@ -1,0 +1,185 @@
+"""The prefill role: compute a prompt in chunks and push each layer's KV into the blocks a decode
+worker leased, while the next layer computes; then notify it with the first sampled token.
+
+Lifecycle of a lease on the prefill worker:
+1. `accept` (HTTP thread): the lease is checked (model, sizes), a sender to the decode worker is
+   taken from the pool or connected, trying the backends in this worker's order, and the request
+   (one token to sample) is queued in the engine with its `Shipment`.
+2. Each step (`before_execute`): KV this worker already had in its prefix cache beyond what decode
+   had is queued for all layers at once; the step's new positions are queued layer by layer as
+   the model finishes each layer (`on_layer`). `after_execute` waits until the writes have left
+   this worker's memory, so blocks freed afterwards can be reused safely.
+3. `on_finished`: a sampled first token -> NOTIFY; any other end -> ABORT to the decode worker
+   (unless it was the decode worker that aborted). The prompt's blocks stay in the prefix cache.
+4. A decode worker that aborts or disconnects -> the request is aborted here, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.role import RoleHooks
+from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, slot_runs
+from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger("pdserve.worker.prefill")
+
+
+@dataclass(slots=True)
+class Shipment:
+    sender: TcpSender
+    lease: Lease  # in the decode worker's numbering
+    shipped: int  # positions below this were queued for every layer
+    peer_aborted: bool = False
+
+
+class PrefillRole(RoleHooks):
+    def __init__(self, senders: dict[str, type[TcpSender]], backends: list[str], token: str = "", name: str = "prefill") -> None:
+        self.sender_types = senders  # backend name -> sender class
+        self.backends = backends  # this worker's order of preference
+        self.token = token
+        self.name = name
+        self.engine: LLMEngine | None = None
+        self.layout: KVLayout | None = None
+        self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
+        self.shipments: dict[str, Shipment] = {}  # by engine request id
+        self._senders: dict[tuple, TcpSender] = {}
+        self._connect_lock = threading.Lock()
+        self.num_notified = 0
+
+    def attach(self, engine: LLMEngine, layout: KVLayout, call) -> None:
+        self.engine, self.layout, self.call = engine, layout, call
+
+    # -- a lease arrives (HTTP thread) ---------------------------------------------------------
+
+    def accept(self, body: dict) -> tuple[str, str]:
+        """Validate a lease and queue its prefill; returns (engine request id, backend used)."""
+        if body["model_hash"] != self.layout.model_hash:
+            raise TransferError("model mismatch: the decode worker serves another model (config hash differs)")
+        tokens, start = body["prompt_token_ids"], body["start"]
+        if not 0 <= start < len(tokens):
+            raise ValueError(f"lease start {start} outside the prompt of {len(tokens)} tokens")
+        lease = Lease(body["request_id"], body["fence"], body["block_table"], body["block_size"], start, len(tokens), 0.0)
+        lease.slot_runs(start, len(tokens))  # the table must cover the prompt
+        params = SamplingParams(**body["sampling"]).clone(n=1, max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[])
+        sender, backend = self._sender_for(body["decode"], body.get("kv_transfer_dtype", "auto"))
+        engine_id = f"{lease.request_id}@{lease.fence}"
+
+        def add() -> None:
+            self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params)
+            self.shipments[engine_id] = Shipment(sender, lease, start)
+
+        self.call(add)
+        return engine_id, backend
+
+    def _sender_for(self, offers: dict, kv_dtype: str) -> tuple[TcpSender, str]:
+        encoding = "raw" if kv_dtype in ("auto", "", None) else kv_dtype
+        errors = []
+        for backend in self.backends:
+            peer = offers.get(backend)
+            if peer is None or backend not in self.sender_types:
+                continue
+            key = (backend, peer.get("host"), peer.get("port"), peer.get("path"), encoding)
+            with self._connect_lock:
+                sender = self._senders.get(key)
+                if sender is not None and sender.alive:
+                    return sender, backend
+                try:
+                    sender = self.sender_types[backend](
+                        self.layout, self.engine.runner.kv_cache, peer, self.token, self.name, encoding,
+                        on_peer_abort=self._on_peer_abort)
+                except TransferError as e:
+                    if "mismatch" in str(e):
+                        raise
+                    errors.append(f"{backend}: {e}")
+                    continue
+                self._senders[key] = sender
+                return sender, backend
+        raise TransferError("no KV transfer backend reaches the decode worker" + (f" ({'; '.join(errors)})" if errors else ""))
+
+    def _on_peer_abort(self, request_id: str) -> None:
+        """A sender's thread: the decode worker aborted (or was lost); end the prefill here."""
+        def abort() -> None:
+            for engine_id, shipment in list(self.shipments.items()):
+                if shipment.lease.request_id == request_id:
+                    shipment.peer_aborted = True
+                    self.engine.abort(engine_id)
+        self.call(abort)
+
+    def abort(self, request_id: str, fence: int | None) -> None:
+        """The decode worker's HTTP abort (engine thread)."""
+        for engine_id, shipment in list(self.shipments.items()):
+            if shipment.lease.request_id == request_id and fence in (None, shipment.lease.fence):
+                shipment.peer_aborted = True
+                self.engine.abort(engine_id)
+
+    # -- engine hooks (engine thread) ----------------------------------------------------------
+
+    def before_execute(self, step: SchedulerOutput) -> Callable[[int], None] | None:
+        bs = self.engine.block_manager.block_size
+        num_layers = self.layout.num_layers
+        plan = []  # (shipment, start, end, source slot runs) computed in this step
+        for req, n, table in zip(step.requests, step.num_new_tokens, step.block_tables):
+            shipment = self.shipments.get(req.request_id)
+            if shipment is None:
+                continue
+            lease = shipment.lease
+            begin, end = req.num_computed_tokens, min(req.num_computed_tokens + n, lease.end)
+            if shipment.shipped < begin:  # already in this worker's cache: send it all now
+                runs = slot_runs(table, bs, shipment.shipped, begin)
+                for layer in range(num_layers):
+                    shipment.sender.write(lease, layer, shipment.shipped, begin, runs)
+                shipment.shipped = begin
+            begin = max(begin, lease.start)
+            if begin < end:
+                plan.append((shipment, begin, end, slot_runs(table, bs, begin, end)))
+                shipment.shipped = max(shipment.shipped, end)
+        if not plan:
+            return None
+
+        def on_layer(layer: int) -> None:
+            for shipment, begin, end, runs in plan:
+                shipment.sender.write(shipment.lease, layer, begin, end, runs)
+        return on_layer
+
+    def after_execute(self, step: SchedulerOutput) -> None:
+        senders = {s.sender for r in step.requests if (s := self.shipments.get(r.request_id)) is not None}
+        for sender in senders:
+            try:
+                sender.flush()
+            except TransferError as e:
+                log.warning("%s", e)
+                sender.close()
+
+    def on_finished(self, request: Request) -> None:
+        shipment = self.shipments.pop(request.request_id, None)
+        if shipment is None:
+            return
+        sender, lease = shipment.sender, shipment.lease
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.output_token_ids:
+            sender.notify(lease, request.output_token_ids[0])
+            self.num_notified += 1
+        elif not shipment.peer_aborted:
+            sender.abort(lease, f"prefill ended: {request.status.finish_reason}")
+        sender.forget(lease)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+
+    def stats(self) -> dict:
+        return {
+            "kv_shipments": len(self.shipments),
+            "kv_notified": self.num_notified,
+            "kv_bytes_sent": sum(s.bytes_sent for s in self._senders.values()),
+            "kv_peers": sum(1 for s in self._senders.values() if s.alive),
+        }

@@ -1,0 +1,206 @@
+"""One worker process: the engine in its role, its KV transfer endpoints, and what the control
+endpoint (server.py) calls.
+
+Lifecycle:
+1. Build the roles (decode: receiver and leases; prefill: senders), then the engine with them as
+   its hooks; a decode worker offering `shm` keeps its KV pool in shared memory.
+2. Decode: open the KV listener and publish the offers (tcp address, shared pool path).
+3. `start()`: the engine thread runs; `generate`, `abort`, `prefill`, `stats` are safe from any
+   thread.
+4. `stop()`: the engine thread ends, connections close, the shared pool file is removed.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import asdict
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.role import RoleHooks
+from pdserve.kv_transfer.base import KV_TRANSFER_DTYPES, KVLayout
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.shm import SharedKVPool, ShmSender, shm_available
+from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.sampling_params import SamplingParams
+from pdserve.worker.decode import DecodeRole
+from pdserve.worker.engine_loop import EngineLoop, OutputSink
+from pdserve.worker.prefill import PrefillRole
+
+TRANSFER_BACKENDS = ("nixl", "tcp", "shm")
+
+
+class QueueFullError(RuntimeError):
+    """The worker's waiting queue is at its bound; try again later or elsewhere."""
+
+
+class RoleNotServedError(RuntimeError):
+    """The request needs a role this worker does not have."""
+
+
+def sender_types() -> dict[str, type[TcpSender]]:
+    types: dict[str, type[TcpSender]] = {"tcp": TcpSender, "shm": ShmSender}
+    try:
+        from pdserve.kv_transfer.nixl import NixlSender, nixl_available
+        if nixl_available():
+            types["nixl"] = NixlSender
+    except ImportError:
+        pass
+    return types
+
+
+class _BothRoles(RoleHooks):
+    """A colocated worker that also serves as either side of a transfer."""
+
+    def __init__(self, decode: DecodeRole, prefill: PrefillRole) -> None:
+        self.decode, self.prefill = decode, prefill
+
+    def on_reserved(self, request):
+        self.decode.on_reserved(request)
+
+    def before_execute(self, step):
+        return self.prefill.before_execute(step)
+
+    def after_execute(self, step):
+        self.prefill.after_execute(step)
+
+    def on_finished(self, request):
+        self.decode.on_finished(request)
+        self.prefill.on_finished(request)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        transfer: list[str] = ("shm", "tcp"),
+        token: str = "",
+        host: str = "127.0.0.1",
+        kv_port: int = 0,
+        lease_timeout_s: float = 30.0,
+        kv_transfer_dtype: str = "auto",
+        max_queued: int = 256,
+        name: str = "worker",
+    ) -> None:
+        bad = [t for t in transfer if t not in TRANSFER_BACKENDS]
+        if bad or not transfer:
+            raise ValueError(f"--transfer takes a list of {', '.join(TRANSFER_BACKENDS)}; got {list(transfer)}")
+        if kv_transfer_dtype not in KV_TRANSFER_DTYPES:
+            raise ValueError(f"kv_transfer_dtype must be one of {', '.join(KV_TRANSFER_DTYPES)}")
+        self.config = config
+        self.transfer = list(transfer)
+        self.max_queued = max_queued
+        role = config.role
+        self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype) if role in ("decode", "both") else None
+        self.prefill = PrefillRole(sender_types(), self.transfer, token, name) if role in ("prefill", "both") else None
+        hooks = _BothRoles(self.decode, self.prefill) if role == "both" else (self.decode or self.prefill)
+        self._pool: SharedKVPool | None = None
+
+        def shared_pool(shape, dtype):
+            self._pool = SharedKVPool(shape, dtype)
+            return self._pool.tensor
+
+        use_shm = self.decode is not None and "shm" in self.transfer and shm_available() and config.device == "cpu"
+        self.engine = LLMEngine(config, hooks, shared_pool if use_shm else None)
+        self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
+        self.loop = EngineLoop(self.engine, self.decode.poll if self.decode else lambda: None)
+        self.receiver: KVReceiver | None = None
+        self.offers: dict[str, dict] = {}
+        if self.decode is not None:
+            self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
+            addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}
+            self.offers["tcp"] = addr
+            if self._pool is not None:
+                self.offers["shm"] = {**addr, "path": self._pool.path, "num_slots": self.engine.runner.kv_cache.shape[1]}
+            self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
+        if self.prefill is not None:
+            self.prefill.attach(self.engine, self.layout, self.loop.call)
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        for part in (self.prefill, self.decode, self.receiver):
+            if part is not None:
+                part.close()
+        if self._pool is not None:
+            self._pool.close()
+
+    # -- requests (any thread) -----------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        priority: int = 0,
+        prefill_url: str | None = None,
+    ) -> None:
+        """Queue a request; its outputs go to `sink` from the engine thread. Raises ValueError
+        for a bad request, QueueFullError when the queue is at its bound."""
+        if prefill_url and self.decode is None:
+            raise RoleNotServedError(f"a {self.config.role} worker does not take KV from a prefill worker")
+
+        def add() -> None:
+            if len(self.engine.scheduler.waiting) >= self.max_queued:
+                raise QueueFullError(f"the worker's queue holds its maximum of {self.max_queued} requests")
+            remote = bool(prefill_url) and params.n == 1
+            if remote:
+                self.decode.targets[request_id] = prefill_url
+            try:
+                self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote)
+            except Exception:
+                if remote:
+                    self.decode.targets.pop(request_id, None)
+                raise
+            self.loop.sinks[request_id] = sink
+
+        self.loop.call_and_wait(add)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.call(lambda: self.engine.abort(request_id))
+
+    def accept_prefill(self, body: dict) -> tuple[str, str]:
+        if self.prefill is None:
+            raise RoleNotServedError(f"a {self.config.role} worker does not prefill for others")
+        return self.prefill.accept(body)
+
+    def abort_prefill(self, request_id: str, fence: int | None) -> None:
+        if self.prefill is not None:
+            self.loop.call(lambda: self.prefill.abort(request_id, fence))
+
+    def kv_info(self) -> dict:
+        if self.decode is None:
+            raise RoleNotServedError(f"a {self.config.role} worker receives no KV")
+        return {"layout": asdict(self.layout), "backends": self.offers}
+
+    def stats(self) -> dict:
+        return self.loop.call_and_wait(self._stats, timeout=10.0)
+
+    def _stats(self) -> dict:
+        sched, blocks = self.engine.scheduler, self.engine.block_manager
+        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued_prefill += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens)
+        out = {
+            "role": self.config.role,
+            "model_hash": self.layout.model_hash,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "waiting_for_kv": len(sched.waiting_for_kv),
+            "queued_prefill_tokens": queued_prefill,
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
+            "kv_blocks_free": blocks.num_free_blocks,
+            "step_latency_ewma_ms": self.loop.step_latency_ewma_s * 1e3,
+            "num_steps": self.loop.num_steps,
+            "num_preemptions": sched.num_preemptions,
+            "uptime_s": time.time() - self.started_at,
+        }
+        for part in (self.decode, self.prefill):
+            if part is not None:
+                out.update(part.stats())
+        return out
+
