@@ -97,6 +97,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.worker.main import run_worker
+
+    return run_worker(args, engine_kwargs(args))
+
+
 def cmd_bench_engine(argv: list[str]) -> int:
     from pdserve.bench.engine import main as bench_main
 
@@ -128,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("model")
     ex.add_argument("out_dir")
     ex.set_defaults(func=cmd_export)
+
+    from pdserve.worker.main import add_worker_args
+
+    wk = sub.add_parser("worker", help="one worker (prefill, decode or both) with its HTTP control endpoint")
+    add_engine_args(wk)
+    add_worker_args(wk)
+    wk.set_defaults(func=cmd_worker)
 
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)

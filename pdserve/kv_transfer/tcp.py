@@ -23,12 +23,13 @@ import torch
 
 from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, TransferStatus, kv_bytes_view
 from pdserve.kv_transfer.codec import (
-    AbortHeader, AckHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite, WriteHeader,
+    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite, WriteHeader,
     encode_frame, read_frame,
 )
 from pdserve.kv_transfer.quant import gather_slots, quantize
 
 CONNECT_TIMEOUT_S = 5.0
+CLAIM_TIMEOUT_S = 10.0
 
 
 class TcpSender:
@@ -232,6 +233,59 @@ class TcpSender:
 
     def _on_ack(self, ack: AckHeader) -> None:
         """Acknowledgements of claims (in-place writers); plain tcp sends none."""
+
+
+class InPlaceSender(TcpSender):
+    """Writes the bytes into the decode worker's memory itself (shared memory, NIXL); the socket
+    carries only frames. A lease is CLAIMed before its first write: the decode worker confirms it
+    is open and binds it to this peer, and from then on waits for this peer's acknowledgement
+    before reusing its blocks."""
+
+    def _setup(self, peer: dict) -> None:
+        if self.encoding != "raw":
+            raise TransferError(f"{self.backend} writes the cache's own dtype in place; drop --kv-transfer-dtype")
+        self._claims: dict[int, threading.Event] = {}
+        self._claimed: dict[int, bool] = {}
+
+    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+        """Write one layer's KV of positions [start, end) into the peer's slots; returns bytes."""
+        raise NotImplementedError
+
+    peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
+
+    def _write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
+        if any(s + n > self.peer_slots for s, n in lease.slot_runs(start, end)):
+            raise TransferError(f"lease {lease.fence} names blocks outside the decode worker's pool")
+        if not self._claim(lease):
+            return
+        self.bytes_sent += self._copy(lease, layer, start, end, src_runs)
+        self._send(encode_frame(WriteHeader(lease.request_id, lease.fence, layer, start, end - start, "direct")))
+
+    def _claim(self, lease: Lease) -> bool:
+        if lease.fence in self._claimed:
+            return self._claimed[lease.fence]
+        event = self._claims.setdefault(lease.fence, threading.Event())
+        self._send(encode_frame(ClaimHeader(lease.request_id, lease.fence)))
+        if not event.wait(CLAIM_TIMEOUT_S):
+            raise TransferError(f"the decode worker did not answer the claim of lease {lease.fence}")
+        ok = self._claimed.get(lease.fence, False)
+        if not ok:
+            self._aborted_fences.add(lease.fence)
+        return ok
+
+    def _forget_lease(self, lease: Lease) -> None:
+        self._claimed.pop(lease.fence, None)
+
+    def _on_ack(self, ack: AckHeader) -> None:
+        event = self._claims.pop(ack.fence, None)
+        if event is not None:
+            self._claimed[ack.fence] = ack.ok
+            event.set()
+
+    def close(self) -> None:
+        super().close()
+        for event in list(self._claims.values()):
+            event.set()
 
 
 def _no_payload(header: WriteHeader, size: int) -> list[memoryview]:

@@ -112,6 +112,9 @@ class Worker:
             self.offers["tcp"] = addr
             if self._pool is not None:
                 self.offers["shm"] = {**addr, "path": self._pool.path, "num_slots": self.engine.runner.kv_cache.shape[1]}
+            if "nixl" in self.transfer and "nixl" in sender_types():
+                from pdserve.kv_transfer.nixl import local_agent
+                self.offers["nixl"] = {**addr, **local_agent(self.engine.runner.kv_cache).offer()}
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         if self.prefill is not None:
             self.prefill.attach(self.engine, self.layout, self.loop.call)

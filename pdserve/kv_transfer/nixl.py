@@ -1,0 +1,147 @@
+"""KV transfer through NVIDIA NIXL (UCX): one-sided WRITEs into the decode worker's registered pool.
+
+This is the path GPU clusters take (RDMA, NVLink through UCX); on CPU hosts UCX moves DRAM over
+shared memory or TCP. Each worker process has one NIXL agent with its whole KV cache registered.
+A decode worker offers its agent's metadata (NIXL's own binary format, base64 in JSON) and the
+pool's base address on its control endpoint; a prefill worker adds it as a remote agent and,
+after CLAIMing a lease over the frame socket, WRITEs each layer's slot runs straight into the
+decode pool, reporting each write with a "direct" frame (see `InPlaceSender`).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import threading
+import time
+
+import torch
+
+from pdserve.kv_transfer.base import Lease, TransferError
+from pdserve.kv_transfer.tcp import InPlaceSender
+
+XFER_TIMEOUT_S = 30.0
+_agents: dict[int, _Agent] = {}
+_agents_lock = threading.Lock()
+
+
+def _nixl_api():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def nixl_available() -> bool:
+    try:
+        _nixl_api()
+    except ImportError:
+        return False
+    return True
+
+
+class _Agent:
+    """This process's NIXL agent, with the KV cache registered once."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        nixl_agent, nixl_agent_config = _nixl_api()
+        self.name = f"pdserve-{os.getpid()}-{secrets.token_hex(4)}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in self.agent.backends:
+            raise TransferError("NIXL has no UCX backend on this machine")
+        self.kv_cache = kv_cache
+        self.mem = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.device_id = kv_cache.device.index or 0
+        self.registration = self.agent.register_memory(self.agent.get_reg_descs([kv_cache]))
+        self.remotes: dict[bytes, str] = {}
+        self.lock = threading.Lock()
+
+    def offer(self) -> dict:
+        return {
+            "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "base_addr": self.kv_cache.data_ptr(),
+            "num_slots": self.kv_cache.shape[1],
+            "mem": self.mem,
+            "device_id": self.device_id,
+        }
+
+    def remote(self, metadata: bytes) -> str:
+        with self.lock:
+            name = self.remotes.get(metadata)
+            if name is None:
+                name = self.agent.add_remote_agent(metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                self.remotes[metadata] = name
+            return name
+
+
+def local_agent(kv_cache: torch.Tensor) -> _Agent:
+    with _agents_lock:
+        agent = _agents.get(kv_cache.data_ptr())
+        if agent is None:
+            agent = _agents[kv_cache.data_ptr()] = _Agent(kv_cache)
+        return agent
+
+
+def paired_runs(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Cut two run lists of equal total length at each other's boundaries: (src, dst, count)."""
+    out, i, j, si, dj = [], 0, 0, 0, 0
+    while i < len(src) and j < len(dst):
+        n = min(src[i][1] - si, dst[j][1] - dj)
+        out.append((src[i][0] + si, dst[j][0] + dj, n))
+        si, dj = si + n, dj + n
+        if si == src[i][1]:
+            i, si = i + 1, 0
+        if dj == dst[j][1]:
+            j, dj = j + 1, 0
+    return out
+
+
+class NixlSender(InPlaceSender):
+    backend = "nixl"
+
+    def _setup(self, peer: dict) -> None:
+        super()._setup(peer)
+        if not nixl_available():
+            raise TransferError("NIXL is not installed (pip install 'pdserve[nixl]')")
+        try:
+            metadata = base64.b64decode(peer["agent_metadata"], validate=True)
+            self.peer_base = int(peer["base_addr"])
+            self.peer_slots = int(peer["num_slots"])
+            self.peer_mem = str(peer.get("mem", "DRAM"))
+            self.peer_device = int(peer.get("device_id", 0))
+        except (KeyError, ValueError, TypeError) as e:
+            raise TransferError(f"bad NIXL offer from the decode worker: {e}") from None
+        if self.peer_mem not in ("DRAM", "VRAM"):
+            raise TransferError(f"bad NIXL memory type {self.peer_mem!r}")
+        self.nixl = local_agent(self.kv_cache)
+        try:
+            self.peer_agent = self.nixl.remote(metadata)
+        except Exception as e:  # NIXL raises its own error types
+            raise TransferError(f"NIXL could not add the decode worker's agent: {e}") from None
+
+    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+        slot_bytes = self.layout.slot_bytes
+        local_base = self.kv_cache.data_ptr() + layer * self.kv_cache.shape[1] * slot_bytes
+        peer_base = self.peer_base + layer * self.peer_slots * slot_bytes
+        pieces = paired_runs(src_runs, lease.slot_runs(start, end))
+        local = [(local_base + s * slot_bytes, n * slot_bytes, self.nixl.device_id) for s, _, n in pieces]
+        remote = [(peer_base + d * slot_bytes, n * slot_bytes, self.peer_device) for _, d, n in pieces]
+        agent = self.nixl.agent
+        handle = agent.initialize_xfer(
+            "WRITE", agent.get_xfer_descs(local, self.nixl.mem), agent.get_xfer_descs(remote, self.peer_mem),
+            self.peer_agent)
+        try:
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + XFER_TIMEOUT_S
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError("NIXL write timed out")
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"NIXL write failed ({state})")
+        finally:
+            agent.release_xfer_handle(handle)
+        return sum(n for _, n, _ in local)

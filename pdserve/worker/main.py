@@ -1,0 +1,62 @@
+"""`pdserve worker`: one worker process, serving its control endpoint until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+from pdserve.config import EngineConfig
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    g.add_argument("--host", default="127.0.0.1", help="address of the control endpoint and KV port")
+    g.add_argument("--port", type=int, default=8100, help="control endpoint port (0: any free one)")
+    g.add_argument("--kv-port", type=int, default=0, help="decode: KV transfer port (0: any free one)")
+    g.add_argument("--transfer", default="shm,tcp",
+                   help="KV transfer backends in order of preference: nixl, tcp, shm (comma-separated)")
+    g.add_argument("--kv-transfer-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="decode: ask prefill workers to send KV quantized (tcp, nixl)")
+    g.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                   help="decode: seconds to wait for a prompt's KV before computing it here")
+    g.add_argument("--decode-headroom-tokens", type=int, default=64,
+                   help="decode: free KV a reservation must leave for generation")
+    g.add_argument("--max-queued", type=int, default=256, help="waiting requests before new ones are refused")
+    g.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""),
+                   help="shared secret for the control endpoint and KV connections (env PDSERVE_TOKEN)")
+
+
+def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    import uvicorn
+
+    from pdserve.models.registry import resolve_model
+    from pdserve.worker.server import create_app
+    from pdserve.worker.worker import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t0 = time.perf_counter()
+    config = EngineConfig(model=resolve_model(args.model), role=args.role,
+                          decode_headroom_tokens=args.decode_headroom_tokens, **engine_kwargs)
+    worker = Worker(
+        config, [t.strip() for t in args.transfer.split(",") if t.strip()], args.token, args.host, args.kv_port,
+        args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
+    )
+    worker.start()
+    sock = socket.create_server((args.host, args.port))
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    ready = {"event": "ready", "url": url, "role": args.role, "kv": worker.offers,
+             "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
+    print(json.dumps(ready), flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(worker, args.token), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        print(json.dumps({"event": "stopped", "url": url}), file=sys.stderr, flush=True)
+    return 0
