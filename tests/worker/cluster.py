@@ -1,0 +1,112 @@
+"""A prefill and a decode worker in this process, each behind its real HTTP endpoint."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from pdserve.config import EngineConfig
+from pdserve.kv_transfer.nixl import nixl_available
+from pdserve.worker.server import ServerThread, create_app
+from pdserve.worker.worker import Worker
+
+BACKENDS = ["tcp", "shm"] + (["nixl"] if nixl_available() else [])
+
+
+def engine_config(model: Path, role: str, **overrides: Any) -> EngineConfig:
+    args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)
+    args.update(overrides)
+    return EngineConfig(model=str(model), role=role, **args)
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + j * 7 + length) % 250 + 1 for j in range(length)]
+
+
+class WorkerServer:
+    def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None, **engine):
+        self.worker = Worker(engine_config(model, role, **engine), transfer, token=token, **(worker_args or {}))
+        self.worker.start()
+        self.server = ServerThread(create_app(self.worker, token)).start()
+        self.url = self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.worker.stop()
+
+    def is_idle(self) -> bool:
+        w = self.worker
+
+        def check() -> bool:
+            blocks, sched = w.engine.block_manager, w.engine.scheduler
+            return (
+                blocks.num_free_blocks == blocks.num_blocks
+                and not sched.has_unfinished()
+                and not w.engine.has_unfinished_requests()
+                and not (w.decode and (w.decode.leases or w.decode.targets))
+                and not (w.receiver and w.receiver.num_open_leases)
+                and not (w.prefill and w.prefill.shipments)
+            )
+        return w.loop.call_and_wait(check)
+
+
+class Cluster:
+    """`with Cluster(model, "tcp") as c:` one prefill worker, one decode worker."""
+
+    def __init__(self, model: Path, backend: str, prefill: dict | None = None, decode: dict | None = None,
+                 token: str = "", decode_worker: dict | None = None) -> None:
+        self.p = WorkerServer(model, "prefill", [backend], token, **(prefill or {}))
+        self.d = WorkerServer(model, "decode", [backend], token, worker_args=decode_worker,
+                              **{"block_size": 8, **(decode or {})})
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(timeout=60, headers=self.headers)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.p.stop()
+        self.d.stop()
+
+    def body(self, tokens: list[int], max_tokens: int = 8, prefill: bool = True, **sampling: Any) -> dict:
+        return {
+            "prompt_token_ids": tokens,
+            "sampling": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, **sampling},
+            "prefill_url": self.p.url if prefill else None,
+        }
+
+    def stream(self, tokens: list[int], **kw: Any) -> Iterator[dict]:
+        with self.http.stream("POST", self.d.url + "/v1/generate", json=self.body(tokens, **kw)) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                yield json.loads(line)
+
+    def generate(self, tokens: list[int], **kw: Any) -> tuple[list[int], dict]:
+        lines = list(self.stream(tokens, **kw))
+        return [t for line in lines for t in line["outputs"][0]["token_ids"]], lines[-1]
+
+    def generate_many(self, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
+        results: list = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            results[i] = self.generate(prompts[i], **kw)[0]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return results
+
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """Both workers back to no request, no lease, every block free (the leak check)."""
+        deadline = time.monotonic() + timeout
+        while not (self.p.is_idle() and self.d.is_idle()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle: prefill {self.p.worker.stats()}, decode {self.d.worker.stats()}")
+            time.sleep(0.05)
