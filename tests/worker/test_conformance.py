@@ -1,0 +1,165 @@
+"""One conformance suite for every backend: aborts at each stage, a side lost mid-transfer, and
+after each case every block on both sides free again."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from pdserve import SamplingParams
+from tests.factories import make_llm
+from tests.worker.cluster import BACKENDS, Cluster, prompt
+
+LONG = 120  # 4 prefill chunks of 32 tokens
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama):
+    return make_llm(tiny_llama, block_size=4)
+
+
+def expected(llm, tokens, max_tokens=8):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": tokens}, sp)[0].outputs[0].token_ids
+
+
+def gate_after_first_step(worker) -> tuple[threading.Event, threading.Event]:
+    """Hold the prefill worker's engine after its first step's KV went out."""
+    reached, release = threading.Event(), threading.Event()
+    role = worker.prefill
+    original = role.after_execute
+
+    def after_execute(step):
+        original(step)
+        if not reached.is_set():
+            reached.set()
+            release.wait(20)
+    role.after_execute = after_execute
+    return reached, release
+
+
+def start_stream(c: Cluster, tokens, **kw):
+    """A request streaming in the background; returns (thread, box with tokens or error)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["tokens"], box["last"] = c.generate(tokens, **kw)
+        except Exception as e:
+            box["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def wait_for(predicate, timeout=10.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_while_prefill_is_queued(tiny_llama, backend):
+    with Cluster(tiny_llama, backend) as c:
+        hold = threading.Event()
+        c.p.worker.loop.call(lambda: hold.wait(20))  # the prefill engine is busy
+        t, box = start_stream(c, prompt(LONG), max_tokens=4)
+        wait_for(lambda: c.d.worker.engine.scheduler.waiting_for_kv)
+        rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
+        c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
+        t.join(20)
+        assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+        hold.set()
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_during_transfer(tiny_llama, backend):
+    with Cluster(tiny_llama, backend) as c:
+        reached, release = gate_after_first_step(c.p.worker)
+        t, box = start_stream(c, prompt(LONG), max_tokens=4)
+        assert reached.wait(20)  # the first chunk's layers are in decode's blocks
+        rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
+        c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
+        t.join(20)
+        assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+        release.set()
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_client_disconnect_during_decode(tiny_llama, backend):
+    with Cluster(tiny_llama, backend) as c:
+        with c.http.stream("POST", c.d.url + "/v1/generate", json=c.body(prompt(30), max_tokens=500)) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, backend):
+    tokens = prompt(LONG, seed=2)
+    with Cluster(tiny_llama, backend) as c:
+        reached, release = gate_after_first_step(c.p.worker)
+        t, box = start_stream(c, tokens)
+        assert reached.wait(20)
+        for sender in list(c.p.worker.prefill._senders.values()):
+            sender.close()  # the prefill worker's side of the link goes down
+        t.join(30)
+        assert box["tokens"] == expected(colocated, tokens)  # decode computed the prompt itself
+        assert c.d.worker.stats()["kv_recomputed"] == 1
+        release.set()
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unreachable_prefill_worker_means_recompute(tiny_llama, colocated, backend):
+    tokens = prompt(33, seed=5)
+    with Cluster(tiny_llama, backend) as c:
+        body = c.body(tokens)
+        body["prefill_url"] = "http://127.0.0.1:9"  # nothing listens there
+        r = c.http.post(c.d.url + "/v1/generate", json={**body, "stream": False})
+        got = [t for line in r.json() for t in line["outputs"][0]["token_ids"]]
+        assert got == expected(colocated, tokens)
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, backend):
+    with Cluster(tiny_llama, backend) as c:
+        reached, release = gate_after_first_step(c.p.worker)
+        t, box = start_stream(c, prompt(LONG, seed=3), max_tokens=4)
+        assert reached.wait(20)
+        c.d.worker.receiver.close()  # decode's KV side goes down
+        wait_for(lambda: not any(s.alive for s in c.p.worker.prefill._senders.values()))
+        release.set()
+        t.join(30)
+        c.wait_idle()  # prefill aborted its request and freed its blocks
+        assert c.p.worker.prefill.num_notified == 0
+
+
+def test_lease_timeout_falls_back_to_recompute(tiny_llama, colocated):
+    tokens = prompt(50, seed=9)
+    with Cluster(tiny_llama, "tcp", decode_worker={"lease_timeout_s": 0.5}) as c:
+        hold = threading.Event()
+        c.p.worker.loop.call(lambda: hold.wait(20))  # prefill never gets to it in time
+        got, _ = c.generate(tokens)
+        assert got == expected(colocated, tokens)
+        hold.set()
+        c.wait_idle()
+        assert c.d.worker.stats()["kv_recomputed"] == 1
+
+
+def test_token_required_everywhere(tiny_llama, colocated):
+    tokens = prompt(20)
+    with Cluster(tiny_llama, "tcp", token="s3cret") as c:
+        assert c.generate(tokens)[0] == expected(colocated, tokens)
+        r = httpx.post(c.d.url + "/v1/generate", json=c.body(tokens))
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(c.d.url + "/health").status_code == 200
+        c.wait_idle()
