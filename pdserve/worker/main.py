@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -54,6 +55,10 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
              "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
     print(json.dumps(ready), flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(worker, args.token), log_level="warning"))
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: let that land here, so the
+    # worker still stops cleanly (connections closed, shared KV pool removed) and exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -163,3 +163,25 @@ def test_token_required_everywhere(tiny_llama, colocated):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(c.d.url + "/health").status_code == 200
         c.wait_idle()
+
+
+def test_model_mismatch_is_refused_and_decode_recomputes(tiny_models, colocated):
+    from tests.worker.cluster import WorkerServer
+
+    tokens = prompt(21, seed=4)
+    p = WorkerServer(tiny_models["qwen2"], "prefill", ["tcp"])
+    d = WorkerServer(tiny_models["llama"], "decode", ["tcp"])
+    try:
+        body = {"prompt_token_ids": tokens, "prefill_url": p.url, "stream": False,
+                "sampling": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}}
+        got = httpx.post(d.url + "/v1/generate", json=body, timeout=60).json()
+        assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected(colocated, tokens)
+        assert d.worker.stats()["kv_recomputed"] == 1
+        lease = {"request_id": "x", "fence": 1, "prompt_token_ids": tokens, "sampling": {}, "start": 0,
+                 "block_table": [0] * 6, "block_size": 4, "model_hash": d.worker.layout.model_hash,
+                 "decode": d.worker.offers}
+        r = httpx.post(p.url + "/v1/prefill", json=lease)
+        assert r.status_code == 409 and "model mismatch" in r.json()["error"]["message"]
+    finally:
+        p.stop()
+        d.stop()

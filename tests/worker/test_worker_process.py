@@ -1,0 +1,64 @@
+"""`pdserve worker` as real processes: a prefill and a decode worker on 127.0.0.1, the prefill
+worker killed outright, the decode worker stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+
+from pdserve import SamplingParams
+from tests.factories import make_llm
+from tests.worker.cluster import prompt
+
+
+def spawn(model, role, *extra):
+    cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--model", str(model), "--role", role, "--port", "0",
+           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--block-size", "4", "--threads", "1", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
+    reader.start()
+    reader.join(120)
+    assert line and line[0], f"worker did not start: {proc.stderr.read() if proc.poll() is not None else 'timeout'}"
+    ready = json.loads(line[0])
+    assert ready["event"] == "ready"
+    return proc, ready
+
+
+def test_workers_as_processes(tiny_llama):
+    tokens = prompt(45, seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = make_llm(tiny_llama).generate({"prompt_token_ids": tokens}, sp)[0].outputs[0].token_ids
+    p, p_ready = spawn(tiny_llama, "prefill")
+    d, d_ready = spawn(tiny_llama, "decode", "--transfer", "shm,tcp")
+    try:
+        body = {"prompt_token_ids": tokens, "prefill_url": p_ready["url"], "stream": False,
+                "sampling": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}}
+        with httpx.Client(timeout=60) as http:
+            got = http.post(d_ready["url"] + "/v1/generate", json=body).json()
+            assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
+            assert http.get(d_ready["url"] + "/stats").json()["kv_landed"] == 1
+            assert "pdserve_worker_kv_landed 1.0" in http.get(d_ready["url"] + "/metrics").text
+
+            p.kill()  # the prefill worker dies without a word
+            p.wait(10)
+            got = http.post(d_ready["url"] + "/v1/generate", json=body).json()
+            assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
+            stats = http.get(d_ready["url"] + "/stats").json()
+            assert stats["kv_recomputed"] == 1 and stats["kv_blocks_used"] == 0
+        pool = d_ready["kv"]["shm"]["path"]
+        assert os.path.exists(pool)
+        d.send_signal(signal.SIGTERM)
+        assert d.wait(20) == 0
+        assert not os.path.exists(pool)  # the shared pool went with it
+    finally:
+        for proc in (p, d):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
