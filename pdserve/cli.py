@@ -109,6 +109,12 @@ def cmd_bench_engine(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def cmd_bench_transfer(argv: list[str]) -> int:
+    from pdserve.bench.transfer import main as bench_main
+
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
+    sub.add_parser("bench-transfer", help="KV transfer speed per backend against raw limits; TTFT added",
+                   add_help=False)
     return parser
 
 
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench-engine":
         return cmd_bench_engine(argv[1:])
+    if argv and argv[0] == "bench-transfer":
+        return cmd_bench_transfer(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -58,10 +58,11 @@ class HelloHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class WriteHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: str
     fence: int  # the lease generation this write belongs to; stale ones are rejected
-    layer: int
+    layer: int  # the first of `num_layers` consecutive layers, payload in layer order
     start: int  # first token position
     num_tokens: int
     encoding: str = "raw"  # raw | int8 | fp8; "direct" when the bytes were written in place
+    num_layers: int = 1
 
 
 class ClaimHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

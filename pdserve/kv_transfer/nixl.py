@@ -85,6 +85,14 @@ def local_agent(kv_cache: torch.Tensor) -> _Agent:
         return agent
 
 
+def release_agent(kv_cache: torch.Tensor) -> None:
+    """Drop this cache's agent (deregistering its memory) before the cache goes away."""
+    with _agents_lock:
+        agent = _agents.pop(kv_cache.data_ptr(), None)
+    if agent is not None:
+        agent.agent.deregister_memory(agent.registration)
+
+
 def paired_runs(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Cut two run lists of equal total length at each other's boundaries: (src, dst, count)."""
     out, i, j, si, dj = [], 0, 0, 0, 0
@@ -122,13 +130,15 @@ class NixlSender(InPlaceSender):
         except Exception as e:  # NIXL raises its own error types
             raise TransferError(f"NIXL could not add the decode worker's agent: {e}") from None
 
-    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
         slot_bytes = self.layout.slot_bytes
-        local_base = self.kv_cache.data_ptr() + layer * self.kv_cache.shape[1] * slot_bytes
-        peer_base = self.peer_base + layer * self.peer_slots * slot_bytes
         pieces = paired_runs(src_runs, lease.slot_runs(start, end))
-        local = [(local_base + s * slot_bytes, n * slot_bytes, self.nixl.device_id) for s, _, n in pieces]
-        remote = [(peer_base + d * slot_bytes, n * slot_bytes, self.peer_device) for _, d, n in pieces]
+        local, remote = [], []
+        for layer in layers:
+            local_base = self.kv_cache.data_ptr() + layer * self.kv_cache.shape[1] * slot_bytes
+            peer_base = self.peer_base + layer * self.peer_slots * slot_bytes
+            local += [(local_base + s * slot_bytes, n * slot_bytes, self.nixl.device_id) for s, _, n in pieces]
+            remote += [(peer_base + d * slot_bytes, n * slot_bytes, self.peer_device) for _, d, n in pieces]
         agent = self.nixl.agent
         handle = agent.initialize_xfer(
             "WRITE", agent.get_xfer_descs(local, self.nixl.mem), agent.get_xfer_descs(remote, self.peer_mem),

@@ -25,10 +25,13 @@ def encoded_size(layout: KVLayout, num_tokens: int, encoding: str) -> int:
     raise ValueError(f"unknown KV encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
 
 
-def gather_slots(kv_cache: torch.Tensor, layer: int, runs: list[tuple[int, int]]) -> torch.Tensor:
-    """The KV of one layer at the given slot runs: [tokens, 2, kv_heads, head_dim]."""
+def gather_slots(kv_cache: torch.Tensor, layer: int | slice, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The KV of one layer (or a slice of layers) at the given slot runs, slots in order:
+    [tokens, 2, kv_heads, head_dim] (or [layers, tokens, ...])."""
     parts = [kv_cache[layer, s : s + n] for s, n in runs]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=0 if isinstance(layer, int) else 1)
 
 
 def quantize(kv: torch.Tensor, encoding: str) -> bytes:

@@ -167,6 +167,7 @@ class KVReceiver:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks and aborts are small
             conn = _Connection(self, sock)
             with self._lock:
                 self._conns.add(conn)
@@ -244,24 +245,26 @@ class _Connection:
 
     def _sink(self, h: WriteHeader, size: int) -> list[memoryview]:
         rx, layout = self.rx, self.rx.layout
+        layers = range(h.layer, h.layer + h.num_layers)
         with rx._lock:
             state = rx._live_state(h.request_id, h.fence, self)
             lease = state.lease
-            if not 0 <= h.layer < layout.num_layers:
-                raise FrameError(f"layer {h.layer} out of range")
-            if not lease.start <= h.start <= lease.received[h.layer] or h.start + h.num_tokens > lease.end:
+            if h.num_layers < 1 or not 0 <= h.layer or layers.stop > layout.num_layers:
+                raise FrameError(f"layers [{layers.start}, {layers.stop}) out of range")
+            if not all(lease.start <= h.start <= lease.received[i] for i in layers) or h.start + h.num_tokens > lease.end:
                 raise FrameError(f"positions [{h.start}, {h.start + h.num_tokens}) outside lease {lease.fence}")
             if h.encoding == "direct" and not state.direct:
                 raise FrameError("direct WRITE on an unclaimed lease")
-            expected = encoded_size(layout, h.num_tokens, h.encoding)
+            expected = h.num_layers * encoded_size(layout, h.num_tokens, h.encoding)
             if size != expected:
-                raise FrameError(f"WRITE of {h.num_tokens} tokens as {h.encoding} must carry {expected} bytes, got {size}")
+                raise FrameError(f"WRITE of {h.num_layers} x {h.num_tokens} tokens as {h.encoding} must carry "
+                                 f"{expected} bytes, got {size}")
             state.conn = self
             state.inflight += 1
         self._after_payload = (state, h)
         runs = lease.slot_runs(h.start, h.start + h.num_tokens)
         if h.encoding == "raw" and rx._kv_bytes is not None:
-            return [rx._kv_bytes[h.layer, s : s + n].numpy().data for s, n in runs]
+            return [rx._kv_bytes[i, s : s + n].numpy().data for i in layers for s, n in runs]
         if h.encoding == "direct":
             return []
         staging = torch.empty(size, dtype=torch.uint8)
@@ -273,14 +276,19 @@ class _Connection:
         if isinstance(header, WriteHeader):
             state, h, *staged = self._after_payload
             self._after_payload = None
+            layers = range(h.layer, h.layer + h.num_layers)
+            per_layer = encoded_size(rx.layout, h.num_tokens, h.encoding)
             if staged:
-                dequantize_into(rx.kv_cache, h.layer, staged[1], staged[0], rx.layout, h.encoding)
+                staging, runs = staged
+                for k, i in enumerate(layers):
+                    dequantize_into(rx.kv_cache, i, runs, staging[k * per_layer : (k + 1) * per_layer], rx.layout, h.encoding)
             direct = h.encoding == "direct"  # written in place: count what landed
-            rx.bytes_received += h.num_tokens * rx.layout.slot_bytes if direct else encoded_size(rx.layout, h.num_tokens, h.encoding)
+            rx.bytes_received += len(layers) * (h.num_tokens * rx.layout.slot_bytes if direct else per_layer)
             with rx._lock:
                 state.inflight -= 1
                 lease = state.lease
-                lease.received[h.layer] = max(lease.received[h.layer], h.start + h.num_tokens)
+                for i in layers:
+                    lease.received[i] = max(lease.received[i], h.start + h.num_tokens)
                 ready = rx._release_ready(state)
             if ready:
                 rx._release(state)

@@ -71,10 +71,10 @@ class ShmSender(InPlaceSender):
         self.peer_kv = map_peer_pool(str(peer.get("path", "")), self.layout, int(peer.get("num_slots", 0)))
         self.peer_slots = self.peer_kv.shape[1]
 
-    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
-        src = gather_slots(self.kv_cache, layer, src_runs)
+    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+        src = gather_slots(self.kv_cache[layers.start : layers.stop], slice(None), src_runs)
         offset = 0
         for slot, n in lease.slot_runs(start, end):
-            self.peer_kv[layer, slot : slot + n].copy_(src[offset : offset + n])
+            self.peer_kv[layers.start : layers.stop, slot : slot + n].copy_(src[:, offset : offset + n])
             offset += n
         return src.numel() * src.element_size()

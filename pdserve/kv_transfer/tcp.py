@@ -14,6 +14,7 @@ Subclasses (shared memory) write the bytes in place and send only the frames.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections import deque
@@ -28,8 +29,11 @@ from pdserve.kv_transfer.codec import (
 )
 from pdserve.kv_transfer.quant import gather_slots, quantize
 
+log = logging.getLogger("pdserve.kv_transfer")
+
 CONNECT_TIMEOUT_S = 5.0
 CLAIM_TIMEOUT_S = 10.0
+MAX_IOV = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 
 
 class TcpSender:
@@ -72,6 +76,7 @@ class TcpSender:
             sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=CONNECT_TIMEOUT_S)
         except (OSError, KeyError, ValueError) as e:
             raise TransferError(f"cannot reach the decode worker's KV port for {self.backend}: {e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are small and latency-bound
         try:
             lay = self.layout
             sock.sendmsg(encode_frame(HelloHeader(
@@ -91,7 +96,10 @@ class TcpSender:
     def write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
         """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs."""
         self._status.setdefault(lease.request_id, TransferStatus.PENDING)
-        self._push(("write", lease, layer, start, end, src_runs))
+        self._push(("write", lease, range(layer, layer + 1), start, end, src_runs))
+
+    def prepare(self, lease: Lease) -> None:
+        """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
 
     def notify(self, lease: Lease, first_token: int) -> None:
         self._push(("notify", lease, first_token))
@@ -143,16 +151,31 @@ class TcpSender:
                 if self._closed:
                     self._fail_all()
                     return
-                job = self._jobs.popleft()
+                job = self._coalesce(self._jobs.popleft())
                 self._busy = True
             try:
                 self._run(job)
-            except (OSError, TransferError):
+            except (OSError, TransferError) as e:
+                log.warning("KV link to the decode worker (%s) failed: %s", self.backend, e)
+                self.close()
+            except Exception:  # a bug must not leave requests waiting on a dead thread
+                log.exception("KV sender (%s) failed", self.backend)
                 self.close()
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _coalesce(self, job: tuple) -> tuple:
+        """Merge queued writes of the next layers of the same positions into one job (one copy,
+        one transfer, one send). Called under the lock."""
+        while job[0] == "write" and self._jobs:
+            nxt = self._jobs[0]
+            if not (nxt[0] == "write" and nxt[1] is job[1] and nxt[3:5] == job[3:5] and nxt[2].start == job[2].stop):
+                break
+            self._jobs.popleft()
+            job = ("write", job[1], range(job[2].start, nxt[2].stop), *job[3:])
+        return job
 
     def _run(self, job: tuple) -> None:
         kind, lease = job[0], job[1]
@@ -168,6 +191,8 @@ class TcpSender:
             return  # the peer gave this lease up: nothing more goes to it
         if kind == "write":
             self._write(lease, *job[2:])
+        elif kind == "claim":
+            self._claim(lease)
         elif kind == "notify":
             self._send(encode_frame(NotifyHeader(lease.request_id, lease.fence, job[2], lease.end)))
             self._status[lease.request_id] = TransferStatus.DONE
@@ -176,21 +201,23 @@ class TcpSender:
             self._send(encode_frame(AbortHeader(lease.request_id, lease.fence, job[2])))
             self._status[lease.request_id] = TransferStatus.ABORTED
 
-    def _write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        header = WriteHeader(lease.request_id, lease.fence, layer, start, end - start, self.encoding)
-        if self.encoding == "raw" and self._kv_bytes is not None:
-            payload = [self._kv_bytes[layer, s : s + n].numpy().data for s, n in src_runs]
-        elif self.encoding == "raw":
-            payload = [gather_slots(self.kv_cache, layer, src_runs).cpu().view(torch.uint8).numpy().data]
-        else:
-            payload = [quantize(gather_slots(self.kv_cache, layer, src_runs), self.encoding)]
+    def _write(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
+        payload = []
+        for layer in layers:
+            if self.encoding == "raw" and self._kv_bytes is not None:
+                payload += [self._kv_bytes[layer, s : s + n].numpy().data for s, n in src_runs]
+            elif self.encoding == "raw":
+                payload.append(gather_slots(self.kv_cache, layer, src_runs).cpu().view(torch.uint8).numpy().data)
+            else:
+                payload.append(quantize(gather_slots(self.kv_cache, layer, src_runs), self.encoding))
+        header = WriteHeader(lease.request_id, lease.fence, layers.start, start, end - start, self.encoding, len(layers))
         self._send(encode_frame(header, *payload))
         self.bytes_sent += sum(memoryview(p).nbytes for p in payload)
 
     def _send(self, buffers: list) -> None:
         view_list = [memoryview(b).cast("B") for b in buffers]
         while view_list:
-            sent = self.sock.sendmsg(view_list)
+            sent = self.sock.sendmsg(view_list[:MAX_IOV])
             while sent and view_list:
                 if sent >= view_list[0].nbytes:
                     sent -= view_list[0].nbytes
@@ -247,19 +274,23 @@ class InPlaceSender(TcpSender):
         self._claims: dict[int, threading.Event] = {}
         self._claimed: dict[int, bool] = {}
 
-    def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
-        """Write one layer's KV of positions [start, end) into the peer's slots; returns bytes."""
-        raise NotImplementedError
-
     peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
 
-    def _write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
+    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+        """Write these layers' KV of positions [start, end) into the peer's slots; returns bytes."""
+        raise NotImplementedError
+
+    def _write(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
         if any(s + n > self.peer_slots for s, n in lease.slot_runs(start, end)):
             raise TransferError(f"lease {lease.fence} names blocks outside the decode worker's pool")
         if not self._claim(lease):
             return
-        self.bytes_sent += self._copy(lease, layer, start, end, src_runs)
-        self._send(encode_frame(WriteHeader(lease.request_id, lease.fence, layer, start, end - start, "direct")))
+        self.bytes_sent += self._copy(lease, layers, start, end, src_runs)
+        self._send(encode_frame(
+            WriteHeader(lease.request_id, lease.fence, layers.start, start, end - start, "direct", len(layers))))
+
+    def prepare(self, lease: Lease) -> None:
+        self._push(("claim", lease))
 
     def _claim(self, lease: Lease) -> bool:
         if lease.fence in self._claimed:

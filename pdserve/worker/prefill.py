@@ -78,6 +78,7 @@ class PrefillRole(RoleHooks):
             self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params)
             self.shipments[engine_id] = Shipment(sender, lease, start)
 
+        sender.prepare(lease)
         self.call(add)
         return engine_id, backend
 

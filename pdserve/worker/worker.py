@@ -128,6 +128,9 @@ class Worker:
         for part in (self.prefill, self.decode, self.receiver):
             if part is not None:
                 part.close()
+        if "nixl" in self.transfer and "nixl" in sender_types():
+            from pdserve.kv_transfer.nixl import release_agent
+            release_agent(self.engine.runner.kv_cache)
         if self._pool is not None:
             self._pool.close()
 
