@@ -171,6 +171,7 @@ class Scheduler:
         if req is None:
             return None
         assert req.status == RequestStatus.WAITING_FOR_KV
+        req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)

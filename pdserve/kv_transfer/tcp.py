@@ -27,7 +27,7 @@ from pdserve.kv_transfer.codec import (
     AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite, WriteHeader,
     encode_frame, read_frame,
 )
-from pdserve.kv_transfer.quant import gather_slots, quantize
+from pdserve.kv_transfer.quant import encoded_size, gather_slots, quantize
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -168,8 +168,12 @@ class TcpSender:
 
     def _coalesce(self, job: tuple) -> tuple:
         """Merge queued writes of the next layers of the same positions into one job (one copy,
-        one transfer, one send). Called under the lock."""
-        while job[0] == "write" and self._jobs:
+        one transfer, one frame), up to a quarter of the frame size limit. Called under the lock."""
+        if job[0] != "write":
+            return job
+        per_layer = max(1, encoded_size(self.layout, job[4] - job[3], self.encoding))
+        max_layers = max(1, self.limits.max_payload_bytes // 4 // per_layer)
+        while self._jobs and len(job[2]) < max_layers:
             nxt = self._jobs[0]
             if not (nxt[0] == "write" and nxt[1] is job[1] and nxt[3:5] == job[3:5] and nxt[2].start == job[2].stop):
                 break

@@ -16,6 +16,7 @@ Lifecycle of a request with a prefill worker, on the decode worker:
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -101,7 +102,7 @@ class DecodeRole(RoleHooks):
         while True:
             try:
                 event: ReceiverEvent = self.receiver.events.get_nowait()
-            except Exception:
+            except queue.Empty:
                 break
             self._on_event(event)
         now = time.monotonic()

@@ -41,6 +41,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from pdserve.worker.worker import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a prefill worker
     t0 = time.perf_counter()
     config = EngineConfig(model=resolve_model(args.model), role=args.role,
                           decode_headroom_tokens=args.decode_headroom_tokens, **engine_kwargs)

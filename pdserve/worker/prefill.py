@@ -51,13 +51,14 @@ class PrefillRole(RoleHooks):
         self.engine: LLMEngine | None = None
         self.layout: KVLayout | None = None
         self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
+        self.call_and_wait: Callable[[Callable[[], object]], object] = lambda fn: fn()
         self.shipments: dict[str, Shipment] = {}  # by engine request id
         self._senders: dict[tuple, TcpSender] = {}
         self._connect_lock = threading.Lock()
         self.num_notified = 0
 
-    def attach(self, engine: LLMEngine, layout: KVLayout, call) -> None:
-        self.engine, self.layout, self.call = engine, layout, call
+    def attach(self, engine: LLMEngine, layout: KVLayout, call, call_and_wait) -> None:
+        self.engine, self.layout, self.call, self.call_and_wait = engine, layout, call, call_and_wait
 
     # -- a lease arrives (HTTP thread) ---------------------------------------------------------
 
@@ -79,7 +80,7 @@ class PrefillRole(RoleHooks):
             self.shipments[engine_id] = Shipment(sender, lease, start)
 
         sender.prepare(lease)
-        self.call(add)
+        self.call_and_wait(add)  # a prompt the engine refuses is refused to the decode worker now
         return engine_id, backend
 
     def _sender_for(self, offers: dict, kv_dtype: str) -> tuple[TcpSender, str]:

@@ -117,7 +117,7 @@ class Worker:
                 self.offers["nixl"] = {**addr, **local_agent(self.engine.runner.kv_cache).offer()}
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         if self.prefill is not None:
-            self.prefill.attach(self.engine, self.layout, self.loop.call)
+            self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.call_and_wait)
         self.started_at = time.time()
 
     def start(self) -> None:

@@ -106,3 +106,16 @@ def test_reservations_count_against_max_num_seqs():
     for r in reqs:
         sched.finish(r.request_id, RequestStatus.FINISHED_ABORTED)
     assert_no_leaks(sched.blocks)
+
+
+def test_a_landed_request_preempted_later_recomputes_here():
+    sched, hooks = scheduler(num_blocks=16, headroom=0)
+    req = remote(num_prompt_tokens=8, max_tokens=6)
+    sched.add(req)
+    sched.schedule()
+    sched.kv_landed(req.request_id, 3)
+    sched._preempt(req)
+    for _ in range(20):
+        run_fake_step(sched)
+    assert req.status == RequestStatus.FINISHED_LENGTH and hooks.reserved == [req.request_id]
+    assert_no_leaks(sched.blocks)

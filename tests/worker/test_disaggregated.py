@@ -80,3 +80,15 @@ def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
             agree = sum(a == b for a, b in zip(got, expected))
             assert agree >= len(prompts) - 1, f"{dtype}: {agree}/{len(prompts)} identical"
             c.wait_idle()
+
+
+def test_small_decode_pool_preempts_instead_of_deadlocking(tiny_llama, colocated):
+    # room for about three requests: reservations wait for headroom, growing decodes get preempted
+    prompts = [prompt(40, seed=i) for i in range(8)]
+    expected = reference(colocated, prompts, max_tokens=30)
+    with Cluster(tiny_llama, "tcp", decode={"kv_cache_memory": "128KiB", "decode_headroom_tokens": 16}) as c:
+        assert c.generate_many(prompts, max_tokens=30) == expected
+        c.wait_idle()
+        stats = c.d.worker.stats()
+        assert stats["kv_blocks_total"] == 32
+        assert stats["kv_landed"] + stats["kv_recomputed"] == len(prompts)
