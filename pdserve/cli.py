@@ -110,9 +110,9 @@ def cmd_bench_engine(argv: list[str]) -> int:
 
 
 def cmd_bench_transfer(argv: list[str]) -> int:
-    from pdserve.bench.transfer import main as bench_main
+    from pdserve.bench.transfer import command
 
-    return bench_main(argv)
+    return command(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

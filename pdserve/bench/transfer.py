@@ -1,10 +1,12 @@
 """`pdserve bench-transfer`: how fast KV moves between a prefill and a decode worker, against the
 raw limit measured in the same run, and what the transfer adds to time to first token.
 
-1. Raw limits: a memcpy of the same bytes (the ceiling of `shm`) and a loopback TCP stream
-   received into memory (the ceiling of `tcp` and, on a CPU host, of `nixl`).
+1. Raw limits: a memcpy of the same bytes (into plain memory, and into a shared-memory mapping:
+   the ceiling of `shm`) and a loopback TCP stream received into memory (the ceiling of `tcp`
+   and, on a CPU host, of `nixl`).
 2. Transfer only: every layer of an n-token prompt pushed through each backend's real sender and
-   receiver (the workers' own classes) into leased blocks, timed from the first write to LANDED.
+   receiver (the workers' own classes) into leased blocks, timed from the first write to LANDED;
+   limits and backends take turns, best of `--reps` each.
 3. Time to first token of one long prompt: decode computing the prompt itself (colocated) against
    decode receiving it from a prefill worker (disaggregated), both in this process on the same
    cores, prefix caching off, turns taken.
@@ -54,103 +56,131 @@ def _timed(fn) -> float:
 
 # -- 1. raw limits ----------------------------------------------------------------------------
 
-def memcpy_gbs(num_bytes: int, reps: int = 5) -> float:
-    src = torch.ones(num_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return num_bytes / _best(lambda: dst.copy_(src), reps) / 1e9
+class Memcpy:
+    """One copy of the KV's bytes: into plain memory, or into a shared-memory mapping (what `shm`
+    writes into: the fair ceiling for it, as such mappings may not get huge pages)."""
+
+    def __init__(self, num_bytes: int, shared: bool) -> None:
+        self.src = torch.ones(num_bytes, dtype=torch.uint8)
+        self.pool = SharedKVPool((num_bytes,), torch.uint8) if shared else None
+        self.dst = self.pool.tensor if shared else torch.empty_like(self.src)
+
+    def once(self) -> None:
+        self.dst.copy_(self.src)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
-def loopback_gbs(num_bytes: int, reps: int = 3, chunk: int = 1 << 20) -> float:
-    """A TCP stream over 127.0.0.1, sent from a thread and received into one buffer with recv_into."""
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname()[:2])
-    conn, _ = server.accept()
-    payload = memoryview(bytearray(chunk))
-    sink = memoryview(bytearray(num_bytes))
+class Loopback:
+    """A TCP stream over 127.0.0.1, sent from a thread, received into one buffer with recv_into."""
 
-    def send() -> None:
-        left = num_bytes
+    def __init__(self, num_bytes: int, chunk: int = 1 << 20) -> None:
+        self.num_bytes, self.chunk = num_bytes, chunk
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.client = socket.create_connection(self.server.getsockname()[:2])
+        self.conn, _ = self.server.accept()
+        self.payload = memoryview(bytearray(chunk))
+        self.sink = memoryview(bytearray(num_bytes))
+
+    def _send(self) -> None:
+        left = self.num_bytes
         while left:
-            n = min(chunk, left)
-            client.sendall(payload[:n])
+            n = min(self.chunk, left)
+            self.client.sendall(self.payload[:n])
             left -= n
 
-    def once() -> None:
-        t = threading.Thread(target=send)
+    def once(self) -> None:
+        t = threading.Thread(target=self._send)
         t.start()
         got = 0
-        while got < num_bytes:
-            got += conn.recv_into(sink[got:])
+        while got < self.num_bytes:
+            got += self.conn.recv_into(self.sink[got:])
         t.join()
 
-    try:
-        return num_bytes / _best(once, reps) / 1e9
-    finally:
-        for s in (client, conn, server):
+    def close(self) -> None:
+        for s in (self.client, self.conn, self.server):
             s.close()
 
 
 # -- 2. transfer only ---------------------------------------------------------------------------
 
-def transfer_gbs(cfg: ArchConfig, dtype: torch.dtype, backend: str, num_tokens: int, encoding: str = "raw",
-                 reps: int = 3) -> dict[str, float]:
-    """Push every layer of `num_tokens` through `backend` into leased blocks; best of `reps`."""
-    layout = KVLayout.of(cfg, dtype)
-    block = 16
-    slots = -(-num_tokens // block) * block
-    shape = (cfg.num_layers, slots, 2, cfg.num_kv_heads, cfg.head_dim)
-    src = torch.randn(shape).to(dtype)
-    pool = SharedKVPool(shape, dtype) if backend == "shm" else None
-    dst = pool.tensor if pool is not None else torch.zeros(shape, dtype=dtype)
-    events: queue.Queue = queue.Queue()
-    rx = KVReceiver(layout, dst, events)
-    peer: dict[str, Any] = {"host": rx.address[0], "port": rx.address[1]}
-    if backend == "shm":
-        peer.update(path=pool.path, num_slots=slots)
-    if backend == "nixl":
-        from pdserve.kv_transfer.nixl import NixlSender, local_agent
-        peer.update(local_agent(dst).offer())
-        sender_type = NixlSender
-    else:
-        sender_type = {"tcp": TcpSender, "shm": ShmSender}[backend]
-    sender = sender_type(layout, src, peer, encoding=encoding)
-    table = list(range(slots // block))
-    runs = [(0, num_tokens)]
-    fences = iter(range(1, 1 << 30))
+class Link:
+    """Every layer of an n-token prompt through one backend's real sender and receiver into leased
+    blocks, from the first write to LANDED (the lease is claimed before, as a prefill worker does
+    on accepting it, while it computes)."""
 
-    def once() -> None:
-        lease = Lease("bench", next(fences), table, block, 0, num_tokens, time.monotonic() + 600)
-        rx.open_lease(lease)
-        sender.prepare(lease)  # as a prefill worker does on accepting a lease, while it computes
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, backend: str, num_tokens: int, encoding: str = "raw"):
+        self.cfg, self.backend, self.num_tokens, self.encoding = cfg, backend, num_tokens, encoding
+        layout = KVLayout.of(cfg, dtype)
+        self.block = 16
+        slots = -(-num_tokens // self.block) * self.block
+        shape = (cfg.num_layers, slots, 2, cfg.num_kv_heads, cfg.head_dim)
+        self.src = torch.randn(shape).to(dtype)
+        self.pool = SharedKVPool(shape, dtype) if backend == "shm" else None
+        self.dst = self.pool.tensor if self.pool is not None else torch.zeros(shape, dtype=dtype)
+        self.events: queue.Queue = queue.Queue()
+        self.rx = KVReceiver(layout, self.dst, self.events)
+        peer: dict[str, Any] = {"host": self.rx.address[0], "port": self.rx.address[1]}
+        if backend == "shm":
+            peer.update(path=self.pool.path, num_slots=slots)
+        if backend == "nixl":
+            from pdserve.kv_transfer.nixl import NixlSender, local_agent
+            peer.update(local_agent(self.dst).offer())
+            sender_type = NixlSender
+        else:
+            sender_type = {"tcp": TcpSender, "shm": ShmSender}[backend]
+        self.sender = sender_type(layout, self.src, peer, encoding=encoding)
+        self.table = list(range(slots // self.block))
+        self.fences = iter(range(1, 1 << 30))
+
+    def once(self) -> float:
+        n, sender = self.num_tokens, self.sender
+        lease = Lease("bench", next(self.fences), self.table, self.block, 0, n, time.monotonic() + 600)
+        self.rx.open_lease(lease)
+        sender.prepare(lease)
         sender.flush()
-        for layer in range(cfg.num_layers):
-            sender.write(lease, layer, 0, num_tokens, runs)
+        t0 = time.perf_counter()
+        for layer in range(self.cfg.num_layers):
+            sender.write(lease, layer, 0, n, [(0, n)])
         sender.notify(lease, 0)
         while True:
             try:
-                event = events.get(timeout=1.0)
+                event = self.events.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not sender.alive:
-                    raise RuntimeError(f"the {backend} link failed during the transfer") from None
+                    raise RuntimeError(f"the {self.backend} link failed during the transfer") from None
+        seconds = time.perf_counter() - t0
         assert event.kind == EventKind.LANDED, event
         sender.forget(lease)
+        return seconds
 
-    try:
-        seconds = _best(once, reps)
-        if encoding == "raw":
-            assert torch.equal(dst[:, :num_tokens], src[:, :num_tokens]), f"{backend}: KV arrived changed"
-    finally:
-        sender.close()
-        rx.close()
-        if backend == "nixl":
+    def close(self) -> None:
+        if self.encoding == "raw":
+            n = self.num_tokens
+            assert torch.equal(self.dst[:, :n], self.src[:, :n]), f"{self.backend}: KV arrived changed"
+        self.sender.close()
+        self.rx.close()
+        if self.backend == "nixl":
             from pdserve.kv_transfer.nixl import release_agent
-            release_agent(src)
-            release_agent(dst)
-        if pool is not None:
-            pool.close()
-    kv_bytes = num_tokens * layout.slot_bytes * cfg.num_layers
-    return {"seconds": seconds, "kv_gbs": kv_bytes / seconds / 1e9, "kv_bytes": kv_bytes}
+            release_agent(self.src)
+            release_agent(self.dst)
+        if self.pool is not None:
+            self.pool.close()
+
+
+def take_turns(contenders: dict[str, Any], reps: int) -> dict[str, float]:
+    """Best seconds of each contender's `once()`, run in turns so that all see the same moments."""
+    best = {name: float("inf") for name in contenders}
+    for c in contenders.values():
+        c.once()  # warm up: page faults, connections, claims
+    for _ in range(reps):
+        for name, c in contenders.items():
+            seconds = c.once() if isinstance(c, Link) else _timed(c.once)
+            best[name] = min(best[name], seconds)
+    return best
 
 
 # -- 3. time to first token ---------------------------------------------------------------------
@@ -290,28 +320,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"model": args.model or "default", "dtype": args.dtype, "environment": environment(),
                               "threads": torch.get_num_threads(), "kv_bytes_per_token": layout.slot_bytes * cfg.num_layers}
     rows = []
-    for n in args.sizes:
+    for n in args.sizes if "transfer" in args.parts else []:
         num_bytes = n * layout.slot_bytes * cfg.num_layers
-        _log(f"raw limits for {n} tokens ({num_bytes / 1e6:.0f} MB of KV)")
-        raw = {"memcpy": memcpy_gbs(num_bytes), "loopback": loopback_gbs(num_bytes)}
+        _log(f"{n} tokens ({num_bytes / 1e6:.0f} MB of KV): raw limits and {', '.join(backends)}, in turns")
+        contenders: dict[str, Any] = {"memcpy": Memcpy(num_bytes, shared=False),
+                                      "memcpy into shared memory": Memcpy(num_bytes, shared=True),
+                                      "loopback tcp": Loopback(num_bytes)}
         for backend in backends:
             for encoding in ["raw"] + (["int8"] if backend == "tcp" and args.quantized else []):
-                _log(f"{backend} ({encoding}), {n} tokens")
-                t = transfer_gbs(cfg, dtype, backend, n, encoding, reps=args.reps)
-                limit_name = "memcpy" if backend == "shm" else "loopback"
-                rows.append({"backend": backend, "encoding": encoding, "tokens": n, **t, "raw_limit": limit_name,
-                             "raw_gbs": raw[limit_name], "fraction_of_raw": t["kv_gbs"] / raw[limit_name]})
-                _log(f"  {t['kv_gbs']:.2f} GB/s of KV = {t['kv_gbs'] / raw[limit_name]:.0%} of {limit_name} "
-                     f"({raw[limit_name]:.2f} GB/s)")
+                contenders[f"{backend}:{encoding}"] = Link(cfg, dtype, backend, n, encoding)
+        try:
+            best = take_turns(contenders, args.reps)
+        finally:
+            for c in contenders.values():
+                c.close()
+        raw = {name: num_bytes / best[name] / 1e9 for name in ("memcpy", "memcpy into shared memory", "loopback tcp")}
+        _log("  raw: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in raw.items()))
+        for name, seconds in best.items():
+            if ":" not in name:
+                continue
+            backend, encoding = name.split(":")
+            limit = "memcpy into shared memory" if backend == "shm" else "loopback tcp"
+            gbs = num_bytes / seconds / 1e9
+            rows.append({"backend": backend, "encoding": encoding, "tokens": n, "seconds": seconds, "kv_gbs": gbs,
+                         "kv_bytes": num_bytes, "raw_limit": limit, "raw_gbs": raw[limit],
+                         "fraction_of_raw": gbs / raw[limit], "raw_limits_gbs": raw})
+            _log(f"  {name}: {gbs:.2f} GB/s of KV = {gbs / raw[limit]:.0%} of {limit}")
     result["transfer"] = rows
     result["ttft"] = []
-    for backend in backends:
+    for backend in backends if "ttft" in args.parts else []:
         _log(f"time to first token, {args.ttft_tokens}-token prompt, {backend}")
         r = ttft_comparison(model, args.dtype, backend, args.ttft_tokens, args.reps, cfg.vocab_size)
         _log(f"  colocated {r['colocated_ttft_s'] * 1e3:.0f} ms, disaggregated {r['disaggregated_ttft_s'] * 1e3:.0f} ms "
              f"(+{r['added_fraction']:.1%})")
         result["ttft"].append(r)
-    if args.quantized:
+    if args.quantized and "quantized" in args.parts:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, cfg.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(33, 400, (8,), generator=g)]
         result["quantized"] = []
@@ -356,22 +399,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-quantized", dest="quantized", action="store_false", help="skip the int8/fp8 runs")
     p.add_argument("--quant-tokens", type=int, default=32, help="tokens generated per prompt for greedy agreement")
+    p.add_argument("--parts", default="transfer,ttft,quantized", help="which parts to run (comma-separated)")
     p.add_argument("--quick", action="store_true", help="small sizes, one rep: a smoke run of every part")
     p.add_argument("--out", default="results/bench_transfer.json")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.ttft_tokens, args.reps, args.quant_tokens = "256", 256, 1, 8
     args.sizes = [int(s) for s in str(args.sizes).split(",")]
+    args.parts = set(args.parts.split(","))
     result = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(markdown(result))
     _log(f"wrote {out}")
-    if "nixl" in args.backends:
-        # NIXL's UCX threads sometimes abort the interpreter's own exit (std::terminate) after
-        # many agents came and went; every result is written, so leave without finalizers.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return 0
+
+
+def command(argv: list[str]) -> int:
+    """`pdserve bench-transfer` as a process: NIXL's UCX threads sometimes abort the interpreter's
+    own exit (std::terminate) after many agents came and went, so once every result is written
+    the process leaves without running finalizers."""
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

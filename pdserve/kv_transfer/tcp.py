@@ -171,8 +171,7 @@ class TcpSender:
         one transfer, one frame), up to a quarter of the frame size limit. Called under the lock."""
         if job[0] != "write":
             return job
-        per_layer = max(1, encoded_size(self.layout, job[4] - job[3], self.encoding))
-        max_layers = max(1, self.limits.max_payload_bytes // 4 // per_layer)
+        max_layers = self._max_layers_per_write(job[4] - job[3])
         while self._jobs and len(job[2]) < max_layers:
             nxt = self._jobs[0]
             if not (nxt[0] == "write" and nxt[1] is job[1] and nxt[3:5] == job[3:5] and nxt[2].start == job[2].stop):
@@ -180,6 +179,10 @@ class TcpSender:
             self._jobs.popleft()
             job = ("write", job[1], range(job[2].start, nxt[2].stop), *job[3:])
         return job
+
+    def _max_layers_per_write(self, num_tokens: int) -> int:
+        per_layer = max(1, encoded_size(self.layout, num_tokens, self.encoding))
+        return max(1, self.limits.max_payload_bytes // 4 // per_layer)
 
     def _run(self, job: tuple) -> None:
         kind, lease = job[0], job[1]
@@ -279,6 +282,9 @@ class InPlaceSender(TcpSender):
         self._claimed: dict[int, bool] = {}
 
     peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
+
+    def _max_layers_per_write(self, num_tokens: int) -> int:
+        return self.layout.num_layers  # frames carry no payload: no size limit to respect
 
     def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
         """Write these layers' KV of positions [start, end) into the peer's slots; returns bytes."""

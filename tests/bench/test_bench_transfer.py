@@ -1,0 +1,47 @@
+"""The transfer benchmark on a tiny model: every part runs, KV arrives intact, the JSON has its
+shape; never a speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pdserve.bench.transfer as bench
+from pdserve.models.arch_config import ArchConfig
+from tests.worker.cluster import BACKENDS
+
+
+def test_links_and_limits_take_turns(tiny_llama):
+    cfg = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    num_bytes = 100 * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    contenders = {"memcpy": bench.Memcpy(num_bytes, shared=True), "loopback": bench.Loopback(num_bytes)}
+    for backend in BACKENDS:
+        contenders[backend] = bench.Link(cfg, torch.float32, backend, 100)
+    contenders["tcp-int8"] = bench.Link(cfg, torch.float32, "tcp", 100, "int8")
+    try:
+        best = bench.take_turns(contenders, reps=2)
+    finally:
+        for c in contenders.values():
+            c.close()  # a Link checks that the KV arrived unchanged
+    assert set(best) == set(contenders) and all(0 < s < 60 for s in best.values())
+
+
+def test_ttft_and_quantized_parts(tiny_llama):
+    ttft = bench.ttft_comparison(str(tiny_llama), "float32", "tcp", prompt_len=40, reps=1, vocab=256)
+    assert ttft["colocated_ttft_s"] > 0 and ttft["disaggregated_ttft_s"] > 0 and ttft["kv_bytes_sent"] > 0
+    prompts = [[(i * 13 + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
+    agree = bench.greedy_agreement(str(tiny_llama), "float32", "int8", prompts, new_tokens=4)
+    assert agree["prompts"] == 3 and 0 <= agree["identical"] <= 3
+    err = bench.logit_error(str(tiny_llama), "float32", "int8", prompts)
+    assert 0 <= err["max_abs_logit_error"] < 1.0
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_default_model(tmp_path):
+    out = tmp_path / "bench_transfer.json"
+    assert bench.main(["--quick", "--backends", "tcp,shm", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {r["backend"] for r in result["transfer"]} == {"tcp", "shm"}
+    assert len(result["ttft"]) == 2 and len(result["quantized"]) == 2
