@@ -11,6 +11,7 @@ import sys
 import threading
 
 import httpx
+import pytest
 
 from pdserve import SamplingParams
 from tests.factories import make_llm
@@ -62,3 +63,62 @@ def test_workers_as_processes(tiny_llama):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def poll(url: str, predicate, timeout: float = 30.0, interval: float = 0.003) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/stats", timeout=5).json()
+        if predicate(stats):
+            return stats
+        assert time.monotonic() < deadline, f"not reached: {stats}"
+        time.sleep(interval)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_processes_killed_mid_transfer(tiny_llama, backend):
+    """SIGKILL the prefill worker while a prompt's KV is landing: decode recomputes it, output
+    intact. Then SIGKILL the decode worker mid-transfer: the prefill worker frees everything."""
+    tokens = prompt(600, seed=12)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = make_llm(tiny_llama).generate({"prompt_token_ids": tokens}, sp)[0].outputs[0].token_ids
+    slow = ["--max-num-batched-tokens", "8"]  # 75 prefill steps: a wide window to kill in
+    procs = []
+    try:
+        p, p_ready = spawn(tiny_llama, "prefill", "--transfer", backend, *slow)
+        d, d_ready = spawn(tiny_llama, "decode", "--transfer", backend)
+        procs += [p, d]
+        body = {"prompt_token_ids": tokens, "prefill_url": p_ready["url"], "stream": False,
+                "sampling": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(r=httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120)))
+        t.start()
+        poll(d_ready["url"], lambda s: s["kv_bytes_received"] > 0 and s["waiting_for_kv"] == 1)
+        p.kill()
+        t.join(60)
+        got = box["r"].json()
+        assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
+        stats = poll(d_ready["url"], lambda s: s["kv_blocks_used"] == 0)
+        assert stats["kv_recomputed"] == 1 and stats["kv_landed"] == 0
+
+        p2, p2_ready = spawn(tiny_llama, "prefill", "--transfer", backend, *slow)
+        procs.append(p2)
+        body["prefill_url"] = p2_ready["url"]
+        body["prompt_token_ids"] = prompt(600, seed=13)  # not in decode's prefix cache
+        def doomed() -> None:  # its decode worker is about to be killed
+            try:
+                httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120)
+            except httpx.HTTPError:
+                pass
+        threading.Thread(target=doomed, daemon=True).start()
+        poll(p2_ready["url"], lambda s: s["kv_bytes_sent"] > 0 and s["running"] == 1)
+        d.kill()
+        stats = poll(p2_ready["url"], lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0)
+        assert stats["kv_notified"] == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
