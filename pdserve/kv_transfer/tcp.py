@@ -174,7 +174,7 @@ class TcpSender:
         max_layers = self._max_layers_per_write(job[4] - job[3])
         while self._jobs and len(job[2]) < max_layers:
             nxt = self._jobs[0]
-            if not (nxt[0] == "write" and nxt[1] is job[1] and nxt[3:5] == job[3:5] and nxt[2].start == job[2].stop):
+            if not (nxt[0] == "write" and nxt[1] is job[1] and nxt[3:] == job[3:] and nxt[2].start == job[2].stop):
                 break
             self._jobs.popleft()
             job = ("write", job[1], range(job[2].start, nxt[2].stop), *job[3:])
