@@ -62,6 +62,14 @@ def wait_for(predicate, timeout=10.0):
         time.sleep(0.02)
 
 
+def abort_the_waiting_request(c: Cluster, stream: threading.Thread, box: dict) -> None:
+    """Abort, through decode's endpoint, the request awaiting its KV; its stream ends with 'abort'."""
+    rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
+    c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
+    stream.join(20)
+    assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_abort_while_prefill_is_queued(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
@@ -69,10 +77,7 @@ def test_abort_while_prefill_is_queued(tiny_llama, backend):
         c.p.worker.loop.call(lambda: hold.wait(20))  # the prefill engine is busy
         t, box = start_stream(c, prompt(LONG), max_tokens=4)
         wait_for(lambda: c.d.worker.engine.scheduler.waiting_for_kv)
-        rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
-        c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
-        t.join(20)
-        assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+        abort_the_waiting_request(c, t, box)
         hold.set()
         c.wait_idle()
 
@@ -83,10 +88,7 @@ def test_abort_during_transfer(tiny_llama, backend):
         reached, release = gate_after_first_step(c.p.worker)
         t, box = start_stream(c, prompt(LONG), max_tokens=4)
         assert reached.wait(20)  # the first chunk's layers are in decode's blocks
-        rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
-        c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
-        t.join(20)
-        assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+        abort_the_waiting_request(c, t, box)
         release.set()
         c.wait_idle()
 
