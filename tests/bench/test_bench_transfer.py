@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import pdserve.bench.first_token as first_token
 import pdserve.bench.transfer as bench
 from pdserve.models.arch_config import ArchConfig
 from tests.worker.cluster import BACKENDS
@@ -29,12 +30,12 @@ def test_links_and_limits_take_turns(tiny_llama):
 
 
 def test_ttft_and_quantized_parts(tiny_llama):
-    ttft = bench.ttft_comparison(str(tiny_llama), "float32", "tcp", prompt_len=40, reps=1, vocab=256)
+    ttft = first_token.ttft_comparison(str(tiny_llama), "float32", "tcp", prompt_len=40, reps=1, vocab=256)
     assert ttft["colocated_ttft_s"] > 0 and ttft["disaggregated_ttft_s"] > 0 and ttft["kv_bytes_sent"] > 0
     prompts = [[(i * 13 + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
-    agree = bench.greedy_agreement(str(tiny_llama), "float32", "int8", prompts, new_tokens=4)
+    agree = first_token.greedy_agreement(str(tiny_llama), "float32", "int8", prompts, new_tokens=4)
     assert agree["prompts"] == 3 and 0 <= agree["identical"] <= 3
-    err = bench.logit_error(str(tiny_llama), "float32", "int8", prompts)
+    err = first_token.logit_error(str(tiny_llama), "float32", "int8", prompts)
     assert 0 <= err["max_abs_logit_error"] < 1.0
 
 
