@@ -28,10 +28,34 @@ def shm_available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+def reap_stale_pools() -> list[str]:
+    """Remove pool files whose decode worker is gone (killed before it could remove its own)."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not _POOL_NAME.match(name):
+            continue
+        pid = int(name.split("-")[2])
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 class SharedKVPool:
-    """A KV cache tensor backed by a shared-memory file, removed again by `close()`."""
+    """A KV cache tensor backed by a shared-memory file, removed again by `close()` (or, if the
+    process is killed, by the next pool made on this host)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        reap_stale_pools()
         self.path = os.path.join(SHM_DIR, f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}")
         numel = 1
         for d in shape:
