@@ -66,6 +66,9 @@ def ttft_comparison(model: str, dtype: str, backend: str, prompt_len: int, reps:
             for disagg, sink in ((False, colocated), (True, disaggregated))[:: 1 if rep % 2 == 0 else -1]:
                 sink.append(pair.first_token(torch.randint(1, vocab, (prompt_len,), generator=g).tolist(), disagg)[0])
         sent = pair.p.stats()["kv_bytes_sent"]
+        decode = pair.d.stats()
+        if decode["kv_recomputed"] or decode["kv_landed"] != reps + 1:
+            raise RuntimeError(f"{backend}: the disaggregated runs did not all take their KV from prefill: {decode}")
     finally:
         pair.close()
     c, d = statistics.median(colocated), statistics.median(disaggregated)

@@ -92,15 +92,14 @@ class Lease:
     start: int  # first position to be written (earlier ones hit decode's prefix cache)
     end: int  # number of prompt tokens
     deadline: float  # monotonic time after which decode stops waiting
-    received: list[int] = field(default_factory=list)  # per layer: tokens landed
+    received: list[int] = field(default_factory=list)  # per layer: positions below this landed
 
     def slot_runs(self, start: int, end: int) -> list[tuple[int, int]]:
         return slot_runs(self.block_table, self.block_size, start, end)
 
     @property
     def complete(self) -> bool:
-        n = self.end - self.start
-        return all(r == n for r in self.received)
+        return all(r == self.end for r in self.received)
 
 
 def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:

@@ -94,9 +94,14 @@ class TcpSender:
     # -- the non-blocking interface (engine thread) ----------------------------------------------
 
     def write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs."""
+        """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs
+        (in pieces, if one would pass a quarter of the frame size limit)."""
         self._status.setdefault(lease.request_id, TransferStatus.PENDING)
-        self._push(("write", lease, range(layer, layer + 1), start, end, src_runs))
+        step = max(1, self.limits.max_payload_bytes // 4 // self.layout.slot_bytes)
+        for first in range(start, end, step):
+            last = min(end, first + step)
+            runs = src_runs if (first, last) == (start, end) else cut_runs(src_runs, first - start, last - start)
+            self._push(("write", lease, range(layer, layer + 1), first, last, runs))
 
     def prepare(self, lease: Lease) -> None:
         """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
@@ -327,6 +332,17 @@ class InPlaceSender(TcpSender):
         super().close()
         for event in list(self._claims.values()):
             event.set()
+
+
+def cut_runs(runs: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
+    """Slots [begin, end) of the sequence that the runs (first slot, count) describe."""
+    out, offset = [], 0
+    for slot, n in runs:
+        lo, hi = max(begin, offset), min(end, offset + n)
+        if lo < hi:
+            out.append((slot + lo - offset, hi - lo))
+        offset += n
+    return out
 
 
 def _no_payload(header: WriteHeader, size: int) -> list[memoryview]:

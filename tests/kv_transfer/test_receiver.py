@@ -163,3 +163,25 @@ def test_writes_outside_the_lease_are_refused(rx):
     assert sock.recv(100) == b""
     assert rx.kv_cache.abs().sum() == 0
     sock.close()
+
+
+def test_a_write_larger_than_the_frame_limit_goes_in_pieces(rx):
+    from pdserve.kv_transfer.tcp import TcpSender, cut_runs
+
+    assert cut_runs([(10, 4), (40, 4)], 2, 7) == [(12, 2), (40, 3)]
+    src = torch.arange(2 * 64 * 2 * 2 * 4, dtype=torch.float32).view(2, 64, 2, 2, 4)
+    limits = FrameLimits(max_payload_bytes=4 * 5 * LAYOUT.slot_bytes)  # five tokens per frame
+    sender = TcpSender(LAYOUT, src, {"host": rx.address[0], "port": rx.address[1]}, token="tok", limits=limits)
+    try:
+        lease(rx, fence=9, blocks=(3, 5, 7), start=1, end=12)
+        sent = Lease("r1", 9, [3, 5, 7], BLOCK, 1, 12, 0.0)
+        runs = [(20, 6), (50, 5)]  # the prefill side's slots of positions 1..11
+        for layer in range(2):
+            sender.write(sent, layer, 1, 12, runs)
+        sender.notify(sent, 4)
+        assert event(rx).kind == EventKind.LANDED
+        expected = torch.cat([src[:, 20:26], src[:, 50:55]], dim=1)
+        got = torch.cat([rx.kv_cache[:, 13:16], rx.kv_cache[:, 20:24], rx.kv_cache[:, 28:32]], dim=1)
+        assert torch.equal(got, expected)
+    finally:
+        sender.close()

@@ -48,6 +48,8 @@ def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend)
         sent = c.d.worker.stats()["kv_bytes_received"] - received
         per_token = c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
         assert sent == (len(turn2) - last["num_cached_tokens"]) * per_token
+        stats = c.d.worker.stats()
+        assert stats["kv_landed"] == 2 and stats["kv_recomputed"] == 0  # the KV came, nothing recomputed
         c.wait_idle()
 
 
@@ -59,6 +61,7 @@ def test_prefill_ships_kv_from_its_own_prefix_cache(tiny_llama, colocated):
         for p in prompts:
             assert c.generate(p)[0] == reference(colocated, [p])[0]
         assert c.p.worker.engine.scheduler.num_preemptions == 0
+        assert c.d.worker.stats()["kv_landed"] == 2
         c.wait_idle()
 
 
@@ -68,6 +71,7 @@ def test_seeded_sampling_matches_colocated(tiny_llama, colocated):
     expected = reference(colocated, prompts, max_tokens=10, **sampling)
     with Cluster(tiny_llama, "tcp") as c:
         assert [c.generate(p, max_tokens=10, **sampling)[0] for p in prompts] == expected
+        assert c.d.worker.stats()["kv_landed"] == len(prompts)
         c.wait_idle()
 
 
@@ -79,6 +83,7 @@ def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
             got = c.generate_many(prompts)
             agree = sum(a == b for a, b in zip(got, expected))
             assert agree >= len(prompts) - 1, f"{dtype}: {agree}/{len(prompts)} identical"
+            assert c.d.worker.stats()["kv_landed"] == len(prompts)
             c.wait_idle()
 
 
