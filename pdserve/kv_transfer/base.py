@@ -35,10 +35,6 @@ class TransferStatus(enum.IntEnum):
     PENDING = 3  # queued or in flight
     DONE = 4  # all writes and the notify left this side
 
-    @property
-    def ended(self) -> bool:
-        return self != TransferStatus.PENDING
-
 
 KV_TRANSFER_DTYPES = ("auto", "int8", "fp8")
 

@@ -185,3 +185,35 @@ def test_a_write_larger_than_the_frame_limit_goes_in_pieces(rx):
         assert torch.equal(got, expected)
     finally:
         sender.close()
+
+
+def test_sender_statuses_worst_first(rx):
+    from pdserve.kv_transfer.base import TransferStatus
+    from pdserve.kv_transfer.tcp import TcpSender
+
+    assert min(TransferStatus) == TransferStatus.FAILED and max(TransferStatus) == TransferStatus.DONE
+    src = torch.ones(2, 64, 2, 2, 4)
+    sender = TcpSender(LAYOUT, src, {"host": rx.address[0], "port": rx.address[1]}, token="tok")
+    try:
+        done, aborted, lost = (Lease(f"r{i}", 20 + i, [3, 5], BLOCK, 0, 8, time.monotonic() + 30) for i in range(3))
+        for lease_ in (done, aborted, lost):
+            rx.open_lease(lease_)
+            sender.write(lease_, 0, 0, 8, [(0, 8)])
+        assert sender.poll("r0") == TransferStatus.PENDING
+        sender.write(done, 1, 0, 8, [(0, 8)])
+        sender.notify(done, 1)
+        sender.flush()
+        assert event(rx).kind == EventKind.LANDED and sender.poll("r0") == TransferStatus.DONE
+        rx.close_lease(aborted.fence, "client gone")  # the abort reaches the sender ...
+        deadline = time.monotonic() + 5
+        while sender.poll("r1") != TransferStatus.ABORTED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert event(rx).kind == EventKind.RELEASABLE  # ... and blocks are free
+        rx.close()  # the decode side goes away
+        deadline = time.monotonic() + 5
+        while sender.poll("r2") != TransferStatus.FAILED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sender.close()
