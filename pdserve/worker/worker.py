@@ -108,8 +108,9 @@ class Worker:
         self.offers: dict[str, dict] = {}
         if self.decode is not None:
             self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
-            addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}
-            self.offers["tcp"] = addr
+            addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}  # frames go here
+            if "tcp" in self.transfer:
+                self.offers["tcp"] = addr
             if self._pool is not None:
                 self.offers["shm"] = {**addr, "path": self._pool.path, "num_slots": self.engine.runner.kv_cache.shape[1]}
             if "nixl" in self.transfer and "nixl" in sender_types():
