@@ -1,0 +1,165 @@
+"""Routing policies: which decode worker, which prefill worker, and whether to disaggregate at all.
+
+Pure functions over the workers' last heartbeat, so that they are tested without a model and the
+planner's simulator can run the very same code.
+
+- Decode choice: a weighted score of free sessions, short queue, free KV memory and fast steps
+  (the seeds' formula, with step latency added); workers above the hot-spot threshold of KV use
+  get no new work while a cooler one exists.
+- Prefill choice: the least work to do, counting the worker's queued prompt tokens plus the
+  prompt tokens it does not already hold in its prefix cache (a router-side index of block hashes).
+- Conditional disaggregation: a prompt whose uncached part is short, or a saturated prefill pool,
+  is prefilled by the decode worker itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import hash_block
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What a worker's heartbeat says about it (its /stats)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_for_kv: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 1
+    step_latency_ewma_ms: float = 0.0
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> WorkerLoad:
+        return cls(**{k: stats[k] for k in cls.__slots__ if k in stats})
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
+
+    @property
+    def sessions(self) -> int:
+        return self.running + self.waiting_for_kv
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWeights:
+    sessions: float = 0.35
+    queue: float = 0.25
+    memory: float = 0.25
+    latency: float = 0.15
+    sessions_cap: int = 64  # sessions at which the sessions term reaches zero
+    queue_cap: int = 100
+    latency_cap_ms: float = 250.0
+    hot_kv_usage: float = 0.85  # above this a worker gets no new work while another is cooler
+
+
+def decode_score(load: WorkerLoad, w: DecodeWeights = DecodeWeights()) -> float:
+    """Higher is better, in [0, 1] when the weights sum to 1."""
+    return (
+        w.sessions * (1.0 - min(load.sessions / w.sessions_cap, 1.0))
+        + w.queue * (1.0 - min(load.waiting / w.queue_cap, 1.0))
+        + w.memory * (1.0 - min(load.kv_usage, 1.0))
+        + w.latency * (1.0 - min(load.step_latency_ewma_ms / w.latency_cap_ms, 1.0))
+    )
+
+
+def choose_decode(loads: dict[str, WorkerLoad], w: DecodeWeights = DecodeWeights(),
+                  exclude: frozenset[str] = frozenset()) -> str | None:
+    """The decode worker to use (by id), or None when there is none."""
+    candidates = {k: v for k, v in loads.items() if k not in exclude}
+    cool = {k: v for k, v in candidates.items() if v.kv_usage <= w.hot_kv_usage}
+    pool = cool or candidates
+    if not pool:
+        return None
+    return max(sorted(pool), key=lambda k: decode_score(pool[k], w))
+
+
+class PrefixIndex:
+    """Which prompt prefixes each worker has seen recently, as chained block hashes (the same
+    hash as the engines' prefix caches), bounded per worker, least recently used out first."""
+
+    def __init__(self, block_size: int = 16, max_blocks_per_worker: int = 100_000) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_worker
+        self._seen: dict[str, OrderedDict[int, None]] = {}
+
+    def hashes(self, token_ids: list[int]) -> list[int]:
+        out: list[int] = []
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            out.append(hash_block(out[-1] if out else None, token_ids[i * bs : (i + 1) * bs]))
+        return out
+
+    def cached_tokens(self, worker: str, hashes: list[int]) -> int:
+        seen = self._seen.get(worker)
+        if not seen:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        return n * self.block_size
+
+    def record(self, worker: str, hashes: list[int]) -> None:
+        seen = self._seen.setdefault(worker, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.max_blocks:
+            seen.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        self._seen.pop(worker, None)
+
+
+def choose_prefill(loads: dict[str, WorkerLoad], index: PrefixIndex, hashes: list[int], prompt_len: int,
+                   exclude: frozenset[str] = frozenset()) -> str | None:
+    """The prefill worker with the least prompt work ahead of this request, or None."""
+    def work(k: str) -> int:
+        return loads[k].queued_prefill_tokens + prompt_len - index.cached_tokens(k, hashes)
+    candidates = sorted(k for k in loads if k not in exclude)
+    return min(candidates, key=work) if candidates else None
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationPolicy:
+    min_remote_tokens: int = 256  # uncached prompt tokens below which decode prefills itself
+    saturated_queue_tokens: int = 16_384  # every prefill worker queued this much: decode prefills
+
+
+def prefill_remotely(uncached_tokens: int, prefill_loads: dict[str, WorkerLoad],
+                     policy: DisaggregationPolicy = DisaggregationPolicy()) -> bool:
+    """Should this prompt go to a prefill worker (True) or be prefilled by its decode worker?"""
+    if not prefill_loads or uncached_tokens < policy.min_remote_tokens:
+        return False
+    return min(l.queued_prefill_tokens for l in prefill_loads.values()) < policy.saturated_queue_tokens
+
+
+@dataclass(slots=True)
+class Admission:
+    """Bounds on what the router holds: requests and prompt tokens waiting for a worker."""
+
+    max_requests: int = 1024
+    max_tokens: int = 1 << 20
+    requests: int = 0
+    tokens: int = 0
+    _held: dict[str, int] = field(default_factory=dict)
+
+    def try_admit(self, request_id: str, num_tokens: int) -> bool:
+        if self.requests + 1 > self.max_requests or self.tokens + num_tokens > self.max_tokens:
+            return False
+        self.requests += 1
+        self.tokens += num_tokens
+        self._held[request_id] = num_tokens
+        return True
+
+    def release(self, request_id: str) -> None:
+        n = self._held.pop(request_id, None)
+        if n is not None:
+            self.requests -= 1
+            self.tokens -= n

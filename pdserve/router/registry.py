@@ -1,0 +1,110 @@
+"""The router's registry of workers: registration with a token, leases renewed by heartbeats.
+
+Lifecycle of a worker in the registry:
+1. `register`: the token is checked (constant time) and the model must be the cluster's; the
+   worker gets an id and a lease of `lease_s` seconds.
+2. `heartbeat`: renews the lease and stores the worker's stats (its load, for the policies).
+3. `expire`: a worker whose lease ran out is removed and returned, so that its requests can be
+   handled as failures; a later heartbeat from it is refused (it must register again).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdserve.router.policy import WorkerLoad
+
+ROLES = ("prefill", "decode", "both")
+
+
+class RegistrationError(ValueError):
+    """A worker the registry refuses (wrong token, another model, bad role)."""
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    worker_id: str
+    url: str
+    role: str
+    model_hash: str
+    lease_expires: float
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+
+class Registry:
+    def __init__(self, model_hash: str, token: str = "", lease_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model_hash = model_hash
+        self._token = token.encode()
+        self.lease_s = lease_s
+        self.clock = clock
+        self._workers: dict[str, WorkerEntry] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def register(self, url: str, role: str, model_hash: str, token: str = "") -> WorkerEntry:
+        if not hmac.compare_digest(token.encode(), self._token):
+            raise RegistrationError("bad token")
+        if role not in ROLES:
+            raise RegistrationError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if model_hash != self.model_hash:
+            raise RegistrationError(
+                f"model mismatch: the cluster serves {self.model_hash[:12]}, the worker {model_hash[:12]}")
+        with self._lock:
+            for entry in self._workers.values():
+                if entry.url == url:  # a restarted worker at the same address replaces its old entry
+                    del self._workers[entry.worker_id]
+                    break
+            entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s)
+            self._workers[entry.worker_id] = entry
+        return entry
+
+    def heartbeat(self, worker_id: str, stats: dict, token: str = "") -> WorkerEntry:
+        if not hmac.compare_digest(token.encode(), self._token):
+            raise RegistrationError("bad token")
+        with self._lock:
+            entry = self._workers.get(worker_id)
+            if entry is None:
+                raise KeyError(worker_id)
+            entry.lease_expires = self.clock() + self.lease_s
+            entry.stats = stats
+            entry.load = WorkerLoad.from_stats(stats)
+            return entry
+
+    def expire(self) -> list[WorkerEntry]:
+        now = self.clock()
+        with self._lock:
+            gone = [e for e in self._workers.values() if e.lease_expires < now]
+            for e in gone:
+                del self._workers[e.worker_id]
+        return gone
+
+    def remove(self, worker_id: str) -> WorkerEntry | None:
+        with self._lock:
+            return self._workers.pop(worker_id, None)
+
+    def workers(self, role: str | None = None) -> list[WorkerEntry]:
+        with self._lock:
+            entries = list(self._workers.values())
+        if role == "decode":
+            return [e for e in entries if e.decodes]
+        if role == "prefill":
+            return [e for e in entries if e.prefills]
+        return entries
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._workers.get(worker_id)

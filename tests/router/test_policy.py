@@ -1,0 +1,78 @@
+"""Routing policies without a model: decode score, hot spots, prefix-aware prefill choice,
+conditional disaggregation, admission bounds."""
+
+from pdserve.router.policy import (
+    Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill,
+    decode_score, prefill_remotely,
+)
+
+
+def load(**kw) -> WorkerLoad:
+    return WorkerLoad(**{"kv_blocks_total": 100, **kw})
+
+
+def test_decode_score_follows_each_term():
+    idle = decode_score(load())
+    assert abs(idle - 1.0) < 1e-9
+    for busier in (load(running=32), load(waiting=50), load(kv_blocks_used=50), load(step_latency_ewma_ms=125)):
+        assert decode_score(busier) < idle
+    assert decode_score(load(running=64, waiting=100, kv_blocks_used=100, step_latency_ewma_ms=500)) == 0.0
+
+
+def test_choose_decode_prefers_the_least_loaded_and_avoids_hot_spots():
+    loads = {"a": load(running=10), "b": load(running=2), "c": load(running=0, kv_blocks_used=90)}
+    assert choose_decode(loads) == "b"  # c is idle but above 85% of its KV: a hot spot
+    assert choose_decode(loads, exclude=frozenset({"b"})) == "a"
+    assert choose_decode({"c": loads["c"]}) == "c"  # when every worker is hot, still serve
+    assert choose_decode({}) is None
+    assert choose_decode(loads, DecodeWeights(hot_kv_usage=1.0)) == "b"  # no hot-spot rule: the score decides
+
+
+def test_choose_prefill_weighs_cached_prefix_against_queue():
+    index = PrefixIndex(block_size=4)
+    prompt = list(range(1, 41))
+    hashes = index.hashes(prompt)
+    assert len(hashes) == 10
+    index.record("warm", hashes[:8])  # 32 tokens already in its prefix cache
+    loads = {"warm": load(queued_prefill_tokens=20), "cold": load(queued_prefill_tokens=0)}
+    assert index.cached_tokens("warm", hashes) == 32 and index.cached_tokens("cold", hashes) == 0
+    assert choose_prefill(loads, index, hashes, len(prompt)) == "warm"  # 20 + 8 < 0 + 40
+    loads["warm"] = load(queued_prefill_tokens=100)
+    assert choose_prefill(loads, index, hashes, len(prompt)) == "cold"
+    assert choose_prefill({}, index, hashes, 40) is None
+
+
+def test_prefix_index_is_bounded_and_chained():
+    index = PrefixIndex(block_size=2, max_blocks_per_worker=3)
+    a = index.hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    b = index.hashes([9, 9, 3, 4])
+    assert a[1] != b[1]  # same block, different prefix: a different hash
+    index.record("w", a)
+    assert index.cached_tokens("w", a) == 0  # the first block was evicted, so no prefix survives
+    index.record("w", a[:2])
+    assert index.cached_tokens("w", a) == 4
+    index.forget("w")
+    assert index.cached_tokens("w", a) == 0
+
+
+def test_conditional_disaggregation():
+    policy = DisaggregationPolicy(min_remote_tokens=64, saturated_queue_tokens=1000)
+    prefills = {"p1": load(queued_prefill_tokens=10), "p2": load(queued_prefill_tokens=5000)}
+    assert prefill_remotely(500, prefills, policy)
+    assert not prefill_remotely(32, prefills, policy)  # short: decode prefills it
+    assert not prefill_remotely(500, {"p2": prefills["p2"]}, policy)  # the pool is saturated
+    assert not prefill_remotely(500, {}, policy)  # no prefill worker
+
+
+def test_admission_bounds_requests_and_tokens():
+    adm = Admission(max_requests=2, max_tokens=100)
+    assert adm.try_admit("a", 60) and not adm.try_admit("b", 50) and adm.try_admit("b", 40)
+    assert not adm.try_admit("c", 1)
+    adm.release("a")
+    adm.release("a")  # idempotent
+    assert adm.requests == 1 and adm.tokens == 40 and adm.try_admit("c", 60)
+
+
+def test_worker_load_from_stats_ignores_other_keys():
+    got = WorkerLoad.from_stats({"running": 3, "kv_blocks_used": 5, "kv_blocks_total": 10, "role": "decode"})
+    assert got.running == 3 and got.kv_usage == 0.5
