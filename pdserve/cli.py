@@ -103,6 +103,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(args, engine_kwargs(args))
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.router.main import run_router
+
+    return run_router(args)
+
+
 def cmd_bench_engine(argv: list[str]) -> int:
     from pdserve.bench.engine import main as bench_main
 
@@ -147,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(wk)
     add_worker_args(wk)
     wk.set_defaults(func=cmd_worker)
+
+    from pdserve.router.main import add_router_args
+
+    rt = sub.add_parser("router", help="the OpenAI-compatible router in front of registered workers")
+    add_router_args(rt)
+    rt.set_defaults(func=cmd_router)
 
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)

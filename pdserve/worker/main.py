@@ -29,6 +29,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-headroom-tokens", type=int, default=64,
                    help="decode: free KV a reservation must leave for generation")
     g.add_argument("--max-queued", type=int, default=256, help="waiting requests before new ones are refused")
+    g.add_argument("--router", default=None, help="register with this router and renew the lease by heartbeat")
     g.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""),
                    help="shared secret for the control endpoint and KV connections (env PDSERVE_TOKEN)")
 
@@ -55,6 +56,11 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     ready = {"event": "ready", "url": url, "role": args.role, "kv": worker.offers,
              "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
     print(json.dumps(ready), flush=True)
+    membership = None
+    if args.router:
+        from pdserve.worker.registration import RouterMembership
+        membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
+                                      args.token).start()
     server = uvicorn.Server(uvicorn.Config(create_app(worker, args.token), log_level="warning"))
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: let that land here, so the
     # worker still stops cleanly (connections closed, shared KV pool removed) and exits 0.
@@ -63,6 +69,8 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     try:
         server.run(sockets=[sock])
     finally:
+        if membership is not None:
+            membership.stop()
         worker.stop()
         print(json.dumps({"event": "stopped", "url": url}), file=sys.stderr, flush=True)
     return 0

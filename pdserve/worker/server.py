@@ -199,7 +199,7 @@ class _Unauthorized(Exception):
 class ServerThread:
     """A uvicorn server on a thread (for `bench-transfer` and tests): `url` once started."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off") -> None:
         import socket
         import threading
 
@@ -207,7 +207,7 @@ class ServerThread:
 
         self._sock = socket.create_server((host, port))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def start(self, timeout: float = 30.0) -> ServerThread:

@@ -1,0 +1,313 @@
+"""The router: OpenAI-compatible HTTP in front, registered workers behind.
+
+Lifecycle of a request:
+1. Validate (shape, model, API key), tokenize (chat template for chat), check lengths.
+2. Admit under the router's bounds (requests and prompt tokens held), else 429 with Retry-After.
+3. Choose a decode worker (policy score; a prefill worker serves colocated when no decode worker
+   lives, and 503 when none lives at all) and, if the prompt's uncached part is worth it and the
+   prefill pool is not saturated, a prefill worker (least work, counting its prefix cache).
+4. Stream the decode worker's token deltas back as OpenAI JSON or SSE. A decode worker that fails
+   before the first token is retried once on another; one that fails later ends the stream with an
+   error event. A client that goes away closes the worker stream, and the worker aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.router.policy import (
+    Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, choose_decode, choose_prefill, prefill_remotely,
+)
+from pdserve.router.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, error_response, new_id, now, usage,
+)
+from pdserve.router.registry import RegistrationError, Registry
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass
+class RouterConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str = ""
+    worker_token: str = ""
+    lease_s: float = 10.0
+    decode_weights: DecodeWeights = field(default_factory=DecodeWeights)
+    disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_hash: str, vocab_size: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.registry = Registry(model_hash, config.worker_token, config.lease_s)
+        self.index = PrefixIndex()
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.http: httpx.AsyncClient | None = None
+
+    # -- choosing workers -----------------------------------------------------------------------
+
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Any, Any]:
+        """(decode worker, prefill worker or None) for a prompt."""
+        decodes = {w.worker_id: w for w in self.registry.workers("decode") if w.worker_id not in exclude}
+        prefills = {w.worker_id: w for w in self.registry.workers("prefill") if w.role == "prefill"}
+        if not decodes:  # no decode worker: prefill workers serve colocated
+            decodes = {k: w for k, w in prefills.items() if k not in exclude}
+            prefills = {}
+        if not decodes:
+            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+        d = decodes[choose_decode({k: w.load for k, w in decodes.items()}, self.config.decode_weights)]
+        hashes = self.index.hashes(prompt_ids)
+        uncached = len(prompt_ids) - self.index.cached_tokens(d.worker_id, hashes)
+        loads = {k: w.load for k, w in prefills.items()}
+        p = None
+        if prefill_remotely(uncached, loads, self.config.disaggregation):
+            p = prefills[choose_prefill(loads, self.index, hashes, len(prompt_ids))]
+            self.index.record(p.worker_id, hashes)
+        self.index.record(d.worker_id, hashes)
+        return d, p
+
+    # -- a request ------------------------------------------------------------------------------
+
+    def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], dict[str, Any]]:
+        if req.model != self.config.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{self.config.model_name!r}", "not_found_error", "model")
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            if isinstance(req.prompt, str):
+                ids = self.tokenizer.encode(req.prompt)
+            else:
+                ids = list(req.prompt)
+                if any(not 0 <= t < self.vocab_size for t in ids):
+                    raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        limit = self.config.max_model_len
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                                f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
+        if any(not s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return ids, req.sampling(max_tokens)
+
+    async def worker_stream(self, prompt_ids: list[int], sampling: dict, priority: int,
+                            first_choice: tuple[Any, Any]) -> AsyncIterator[dict]:
+        """The decode worker's output lines; one retry elsewhere if it fails before the first."""
+        tried: set[str] = set()
+        while True:
+            d, p = self.route(prompt_ids, frozenset(tried)) if tried else first_choice
+            body = {"prompt_token_ids": prompt_ids, "sampling": sampling, "priority": priority,
+                    "prefill_url": p.url if p is not None else None}
+            headers = {"Authorization": f"Bearer {self.config.worker_token}"} if self.config.worker_token else {}
+            started = False
+            try:
+                async with self.http.stream("POST", d.url + "/v1/generate", json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        raw = await r.aread()
+                        raise _worker_error(r.status_code, raw)
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        item = json.loads(line)
+                        if "error" in item:
+                            raise APIError(500, item["error"]["message"], "server_error")
+                        started = True
+                        yield item
+                return
+            except httpx.HTTPError as e:
+                if started or tried:
+                    raise APIError(502, f"the decode worker failed mid-request: {e}", "server_error") from None
+                tried.add(d.worker_id)
+                self.registry.remove(d.worker_id)
+                self.index.forget(d.worker_id)
+
+
+def _worker_error(status: int, raw: bytes) -> APIError:
+    try:
+        err = json.loads(raw)["error"]
+        return APIError(status if status < 500 else 502, err["message"], err.get("type", "server_error"))
+    except (ValueError, KeyError, TypeError):
+        return APIError(502, f"the worker answered HTTP {status}", "server_error")
+
+
+def create_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None))
+        reaper = asyncio.create_task(_reap(router))
+        yield
+        reaper.cancel()
+        await router.http.aclose()
+
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    cfg = router.config
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where))
+
+    def check_key(request: Request) -> None:
+        if cfg.api_key and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {cfg.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key", "authentication_error")
+
+    def check_worker_token(request: Request) -> None:
+        if cfg.worker_token and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {cfg.worker_token}".encode()):
+            raise APIError(401, "missing or wrong worker token", "authentication_error")
+
+    @app.get("/health")
+    async def health():
+        workers = router.registry.workers()
+        return {"status": "ok" if workers else "no workers", "workers": len(workers)}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": now(),
+                                            "owned_by": "pdserve", "max_model_len": cfg.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_key(request)
+        return await _serve(router, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_key(request)
+        return await _serve(router, body, chat=True)
+
+    @app.post("/internal/register")
+    async def register(request: Request):
+        check_worker_token(request)
+        body = await request.json()
+        try:
+            entry = router.registry.register(str(body["url"]), str(body["role"]), str(body["model_hash"]),
+                                             cfg.worker_token)
+        except (KeyError, TypeError):
+            raise APIError(400, "registration needs url, role and model_hash") from None
+        except RegistrationError as e:
+            raise APIError(409 if "mismatch" in str(e) else 400, str(e)) from None
+        return {"worker_id": entry.worker_id, "lease_s": router.registry.lease_s}
+
+    @app.post("/internal/heartbeat")
+    async def heartbeat(request: Request):
+        check_worker_token(request)
+        body = await request.json()
+        try:
+            router.registry.heartbeat(str(body["worker_id"]), dict(body.get("stats") or {}), cfg.worker_token)
+        except KeyError:
+            raise APIError(404, "unknown worker: register again", "not_found_error") from None
+        return {"ok": True}
+
+    return app
+
+
+async def _reap(router: Router) -> None:
+    while True:
+        await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
+        for entry in router.registry.expire():
+            router.index.forget(entry.worker_id)
+
+
+async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+    ids, sampling = router.prepare(req)
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    if not router.admission.try_admit(request_id, len(ids)):
+        raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
+                       headers={"Retry-After": "1"})
+    try:
+        choice = router.route(ids)  # no worker: a 503 now, not an error inside a 200 stream
+    except APIError:
+        router.admission.release(request_id)
+        raise
+    stream = router.worker_stream(ids, sampling, req.priority, choice)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(router, request_id, req, stream, len(ids), chat, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str | None] = {}
+        completion_tokens = 0
+        async for item in stream:
+            for out in item["outputs"]:
+                texts.setdefault(out["index"], []).append(out["text"])
+                completion_tokens += len(out["token_ids"])
+                reasons[out["index"]] = out["finish_reason"]
+    finally:
+        router.admission.release(request_id)
+    choices = []
+    for i in sorted(texts):
+        text = "".join(texts[i])
+        choice = {"index": i, "finish_reason": reasons[i], "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choices.append(choice)
+    return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                         "created": now(), "model": req.model, "choices": choices,
+                         "usage": usage(len(ids), completion_tokens)})
+
+
+async def _sse(router: Router, request_id: str, req, stream, num_prompt: int, chat: bool, include_usage: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created = now()
+
+    def event(choices: list, **extra) -> bytes:
+        chunk = {"id": request_id, "object": kind, "created": created, "model": req.model, "choices": choices, **extra}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    completion_tokens = 0
+    try:
+        if chat:
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(req.n)])
+        async for item in stream:
+            choices = []
+            for out in item["outputs"]:
+                completion_tokens += len(out["token_ids"])
+                if not out["text"] and out["finish_reason"] is None:
+                    continue
+                body = {"delta": {"content": out["text"]}} if chat else {"text": out["text"], "logprobs": None}
+                choices.append({"index": out["index"], **body, "finish_reason": out["finish_reason"]})
+            if choices:
+                yield event(choices)
+        if include_usage:
+            yield event([], usage=usage(num_prompt, completion_tokens))
+        yield b"data: [DONE]\n\n"
+    except APIError as e:
+        error = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}}
+        yield f"data: {json.dumps(error)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        router.admission.release(request_id)

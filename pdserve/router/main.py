@@ -1,0 +1,57 @@
+"""`pdserve router`: the OpenAI-compatible front door, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="the model the workers serve (for its tokenizer and limits)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""), help="clients must send it as Bearer")
+    p.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""), help="the workers' shared secret")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+
+
+def build_router(args: argparse.Namespace):
+    from pdserve.kv_transfer.base import model_fingerprint
+    from pdserve.models.arch_config import ArchConfig
+    from pdserve.models.loader import load_checkpoint
+    from pdserve.models.registry import resolve_model
+    from pdserve.router.app import Router, RouterConfig
+
+    path = resolve_model(args.model)
+    ckpt = load_checkpoint(path)
+    arch = ArchConfig.from_hf_config(ckpt.hf_config)
+    limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
+    name = args.served_model_name or (args.model or "default")
+    config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=args.api_key,
+                          worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests)
+    return Router(config, ckpt.tokenizer, model_fingerprint(arch), arch.vocab_size)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.router.app import create_app
+
+    router = build_router(args)
+    sock = socket.create_server((args.host, args.port))
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    print(json.dumps({"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}), flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning"))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises them after draining
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    print(json.dumps({"event": "stopped", "url": url}), file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,129 @@
+"""The official openai client against a real local cluster: router + 1 prefill + 1 decode worker
+(tiny model), each behind its HTTP endpoint on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.kv_transfer.base import model_fingerprint
+from pdserve.models.arch_config import ArchConfig
+from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.policy import DisaggregationPolicy
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker.registration import RouterMembership
+from pdserve.worker.server import ServerThread
+from tests.factories import make_llm
+from tests.worker.cluster import WorkerServer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    config = RouterConfig(model_name=MODEL, max_model_len=arch.max_position_embeddings, lease_s=2.0,
+                          disaggregation=DisaggregationPolicy(min_remote_tokens=8))
+    router = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    p = WorkerServer(tiny_llama, "prefill", ["tcp"])
+    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    members = [RouterMembership(http.url, w.url, role, w.worker.layout.model_hash, w.worker.stats).start()
+               for w, role in ((p, "prefill"), (d, "decode"))]
+    deadline = time.monotonic() + 20
+    while len(router.registry.workers()) < 2:
+        assert time.monotonic() < deadline, "workers did not register"
+        time.sleep(0.05)
+    yield {"url": http.url, "router": router, "p": p, "d": d, "model": tiny_llama}
+    for m in members:
+        m.stop()
+    http.stop()
+    p.stop()
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return make_llm(tiny_llama)
+
+
+def offline_text(llm, prompt: str, max_tokens: int, **kw) -> str:
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, **kw})
+    return llm.generate(prompt, sp)[0].outputs[0].text
+
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a longer prompt " * 3]
+
+
+def test_completions_match_offline(client, offline, cluster):
+    landed = cluster["d"].worker.stats()["kv_landed"]
+    for prompt in PROMPTS:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == offline_text(offline, prompt, 12)
+        assert r.usage.prompt_tokens == len(offline.get_tokenizer().encode(prompt))
+        assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    assert cluster["d"].worker.stats()["kv_landed"] > landed  # the prompts went through the prefill worker
+
+
+def test_streaming_with_usage(client, offline):
+    prompt = PROMPTS[1]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline_text(offline, prompt, 10)
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_and_stop_strings(client, offline):
+    tok = offline.get_tokenizer()
+    messages = [{"role": "user", "content": "name three colours"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(temperature=0, max_tokens=10)
+    expected = offline.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].text
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert streamed == expected
+    full = offline_text(offline, PROMPTS[0], 12)
+    stop = full[3:6]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, seed=7)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"model": "other", "prompt": "x"}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**7}, 400, "maximum context length"),
+    ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [10**9]}, 400, "prompt token ids"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x"}, 400, "model"),
+])
+def test_bad_requests(cluster, body, status, fragment):
+    r = httpx.post(cluster["url"] + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"]
+
+
+def test_models_and_health(client, cluster):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(cluster["url"] + "/health").json()["workers"] == 2
