@@ -127,3 +127,58 @@ def test_bad_requests(cluster, body, status, fragment):
 def test_models_and_health(client, cluster):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(cluster["url"] + "/health").json()["workers"] == 2
+
+
+def test_client_disconnect_frees_both_workers(cluster):
+    prompt = "a long story about the sea " * 6
+    with httpx.stream("POST", cluster["url"] + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 10  # the abort reaches the workers well within a second or two
+    while not (cluster["p"].is_idle() and cluster["d"].is_idle()):
+        assert time.monotonic() < deadline, (cluster["p"].worker.stats(), cluster["d"].worker.stats())
+        time.sleep(0.05)
+    assert cluster["router"].admission.requests == 0
+
+
+def test_overload_gets_429_and_every_admitted_request_completes(cluster):
+    import concurrent.futures
+
+    router = cluster["router"]
+    router.admission.max_requests = 2
+    try:
+        def one(i):
+            return httpx.post(cluster["url"] + "/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": f"request {i} " * 5, "max_tokens": 16, "temperature": 0,
+                                    "ignore_eos": True})
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+            results = list(pool.map(one, range(40)))
+    finally:
+        router.admission.max_requests = 1024
+    codes = [r.status_code for r in results]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    for r in results:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 16
+        else:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    assert router.admission.requests == 0 and router.admission.tokens == 0
+
+
+def test_api_key(tiny_llama):
+    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    router = Router(RouterConfig(model_name=MODEL, max_model_len=64, api_key="sk-local"),
+                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    try:
+        r = httpx.post(http.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(http.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                       headers={"Authorization": "Bearer sk-local"})
+        assert r.status_code == 503  # the key is right; no worker lives
+        assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"] == "1"
+    finally:
+        http.stop()
