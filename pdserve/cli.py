@@ -103,6 +103,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(args, engine_kwargs(args))
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags as given, for a child process (`--model` and `--threads` excepted)."""
+    argv = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
+            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    return argv
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_serve
+
+    return run_serve(args, engine_argv(args))
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from pdserve.router.main import run_router
 
@@ -154,7 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(wk)
     wk.set_defaults(func=cmd_worker)
 
+    from pdserve.launcher import add_serve_args
     from pdserve.router.main import add_router_args
+
+    sv = sub.add_parser("serve", help="the local cluster: router + prefill and decode workers (default 1P1D)")
+    add_engine_args(sv)
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     rt = sub.add_parser("router", help="the OpenAI-compatible router in front of registered workers")
     add_router_args(rt)

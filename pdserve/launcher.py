@@ -1,0 +1,148 @@
+"""`pdserve serve`: the one-command local cluster, router and workers as child processes.
+
+Lifecycle:
+1. Start the router (a fresh worker token for this cluster), wait for its ready line.
+2. Start the workers (N prefill, M decode, K colocated) registered with it, each with its share of
+   the cores (pinned with `--pin-cpus`), and show progress until every one is ready and registered.
+3. Print the URL and an example request, then wait.
+4. On SIGINT/SIGTERM, or when any child dies: stop every child (SIGTERM, then SIGKILL after a grace
+   period) and exit, non-zero if a child failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+STOP_GRACE_S = 15.0
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], cpus: list[int] | None) -> None:
+        self.name = name
+        self.cpus = cpus
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.ready: dict | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if self.ready is None and line.startswith("{"):
+                try:
+                    self.ready = json.loads(line)
+                except ValueError:
+                    pass
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s")
+            time.sleep(0.05)
+        return self.ready
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--colocated", type=int, default=0, help="colocated (both) workers")
+    g.add_argument("--transfer", default="shm,tcp")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="the router's port")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""))
+    g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
+    g.add_argument("--ready-timeout", type=float, default=600.0)
+
+
+def _cpu_shares(num_workers: int) -> list[list[int]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // num_workers)
+    return [cpus[(i * share) % len(cpus):][:share] or cpus[:share] for i in range(num_workers)]
+
+
+def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.colocated
+    if not roles:
+        raise ValueError("a cluster needs at least one worker")
+    token = secrets.token_hex(16)
+    model = ["--model", args.model] if args.model else []
+    say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    children: list[Child] = []
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    code = 0
+    try:
+        t0 = time.perf_counter()
+        router = Child("router", ["router", *model, "--host", args.host, "--port", str(args.port), "--token", token,
+                                  "--api-key", args.api_key], None)
+        children.append(router)
+        url = router.wait_ready(args.ready_timeout)["url"]
+        say(f"router ready at {url}")
+        shares = _cpu_shares(len(roles))
+        for i, role in enumerate(roles):
+            argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
+                    "--token", token, "--transfer", args.transfer, "--threads", str(len(shares[i])), *engine_argv]
+            children.append(Child(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
+        for child in children[1:]:
+            info = child.wait_ready(args.ready_timeout)
+            say(f"{child.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
+        _wait_registered(url, len(roles), args.ready_timeout)
+        say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
+        model_name = httpx.get(url + "/v1/models", headers=_auth(args.api_key)).json()["data"][0]["id"]
+        print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles}), flush=True)
+        say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+        while not stopping.wait(0.5):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                say(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping the cluster")
+                code = 1
+                break
+    except RuntimeError as e:
+        say(str(e))
+        code = 1
+    finally:
+        say("stopping")
+        for child in reversed(children):
+            child.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        print(json.dumps({"event": "stopped"}), flush=True)
+    return code
+
+
+def _auth(api_key: str) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _wait_registered(url: str, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").json().get("workers", 0) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the workers did not register with the router in time")
+        time.sleep(0.1)

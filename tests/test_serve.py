@@ -1,0 +1,45 @@
+"""`pdserve serve` as a process: router + 1 prefill + 1 decode worker on the tiny model, a request
+through the official client, then SIGTERM stops every child and the command exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+
+
+def test_serve_starts_answers_and_stops(tiny_llama):
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama), "--port", "0",
+           "--dtype", "float32", "--kv-cache-memory", "8MiB"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
+        reader.start()
+        reader.join(180)
+        assert line and line[0], proc.stderr.read() if proc.poll() is not None else "no ready line"
+        ready = json.loads(line[0])
+        assert ready["event"] == "ready" and ready["workers"] == ["prefill", "decode"]
+        client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model=ready["model"], messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert json.loads(proc.stdout.readline())["event"] == "stopped"
+        try:
+            httpx.get(ready["url"] + "/health", timeout=2)
+            raise AssertionError("the router still answers")
+        except httpx.ConnectError:
+            pass
+        err = proc.stderr.read()
+        assert "all 2 workers registered" in err and "stopping" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
