@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, choose_decode, choose_prefill, prefill_remotely,
@@ -31,6 +32,7 @@ from pdserve.router.policy import (
 from pdserve.router.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, error_response, new_id, now, usage,
 )
+from pdserve.router.metrics import RequestClock, RouterMetrics
 from pdserve.router.registry import RegistrationError, Registry
 from pdserve.tokenizer import Tokenizer
 
@@ -46,6 +48,9 @@ class RouterConfig:
     disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    max_body_bytes: int = 8 << 20
 
 
 class Router:
@@ -56,6 +61,7 @@ class Router:
         self.registry = Registry(model_hash, config.worker_token, config.lease_s)
         self.index = PrefixIndex()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.http: httpx.AsyncClient | None = None
 
     # -- choosing workers -----------------------------------------------------------------------
@@ -77,6 +83,7 @@ class Router:
         if prefill_remotely(uncached, loads, self.config.disaggregation):
             p = prefills[choose_prefill(loads, self.index, hashes, len(prompt_ids))]
             self.index.record(p.worker_id, hashes)
+            self.metrics.disaggregated.inc()
         self.index.record(d.worker_id, hashes)
         return d, p
 
@@ -171,6 +178,21 @@ def create_app(router: Router) -> FastAPI:
     async def _api_error(request, e: APIError):
         return error_response(e)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, str(e.detail), kind))
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if request.method == "POST" and (length is None or not length.isdigit()):
+            if request.headers.get("transfer-encoding", "").lower() == "chunked":
+                return error_response(APIError(411, "send the body with a Content-Length"))
+        elif length is not None and int(length) > cfg.max_body_bytes:
+            return error_response(APIError(413, f"the request body exceeds {cfg.max_body_bytes} bytes"))
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -191,6 +213,11 @@ def create_app(router: Router) -> FastAPI:
     async def health():
         workers = router.registry.workers()
         return {"status": "ok" if workers else "no workers", "workers": len(workers)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(router.admission, router.registry.workers()),
+                        media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -253,21 +280,25 @@ async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest,
         router.admission.release(request_id)
         raise
     stream = router.worker_stream(ids, sampling, req.priority, choice)
+    clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(router, request_id, req, stream, len(ids), chat, include_usage),
+        return StreamingResponse(_sse(router, request_id, req, stream, clock, chat, include_usage),
                                  media_type="text/event-stream")
+    outcome = "error"
     try:
         texts: dict[int, list[str]] = {}
         reasons: dict[int, str | None] = {}
-        completion_tokens = 0
         async for item in stream:
+            clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
             for out in item["outputs"]:
                 texts.setdefault(out["index"], []).append(out["text"])
-                completion_tokens += len(out["token_ids"])
                 reasons[out["index"]] = out["finish_reason"]
+        outcome = "ok"
     finally:
         router.admission.release(request_id)
+        clock.finish(outcome)
+    completion_tokens = clock.tokens
     choices = []
     for i in sorted(texts):
         text = "".join(texts[i])
@@ -279,35 +310,38 @@ async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest,
                          "usage": usage(len(ids), completion_tokens)})
 
 
-async def _sse(router: Router, request_id: str, req, stream, num_prompt: int, chat: bool, include_usage: bool):
+async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, chat: bool, include_usage: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = now()
+    outcome = "cancelled"
 
     def event(choices: list, **extra) -> bytes:
         chunk = {"id": request_id, "object": kind, "created": created, "model": req.model, "choices": choices, **extra}
         return f"data: {json.dumps(chunk)}\n\n".encode()
 
-    completion_tokens = 0
     try:
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(req.n)])
         async for item in stream:
+            clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
             choices = []
             for out in item["outputs"]:
-                completion_tokens += len(out["token_ids"])
                 if not out["text"] and out["finish_reason"] is None:
                     continue
                 body = {"delta": {"content": out["text"]}} if chat else {"text": out["text"], "logprobs": None}
                 choices.append({"index": out["index"], **body, "finish_reason": out["finish_reason"]})
             if choices:
                 yield event(choices)
+        outcome = "ok"
         if include_usage:
-            yield event([], usage=usage(num_prompt, completion_tokens))
+            yield event([], usage=usage(clock.prompt_tokens, clock.tokens))
         yield b"data: [DONE]\n\n"
     except APIError as e:
+        outcome = "error"
         error = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}}
         yield f"data: {json.dumps(error)}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
         router.admission.release(request_id)
+        clock.finish(outcome)

@@ -21,6 +21,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for SLA attainment metrics")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
 
 
 def build_router(args: argparse.Namespace):
@@ -36,7 +38,8 @@ def build_router(args: argparse.Namespace):
     limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=args.api_key,
-                          worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests)
+                          worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
+                          ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3)
     return Router(config, ckpt.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 

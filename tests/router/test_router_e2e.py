@@ -116,12 +116,56 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "seed": "abc"}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "stop": 7}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "include_usage"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [-1]}, 400, "prompt token ids"),
+    ([1, 2, 3], 400, "body"),
+    ("just a string", 400, "body"),
+    (None, 400, "body"),
 ])
 def test_bad_requests(cluster, body, status, fragment):
     r = httpx.post(cluster["url"] + "/v1/completions", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"]
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "text content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+])
+def test_bad_chat_requests(cluster, path, body, status, fragment):
+    r = httpx.post(cluster["url"] + path, json=body)
+    assert r.status_code == status, r.text
+    if fragment:
+        assert fragment in r.json()["error"]["message"]
+
+
+def test_bad_bytes_and_sizes(cluster):
+    url = cluster["url"] + "/v1/completions"
+    headers = {"content-type": "application/json"}
+    for raw in (b"{not json", b'{"model": "tiny", "prompt": "\xff\xfe"', b"\xff\xfe\x00", b""):
+        r = httpx.post(url, content=raw, headers=headers)
+        assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(url, content=b"x" * (9 << 20), headers=headers)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    assert httpx.get(cluster["url"] + "/health").json()["status"] == "ok"  # and it stays healthy
 
 
 def test_models_and_health(client, cluster):
@@ -182,3 +226,17 @@ def test_api_key(tiny_llama):
         assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"] == "1"
     finally:
         http.stop()
+
+
+def test_metrics(client, cluster):
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True))
+    text = httpx.get(cluster["url"] + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["pdserve_ttft_seconds_count"] >= 2 and values["pdserve_e2e_seconds_count"] >= 2
+    assert values['pdserve_requests_total{outcome="ok"}'] >= 2
+    assert values["pdserve_generated_tokens_total"] >= 12 and values["pdserve_disaggregated_requests_total"] >= 1
+    assert values['pdserve_workers{role="decode"}'] == 1 and values['pdserve_workers{role="prefill"}'] == 1
+    assert values["pdserve_queue_requests"] == 0 and values["pdserve_kv_bytes_received"] > 0
+    assert 'pdserve_sla_target_seconds{metric="ttft"}' in values

@@ -1,0 +1,85 @@
+"""The router's Prometheus metrics: latency histograms per request, queue depth, workers, tokens,
+KV bytes moved (from the workers' heartbeats) and SLA attainment against configured targets."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.1) -> None:
+        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "time per output token after the first", buckets=_TOKEN_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_itl_seconds", "gap between streamed chunks", buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_seconds", "request latency, end to end", buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_requests", "requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("pdserve_generated_tokens", "tokens generated", registry=r)
+        self.disaggregated = Counter("pdserve_disaggregated_requests", "requests sent through a prefill worker",
+                                     registry=r)
+        self.sla_met = Counter("pdserve_sla_met_requests", "finished requests meeting both the TTFT and TPOT targets",
+                               registry=r)
+        self.queue = Gauge("pdserve_queue_requests", "requests the router holds", registry=r)
+        self.queue_tokens = Gauge("pdserve_queue_prompt_tokens", "prompt tokens the router holds", registry=r)
+        self.workers = Gauge("pdserve_workers", "registered workers", ["role"], registry=r)
+        self.kv_bytes = Gauge("pdserve_kv_bytes_received", "KV bytes decode workers received (last heartbeats)",
+                              registry=r)
+        self.sla_targets = Gauge("pdserve_sla_target_seconds", "SLA targets", ["metric"], registry=r)
+        self.sla_targets.labels("ttft").set(ttft_slo_s)
+        self.sla_targets.labels("tpot").set(tpot_slo_s)
+
+    def render(self, admission, workers) -> bytes:
+        self.queue.set(admission.requests)
+        self.queue_tokens.set(admission.tokens)
+        for role in ("prefill", "decode", "both"):
+            self.workers.labels(role).set(sum(1 for w in workers if w.role == role))
+        self.kv_bytes.set(sum(w.stats.get("kv_bytes_received", 0) for w in workers))
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class RequestClock:
+    """One request's timings, observed into the metrics when it ends."""
+
+    metrics: RouterMetrics
+    prompt_tokens: int
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    def tokens_arrived(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.tokens += n
+
+    def finish(self, outcome: str) -> None:
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        if outcome != "ok" or self.first is None:
+            return
+        end = time.perf_counter()
+        m.e2e.observe(end - self.start)
+        m.prompt_tokens.inc(self.prompt_tokens)
+        m.generated_tokens.inc(self.tokens)
+        tpot = (end - self.first) / (self.tokens - 1) if self.tokens > 1 else 0.0
+        if self.tokens > 1:
+            m.tpot.observe(tpot)
+        if self.first - self.start <= m.ttft_slo_s and tpot <= m.tpot_slo_s:
+            m.sla_met.inc()
