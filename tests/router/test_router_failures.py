@@ -1,0 +1,62 @@
+"""A decode worker process killed mid-stream: the client's stream ends with an error event, the
+router drops the worker when its lease lapses, and the surviving prefill worker serves colocated."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from pdserve.kv_transfer.base import model_fingerprint
+from pdserve.models.arch_config import ArchConfig
+from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.policy import DisaggregationPolicy
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker.server import ServerThread
+from tests.worker.test_worker_process import spawn
+
+
+def test_decode_killed_mid_stream(tiny_llama):
+    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=1.0,
+                                 disaggregation=DisaggregationPolicy(min_remote_tokens=4)),
+                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    procs = []
+    try:
+        p, _ = spawn(tiny_llama, "prefill", "--router", http.url)
+        d, _ = spawn(tiny_llama, "decode", "--router", http.url)
+        procs += [p, d]
+        deadline = time.monotonic() + 20
+        while len(router.registry.workers()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": "tell me a long story " * 4, "max_tokens": 900, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        t0 = time.monotonic()
+        with httpx.stream("POST", http.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 5:
+                    d.kill()  # mid-stream
+        assert time.monotonic() - t0 < 30
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))
+        assert error["error"]["type"] == "server_error" and "failed mid-request" in error["error"]["message"]
+        deadline = time.monotonic() + 10  # the lease lapses: the worker is dropped
+        while any(w.role == "decode" for w in router.registry.workers()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(http.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "still there?", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1  # prefill serves colocated
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        http.stop()
