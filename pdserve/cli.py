@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
+    sub.add_parser("bench-router", help="latency the router adds and requests it routes per second",
+                   add_help=False)
     sub.add_parser("bench-transfer", help="KV transfer speed per backend against raw limits; TTFT added",
                    add_help=False)
     return parser
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench_engine(argv[1:])
     if argv and argv[0] == "bench-transfer":
         return cmd_bench_transfer(argv[1:])
+    if argv and argv[0] == "bench-router":
+        from pdserve.bench.router import main as bench_router
+        return bench_router(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 
 
@@ -46,10 +45,12 @@ def build_router(args: argparse.Namespace):
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pdserve.net import tcp_listener
+
     from pdserve.router.app import create_app
 
     router = build_router(args)
-    sock = socket.create_server((args.host, args.port))
+    sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     print(json.dumps({"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}), flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning"))

@@ -12,6 +12,7 @@ import sys
 import time
 
 from pdserve.config import EngineConfig
+from pdserve.net import tcp_listener
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
     )
     worker.start()
-    sock = socket.create_server((args.host, args.port))
+    sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     ready = {"event": "ready", "url": url, "role": args.role, "kv": worker.offers,
              "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid()}

@@ -200,12 +200,13 @@ class ServerThread:
     """A uvicorn server on a thread (for `bench-transfer` and tests): `url` once started."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off") -> None:
-        import socket
         import threading
 
         import uvicorn
 
-        self._sock = socket.create_server((host, port))
+        from pdserve.net import tcp_listener
+
+        self._sock = tcp_listener(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)

@@ -1,0 +1,125 @@
+"""`pdserve bench-router`: what the router adds to a request, and how many requests it routes.
+
+1. Start one colocated worker and a router as processes (the tiny model unless `--model`).
+2. Latency: one request at a time with max_tokens=1, straight to the worker (`/v1/generate`,
+   token ids) and through the router (`/v1/completions`, text), taking turns; p50/p99 of each.
+3. Capacity: the same requests from `--concurrency` client threads for a fixed count, to the
+   worker and through the router; requests per second of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _spawn(argv: list[str]) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{argv[0]} did not start")
+    return proc, json.loads(line)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = args.model
+    if model is None:
+        from pdserve.models.synthetic import write_model
+        model = str(write_model(Path(tempfile.mkdtemp()) / "tiny", "tiny", "llama"))
+    procs = []
+    try:
+        router, r_ready = _spawn(["router", "--model", model, "--port", "0", "--served-model-name", "m"])
+        procs.append(router)
+        worker, w_ready = _spawn(["worker", "--model", model, "--role", "both", "--port", "0", "--router",
+                                  r_ready["url"], "--threads", "1", "--dtype", "float32"])
+        procs.append(worker)
+        with httpx.Client(timeout=60) as http:
+            while http.get(r_ready["url"] + "/health").json()["workers"] < 1:
+                time.sleep(0.05)
+        direct = (w_ready["url"] + "/v1/generate",
+                  {"prompt_token_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 1, "temperature": 0}, "stream": False})
+        routed = (r_ready["url"] + "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 1,
+                                                     "temperature": 0})
+        latency: dict[str, list[float]] = {"direct": [], "router": []}
+        with httpx.Client(timeout=60) as http:
+            for _ in range(20):  # warm up
+                http.post(*direct[:1], json=direct[1])
+                http.post(*routed[:1], json=routed[1])
+            for i in range(args.requests):
+                for name, (url, body) in (("direct", direct), ("router", routed))[:: 1 if i % 2 == 0 else -1]:
+                    t0 = time.perf_counter()
+                    r = http.post(url, json=body)
+                    latency[name].append(time.perf_counter() - t0)
+                    r.raise_for_status()
+        capacity = {name: _capacity(url, body, args.concurrency, args.requests) for name, (url, body)
+                    in (("direct", direct), ("router", routed))}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(20)
+    result = {"model": args.model or "tiny (synthetic)", "requests": args.requests, "concurrency": args.concurrency,
+              "latency_ms": {k: {"p50": _percentile(v, 0.5) * 1e3, "p99": _percentile(v, 0.99) * 1e3,
+                                 "mean": statistics.mean(v) * 1e3} for k, v in latency.items()},
+              "capacity_rps": capacity}
+    lat = result["latency_ms"]
+    result["added_ms"] = {q: lat["router"][q] - lat["direct"][q] for q in ("p50", "p99")}
+    return result
+
+
+def _capacity(url: str, body: dict, concurrency: int, total: int) -> float:
+    left = [total]
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as http:
+            while True:
+                with lock:
+                    if left[0] == 0:
+                        return
+                    left[0] -= 1
+                http.post(url, json=body).raise_for_status()
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return total / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench-router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: a tiny synthetic model")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--out", default="results/bench_router.json")
+    args = p.parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    lat, cap = result["latency_ms"], result["capacity_rps"]
+    print("| path | p50 | p99 | requests/s at concurrency %d |" % args.concurrency)
+    print("| --- | --- | --- | --- |")
+    for name in ("direct", "router"):
+        print(f"| {name} | {lat[name]['p50']:.2f} ms | {lat[name]['p99']:.2f} ms | {cap[name]:.0f} |")
+    print(f"router adds {result['added_ms']['p50']:.2f} ms at p50, {result['added_ms']['p99']:.2f} ms at p99; "
+          f"wrote {out}", file=sys.stderr)
+    return 0
