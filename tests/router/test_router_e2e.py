@@ -39,7 +39,7 @@ def cluster(tiny_llama):
     while len(router.registry.workers()) < 2:
         assert time.monotonic() < deadline, "workers did not register"
         time.sleep(0.05)
-    yield {"url": http.url, "router": router, "p": p, "d": d, "model": tiny_llama}
+    yield {"url": http.url, "router": router, "p": p, "d": d, "model": tiny_llama, "members": members}
     for m in members:
         m.stop()
     http.stop()
@@ -240,3 +240,21 @@ def test_metrics(client, cluster):
     assert values['pdserve_workers{role="decode"}'] == 1 and values['pdserve_workers{role="prefill"}'] == 1
     assert values["pdserve_queue_requests"] == 0 and values["pdserve_kv_bytes_received"] > 0
     assert 'pdserve_sla_target_seconds{metric="ttft"}' in values
+
+
+def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, cluster, offline):
+    from pdserve.router.policy import WorkerLoad
+
+    router, members = cluster["router"], cluster["members"]
+    members[1].stop()  # the real decode worker's heartbeats pause, and it is made to look busy ...
+    real = next(w for w in router.registry.workers("decode"))
+    real.load = WorkerLoad(running=40, waiting=50, kv_blocks_total=100)
+    # ... so an idle-looking worker where nothing listens is the policy's first choice
+    dead = router.registry.register("http://127.0.0.1:9", "decode", router.registry.model_hash)
+    try:
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+        assert out.choices[0].text == offline_text(offline, PROMPTS[0], 5)
+        assert router.registry.get(dead.worker_id) is None  # dropped at its first failure
+    finally:
+        d = cluster["d"]
+        members[1] = RouterMembership(cluster["url"], d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
