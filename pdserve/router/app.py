@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, choose_decode, choose_prefill, prefill_remotely,
 )
-from pdserve.router.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, error_response, new_id, now, usage,
-)
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from pdserve.http_errors import APIError, error_response, install_error_handlers, require_bearer
 from pdserve.router.metrics import RequestClock, RouterMetrics
 from pdserve.router.registry import RegistrationError, Registry
 from pdserve.tokenizer import Tokenizer
@@ -174,14 +170,7 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
     cfg = router.config
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(e.status_code, str(e.detail), kind))
+    install_error_handlers(app)
 
     @app.middleware("http")
     async def _body_limit(request: Request, call_next):
@@ -193,21 +182,11 @@ def create_app(router: Router) -> FastAPI:
             return error_response(APIError(413, f"the request body exceeds {cfg.max_body_bytes} bytes"))
         return await call_next(request)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where))
-
     def check_key(request: Request) -> None:
-        if cfg.api_key and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {cfg.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key", "authentication_error")
+        require_bearer(request, cfg.api_key, "API key")
 
     def check_worker_token(request: Request) -> None:
-        if cfg.worker_token and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {cfg.worker_token}".encode()):
-            raise APIError(401, "missing or wrong worker token", "authentication_error")
+        require_bearer(request, cfg.worker_token, "worker token")
 
     @app.get("/health")
     async def health():

@@ -6,8 +6,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
 
 MAX_N = 16
 
@@ -65,18 +65,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
-
-
-def error_response(e: APIError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
-    return JSONResponse(body, e.status, headers=e.headers)
 
 
 def new_id(prefix: str) -> str:

@@ -14,16 +14,15 @@ set, every route but /health wants `Authorization: Bearer <token>`, compared in 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from pdserve.http_errors import error, install_error_handlers, require_bearer
 from pdserve.kv_transfer.base import TransferError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -62,10 +61,6 @@ class AbortBody(BaseModel):
     fence: int | None = None
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-
 def sampling_params(raw: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**raw)
@@ -88,21 +83,10 @@ def output_line(out: RequestOutput) -> bytes:
 
 def create_app(worker: Worker, token: str = "") -> FastAPI:
     app = FastAPI(title="pdserve worker", docs_url=None, redoc_url=None)
-    expected = f"Bearer {token}".encode()
+    install_error_handlers(app)
 
     async def authorized(request: Request) -> None:
-        if token and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise _Unauthorized()
-
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(request, exc):
-        return error(401, "missing or wrong bearer token", "authentication_error")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+        require_bearer(request, token)
 
     guarded = [Depends(authorized)]
 
@@ -190,10 +174,6 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
                                  media_type="text/plain; version=0.0.4")
 
     return app
-
-
-class _Unauthorized(Exception):
-    pass
 
 
 class ServerThread:
