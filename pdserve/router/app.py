@@ -47,6 +47,7 @@ class RouterConfig:
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     max_body_bytes: int = 8 << 20
+    keepalive_s: float = 5.0  # SSE comment after this long without a token
 
 
 class Router:
@@ -302,7 +303,10 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(req.n)])
-        async for item in stream:
+        async for item in _with_keepalive(stream, router.config.keepalive_s):
+            if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
+                yield b": keep-alive\n\n"
+                continue
             clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
             choices = []
             for out in item["outputs"]:
@@ -324,3 +328,37 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
     finally:
         router.admission.release(request_id)
         clock.finish(outcome)
+
+
+async def _with_keepalive(stream: AsyncIterator[dict], interval: float) -> AsyncIterator[dict | None]:
+    """The stream's items, and None whenever `interval` seconds pass without one. The stream is
+    read by a task of its own, so waiting never cancels it; closing this closes the stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as e:  # handed over to the reader, cancellation included
+            await queue.put(e)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), interval)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await stream.aclose()

@@ -258,3 +258,24 @@ def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(
     finally:
         d = cluster["d"]
         members[1] = RouterMembership(cluster["url"], d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
+
+
+def test_sse_keepalive_while_the_request_waits(cluster):
+    router, d = cluster["router"], cluster["d"]
+    router.config.keepalive_s = 0.05
+    hold = __import__("threading").Event()
+    d.worker.loop.call(lambda: hold.wait(10))  # the decode worker is busy for a while
+    try:
+        lines = []
+        with httpx.stream("POST", cluster["url"] + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "wait for me", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if line == ": keep-alive":
+                    hold.set()
+        assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+        assert any(line.startswith("data: {") for line in lines)
+    finally:
+        hold.set()
+        router.config.keepalive_s = 5.0
