@@ -48,6 +48,7 @@ class RouterConfig:
     tpot_slo_s: float = 0.1
     max_body_bytes: int = 8 << 20
     keepalive_s: float = 5.0  # SSE comment after this long without a token
+    migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
 
 
 class Router:
@@ -121,11 +122,20 @@ class Router:
 
     async def worker_stream(self, prompt_ids: list[int], sampling: dict, priority: int,
                             first_choice: tuple[Any, Any]) -> AsyncIterator[dict]:
-        """The decode worker's output lines; one retry elsewhere if it fails before the first."""
+        """The decode worker's output lines. A worker that fails before the first token is replaced
+        once by another. One that fails later ends the stream with an error, or, with
+        `migrate_on_failure` (single completions), another worker continues by recomputing the
+        prompt plus the tokens generated so far: no token repeated, none missing."""
         tried: set[str] = set()
+        generated: list[int] = []
+        original = sampling
         while True:
-            d, p = self.route(prompt_ids, frozenset(tried)) if tried else first_choice
-            body = {"prompt_token_ids": prompt_ids, "sampling": sampling, "priority": priority,
+            sampling = dict(original, max_tokens=original["max_tokens"] - len(generated),
+                            min_tokens=max(0, original["min_tokens"] - len(generated)))
+            d, p = self.route(prompt_ids + generated, frozenset(tried)) if tried else first_choice
+            if generated:
+                p = None  # a migrated request computes its context on the new decode worker
+            body = {"prompt_token_ids": prompt_ids + generated, "sampling": sampling, "priority": priority,
                     "prefill_url": p.url if p is not None else None}
             headers = {"Authorization": f"Bearer {self.config.worker_token}"} if self.config.worker_token else {}
             started = False
@@ -141,10 +151,13 @@ class Router:
                         if "error" in item:
                             raise APIError(500, item["error"]["message"], "server_error")
                         started = True
+                        if original["n"] == 1:
+                            generated += item["outputs"][0]["token_ids"]
                         yield item
                 return
             except httpx.HTTPError as e:
-                if started or tried:
+                migrate = self.config.migrate_on_failure and original["n"] == 1 and len(tried) < 2
+                if (started or tried) and not migrate:
                     raise APIError(502, f"the decode worker failed mid-request: {e}", "server_error") from None
                 tried.add(d.worker_id)
                 self.registry.remove(d.worker_id)

@@ -20,6 +20,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--migrate-on-failure", action="store_true",
+                   help="a decode worker lost mid-stream: continue on another by recomputing prompt + output")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for SLA attainment metrics")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
 
@@ -38,7 +40,8 @@ def build_router(args: argparse.Namespace):
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=args.api_key,
                           worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
-                          ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3)
+                          ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
+                          migrate_on_failure=args.migrate_on_failure)
     return Router(config, ckpt.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 

@@ -60,3 +60,49 @@ def test_decode_killed_mid_stream(tiny_llama):
                 proc.kill()
             proc.wait(10)
         http.stop()
+
+
+def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
+    from pdserve import SamplingParams
+    from tests.factories import make_llm
+
+    prompt = "a story that goes on and on " * 3
+    expected = make_llm(tiny_llama).generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    expected = expected[0].outputs[0].text
+    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=4.0,
+                                 migrate_on_failure=True),
+                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    procs = []
+    try:
+        workers = [spawn(tiny_llama, "decode", "--router", http.url) for _ in range(2)]
+        procs += [w for w, _ in workers]
+        deadline = time.monotonic() + 20
+        while len(router.registry.workers()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        texts, killed = [], None
+        with httpx.stream("POST", http.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, chunk
+                texts.append(chunk["choices"][0]["text"])
+                if len(texts) == 10 and killed is None:
+                    for proc, ready in workers:  # kill the one serving it, mid-stream
+                        if httpx.get(ready["url"] + "/stats").json()["running"]:
+                            proc.kill()
+                            killed = ready["url"]
+                            break
+        assert killed is not None
+        assert "".join(texts) == expected  # greedy: the same text, no token twice, none missing
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        http.stop()
