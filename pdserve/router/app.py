@@ -30,6 +30,8 @@ from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, ne
 from pdserve.http_errors import APIError, error_response, install_error_handlers, require_bearer
 from pdserve.router.metrics import RequestClock, RouterMetrics
 from pdserve.router.registry import RegistrationError, Registry
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
 
@@ -164,6 +166,37 @@ class Router:
                 self.index.forget(d.worker_id)
 
 
+class _Detokenizers:
+    """The router's own text for each completion of a request, from the token ids the workers
+    stream: continuous across a migration to another worker (a character split between them is
+    not lost), with stop strings cut exactly. A stop string the router finds ends the completion
+    even if the worker (which saw only part of the text) did not."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampling: dict) -> None:
+        self.params = SamplingParams(stop=sampling["stop"])
+        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+        self.by_index: dict[int, IncrementalDetokenizer] = {}
+
+    def delta(self, out: dict) -> tuple[str, str | None]:
+        """(new text, finish reason) of one completion's output line."""
+        d = self.by_index.get(out["index"])
+        if d is None:
+            d = self.by_index[out["index"]] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params)
+        reason = out["finish_reason"]
+        for token in out["token_ids"]:
+            d.add(token)
+            if d.stop_string is not None:
+                reason = "stop"
+                break
+        if reason is not None:
+            d.flush()
+        return d.take_delta(reason is not None), reason
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.by_index) and all(d.stop_string is not None for d in self.by_index.values())
+
+
 def _worker_error(status: int, raw: bytes) -> APIError:
     try:
         err = json.loads(raw)["error"]
@@ -276,17 +309,22 @@ async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest,
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(router, request_id, req, stream, clock, chat, include_usage),
+        detok = _Detokenizers(router.tokenizer, ids, sampling)
+        return StreamingResponse(_sse(router, request_id, req, stream, clock, detok, chat, include_usage),
                                  media_type="text/event-stream")
     outcome = "error"
+    detok = _Detokenizers(router.tokenizer, ids, sampling)
     try:
         texts: dict[int, list[str]] = {}
         reasons: dict[int, str | None] = {}
-        async for item in stream:
-            clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
-            for out in item["outputs"]:
-                texts.setdefault(out["index"], []).append(out["text"])
-                reasons[out["index"]] = out["finish_reason"]
+        async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
+            async for item in items:
+                clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
+                for out in item["outputs"]:
+                    text, reasons[out["index"]] = detok.delta(out)
+                    texts.setdefault(out["index"], []).append(text)
+                if detok.finished:
+                    break
         outcome = "ok"
     finally:
         router.admission.release(request_id)
@@ -303,7 +341,8 @@ async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest,
                          "usage": usage(len(ids), completion_tokens)})
 
 
-async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, chat: bool, include_usage: bool):
+async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, detok: _Detokenizers, chat: bool,
+               include_usage: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = now()
     outcome = "cancelled"
@@ -316,19 +355,23 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(req.n)])
-        async for item in _with_keepalive(stream, router.config.keepalive_s):
-            if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
-                yield b": keep-alive\n\n"
-                continue
-            clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
-            choices = []
-            for out in item["outputs"]:
-                if not out["text"] and out["finish_reason"] is None:
+        async with contextlib.aclosing(_with_keepalive(stream, router.config.keepalive_s)) as items:
+            async for item in items:
+                if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
+                    yield b": keep-alive\n\n"
                     continue
-                body = {"delta": {"content": out["text"]}} if chat else {"text": out["text"], "logprobs": None}
-                choices.append({"index": out["index"], **body, "finish_reason": out["finish_reason"]})
-            if choices:
-                yield event(choices)
+                clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
+                choices = []
+                for out in item["outputs"]:
+                    text, reason = detok.delta(out)
+                    if not text and reason is None:
+                        continue
+                    body = {"delta": {"content": text}} if chat else {"text": text, "logprobs": None}
+                    choices.append({"index": out["index"], **body, "finish_reason": reason})
+                if choices:
+                    yield event(choices)
+                if detok.finished:
+                    break
         outcome = "ok"
         if include_usage:
             yield event([], usage=usage(clock.prompt_tokens, clock.tokens))

@@ -3,6 +3,7 @@ router drops the worker when its lease lapses, and the surviving prefill worker 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -17,26 +18,38 @@ from pdserve.worker.server import ServerThread
 from tests.worker.test_worker_process import spawn
 
 
-def test_decode_killed_mid_stream(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=1.0,
-                                 disaggregation=DisaggregationPolicy(min_remote_tokens=4)),
-                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+@contextlib.contextmanager
+def cluster_of_processes(model, roles: list[str], **config):
+    """An in-process router and worker processes registered with it; everything stopped after."""
+    arch = ArchConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, **config),
+                    Tokenizer.from_dir(model), model_fingerprint(arch), arch.vocab_size)
     http = ServerThread(create_app(router), lifespan="on").start()
-    procs = []
+    workers = []
     try:
-        p, _ = spawn(tiny_llama, "prefill", "--router", http.url)
-        d, _ = spawn(tiny_llama, "decode", "--router", http.url)
-        procs += [p, d]
+        workers += [spawn(model, role, "--router", http.url) for role in roles]
         deadline = time.monotonic() + 20
-        while len(router.registry.workers()) < 2:
-            assert time.monotonic() < deadline
+        while len(router.registry.workers()) < len(roles):
+            assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.05)
+        yield router, http.url, workers
+    finally:
+        for proc, _ in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        http.stop()
+
+
+def test_decode_killed_mid_stream(tiny_llama):
+    with cluster_of_processes(tiny_llama, ["prefill", "decode"], lease_s=2.0,
+                              disaggregation=DisaggregationPolicy(min_remote_tokens=4)) as (router, url, workers):
+        d = workers[1][0]
         body = {"model": "tiny", "prompt": "tell me a long story " * 4, "max_tokens": 900, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         events = []
         t0 = time.monotonic()
-        with httpx.stream("POST", http.url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if not line:
                     continue
@@ -47,19 +60,13 @@ def test_decode_killed_mid_stream(tiny_llama):
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))
         assert error["error"]["type"] == "server_error" and "failed mid-request" in error["error"]["message"]
-        deadline = time.monotonic() + 10  # the lease lapses: the worker is dropped
+        deadline = time.monotonic() + 10  # the worker was dropped at its failure
         while any(w.role == "decode" for w in router.registry.workers()):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        r = httpx.post(http.url + "/v1/completions", timeout=60,
+        r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "still there?", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1  # prefill serves colocated
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-        http.stop()
 
 
 def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
@@ -69,23 +76,12 @@ def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
     prompt = "a story that goes on and on " * 3
     expected = make_llm(tiny_llama).generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     expected = expected[0].outputs[0].text
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=4.0,
-                                 migrate_on_failure=True),
-                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    procs = []
-    try:
-        workers = [spawn(tiny_llama, "decode", "--router", http.url) for _ in range(2)]
-        procs += [w for w, _ in workers]
-        deadline = time.monotonic() + 20
-        while len(router.registry.workers()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with cluster_of_processes(tiny_llama, ["decode", "decode"], lease_s=4.0, migrate_on_failure=True) as (
+            router, url, workers):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         texts, killed = [], None
-        with httpx.stream("POST", http.url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -100,9 +96,3 @@ def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
                             break
         assert killed is not None
         assert "".join(texts) == expected  # greedy: the same text, no token twice, none missing
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-        http.stop()
