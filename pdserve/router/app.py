@@ -115,7 +115,7 @@ class Router:
         limit = self.config.max_model_len
         if max_tokens is None:
             max_tokens = limit - len(ids)
-        if len(ids) + max_tokens > limit:
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
         if any(not s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])):
@@ -295,7 +295,7 @@ async def _reap(router: Router) -> None:
 
 
 async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool):
-    ids, sampling = router.prepare(req)
+    ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",

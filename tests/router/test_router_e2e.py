@@ -279,3 +279,9 @@ def test_sse_keepalive_while_the_request_waits(cluster):
     finally:
         hold.set()
         router.config.keepalive_s = 5.0
+
+
+def test_a_chat_prompt_that_fills_the_context_is_refused(cluster):
+    r = httpx.post(cluster["url"] + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
