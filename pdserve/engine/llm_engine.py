@@ -271,13 +271,15 @@ class LLMEngine:
                 delta_text=delta_text,
                 delta_token_ids=delta_ids,
             ))
+        finished = all(s.request.status.finished for s in parent.sequences)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
-            finished=all(s.request.status.finished for s in parent.sequences),
+            finished=finished,
             num_cached_tokens=min(s.request.num_cached_tokens for s in parent.sequences),
+            phase_times=parent.sequences[0].request.phase_times() if finished else None,
         )
 
     def _forget(self, parent: _Parent) -> None:

@@ -45,6 +45,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority",
         "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
+        "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
     )
 
     def __init__(
@@ -71,6 +72,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.remote_prefill = remote_prefill  # decode role: the prompt's KV comes from a prefill worker
+        # when things happened (time.monotonic), for the per-phase times of metrics
+        self.first_scheduled_time: float | None = None  # admitted (or its KV reserved) first
+        self.kv_landed_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -95,6 +101,20 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def phase_times(self) -> dict[str, float]:
+        """Seconds spent queued, prefilling here or waiting for a prefill worker's KV, decoding."""
+        t0 = self.arrival_time
+        scheduled = self.first_scheduled_time or t0
+        first = self.first_token_time or scheduled
+        end = self.finished_time or first
+        waited_for_kv = self.kv_landed_time is not None
+        return {
+            "queue_s": max(0.0, scheduled - t0),
+            "prefill_s": 0.0 if waited_for_kv else max(0.0, first - scheduled),
+            "kv_wait_s": max(0.0, self.kv_landed_time - scheduled) if waited_for_kv else 0.0,
+            "decode_s": max(0.0, end - first),
+        }
 
     def sort_key(self) -> tuple[int, float]:
         """Lower priority value first, then first come, first served."""

@@ -19,6 +19,7 @@ RUNNING with its first token; `kv_failed` sends it back to waiting to be compute
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
@@ -139,6 +140,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=Request.sort_key)
             scheduled.append((req, n))
             budget -= n
@@ -158,6 +161,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
+        req.first_scheduled_time = time.monotonic()
         self.waiting_for_kv[req.request_id] = req
         self.hooks.on_reserved(req)
         return True
@@ -177,6 +181,7 @@ class Scheduler:
         bisect.insort(self.running, req, key=Request.sort_key)
         self.blocks.cache_full_blocks(req)
         req.output_token_ids.append(first_token)
+        req.kv_landed_time = req.first_token_time = time.monotonic()
         status = self._stop_status(req, first_token)
         if status is not None:
             self.finish(request_id, status)
@@ -223,6 +228,8 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             assert token is not None
             req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             advanced.append(req)
             status = self._stop_status(req, token)
             if status is not None:
@@ -255,6 +262,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        req.finished_time = time.monotonic()
         self.hooks.on_finished(req)
         self.blocks.free(req)
         return req

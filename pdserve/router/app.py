@@ -319,7 +319,7 @@ async def _serve(router: Router, req: CompletionRequest | ChatCompletionRequest,
         reasons: dict[int, str | None] = {}
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
-                clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
+                clock.output_line(item)
                 for out in item["outputs"]:
                     text, reasons[out["index"]] = detok.delta(out)
                     texts.setdefault(out["index"], []).append(text)
@@ -360,7 +360,7 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                 if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
                     yield b": keep-alive\n\n"
                     continue
-                clock.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
+                clock.output_line(item)
                 choices = []
                 for out in item["outputs"]:
                     text, reason = detok.delta(out)

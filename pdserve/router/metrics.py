@@ -21,6 +21,9 @@ class RouterMetrics:
                               registry=r)
         self.itl = Histogram("pdserve_itl_seconds", "gap between streamed chunks", buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "request latency, end to end", buckets=_LATENCY_BUCKETS, registry=r)
+        self.phases = Histogram("pdserve_phase_seconds", "time of finished requests per phase: queue, prefill "
+                                "(on decode), kv_wait (prefill worker computing and transferring), decode",
+                                ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("pdserve_generated_tokens", "tokens generated", registry=r)
@@ -56,6 +59,12 @@ class RequestClock:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    phase_times: dict | None = None  # the decode worker's, from its last output line
+
+    def output_line(self, item: dict) -> None:
+        self.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
+        if "phase_times" in item:
+            self.phase_times = item["phase_times"]
 
     def tokens_arrived(self, n: int) -> None:
         if n <= 0:
@@ -77,6 +86,8 @@ class RequestClock:
         end = time.perf_counter()
         m.e2e.observe(end - self.start)
         m.prompt_tokens.inc(self.prompt_tokens)
+        for phase, seconds in (self.phase_times or {}).items():
+            m.phases.labels(phase.removesuffix("_s")).observe(seconds)
         m.generated_tokens.inc(self.tokens)
         tpot = (end - self.first) / (self.tokens - 1) if self.tokens > 1 else 0.0
         if self.tokens > 1:

@@ -78,6 +78,7 @@ def output_line(out: RequestOutput) -> bytes:
         "finished": out.finished,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_cached_tokens": out.num_cached_tokens,
+        **({"phase_times": out.phase_times} if out.phase_times else {}),
     }).encode() + b"\n"
 
 

@@ -231,15 +231,23 @@ def test_api_key(tiny_llama):
 def test_metrics(client, cluster):
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
     list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True))
-    text = httpx.get(cluster["url"] + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    deadline = time.monotonic() + 10
+    while True:  # KV bytes come with the workers' next heartbeats
+        text = httpx.get(cluster["url"] + "/metrics").text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        if values["pdserve_kv_bytes_received"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert values["pdserve_ttft_seconds_count"] >= 2 and values["pdserve_e2e_seconds_count"] >= 2
     assert values['pdserve_requests_total{outcome="ok"}'] >= 2
     assert values["pdserve_generated_tokens_total"] >= 12 and values["pdserve_disaggregated_requests_total"] >= 1
     assert values['pdserve_workers{role="decode"}'] == 1 and values['pdserve_workers{role="prefill"}'] == 1
     assert values["pdserve_queue_requests"] == 0 and values["pdserve_kv_bytes_received"] > 0
     assert 'pdserve_sla_target_seconds{metric="ttft"}' in values
+    for phase in ("queue", "prefill", "kv_wait", "decode"):
+        assert values[f'pdserve_phase_seconds_count{{phase="{phase}"}}'] >= 2
+    assert values['pdserve_phase_seconds_sum{phase="kv_wait"}'] > 0  # a prompt's KV came from the prefill worker
 
 
 def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, cluster, offline):
