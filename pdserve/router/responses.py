@@ -1,0 +1,179 @@
+"""Answering one OpenAI request: admission, the decode worker's token stream turned into OpenAI
+JSON or SSE, the router's own detokenization, keep-alive comments, metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.http_errors import APIError
+from pdserve.router.metrics import RequestClock
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pdserve.router.app import Router
+
+
+class Detokenizers:
+    """The router's own text for each completion of a request, from the token ids the workers
+    stream: continuous across a migration to another worker (a character split between them is
+    not lost), with stop strings cut exactly. A stop string the router finds ends the completion
+    even if the worker (which saw only part of the text) did not."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampling: dict) -> None:
+        self.params = SamplingParams(stop=sampling["stop"])
+        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+        self.by_index: dict[int, IncrementalDetokenizer] = {}
+
+    def delta(self, out: dict) -> tuple[str, str | None]:
+        """(new text, finish reason) of one completion's output line."""
+        d = self.by_index.get(out["index"])
+        if d is None:
+            d = self.by_index[out["index"]] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params)
+        reason = out["finish_reason"]
+        for token in out["token_ids"]:
+            d.add(token)
+            if d.stop_string is not None:
+                reason = "stop"
+                break
+        if reason is not None:
+            d.flush()
+        return d.take_delta(reason is not None), reason
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.by_index) and all(d.stop_string is not None for d in self.by_index.values())
+
+
+async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+    ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    if not router.admission.try_admit(request_id, len(ids)):
+        raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
+                       headers={"Retry-After": "1"})
+    try:
+        choice = router.route(ids)  # no worker: a 503 now, not an error inside a 200 stream
+    except APIError:
+        router.admission.release(request_id)
+        raise
+    stream = router.worker_stream(ids, sampling, req.priority, choice)
+    clock = RequestClock(router.metrics, len(ids))
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        detok = Detokenizers(router.tokenizer, ids, sampling)
+        return StreamingResponse(_sse(router, request_id, req, stream, clock, detok, chat, include_usage),
+                                 media_type="text/event-stream")
+    outcome = "error"
+    detok = Detokenizers(router.tokenizer, ids, sampling)
+    try:
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str | None] = {}
+        async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
+            async for item in items:
+                clock.output_line(item)
+                for out in item["outputs"]:
+                    text, reasons[out["index"]] = detok.delta(out)
+                    texts.setdefault(out["index"], []).append(text)
+                if detok.finished:
+                    break
+        outcome = "ok"
+    finally:
+        router.admission.release(request_id)
+        clock.finish(outcome)
+    completion_tokens = clock.tokens
+    choices = []
+    for i in sorted(texts):
+        text = "".join(texts[i])
+        choice = {"index": i, "finish_reason": reasons[i], "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choices.append(choice)
+    return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                         "created": now(), "model": req.model, "choices": choices,
+                         "usage": usage(len(ids), completion_tokens)})
+
+
+async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, detok: Detokenizers, chat: bool,
+               include_usage: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created = now()
+    outcome = "cancelled"
+
+    def event(choices: list, **extra) -> bytes:
+        chunk = {"id": request_id, "object": kind, "created": created, "model": req.model, "choices": choices, **extra}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    try:
+        if chat:
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(req.n)])
+        async with contextlib.aclosing(_with_keepalive(stream, router.config.keepalive_s)) as items:
+            async for item in items:
+                if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
+                    yield b": keep-alive\n\n"
+                    continue
+                clock.output_line(item)
+                choices = []
+                for out in item["outputs"]:
+                    text, reason = detok.delta(out)
+                    if not text and reason is None:
+                        continue
+                    body = {"delta": {"content": text}} if chat else {"text": text, "logprobs": None}
+                    choices.append({"index": out["index"], **body, "finish_reason": reason})
+                if choices:
+                    yield event(choices)
+                if detok.finished:
+                    break
+        outcome = "ok"
+        if include_usage:
+            yield event([], usage=usage(clock.prompt_tokens, clock.tokens))
+        yield b"data: [DONE]\n\n"
+    except APIError as e:
+        outcome = "error"
+        error = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.status}}
+        yield f"data: {json.dumps(error)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        router.admission.release(request_id)
+        clock.finish(outcome)
+
+
+async def _with_keepalive(stream: AsyncIterator[dict], interval: float) -> AsyncIterator[dict | None]:
+    """The stream's items, and None whenever `interval` seconds pass without one. The stream is
+    read by a task of its own, so waiting never cancels it; closing this closes the stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as e:  # handed over to the reader, cancellation included
+            await queue.put(e)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), interval)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await stream.aclose()
