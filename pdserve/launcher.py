@@ -109,7 +109,9 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         _wait_registered(url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
         model_name = httpx.get(url + "/v1/models", headers=_auth(args.api_key)).json()["data"][0]["id"]
-        print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles}), flush=True)
+        members = [{"name": c.name, "url": c.ready["url"], "pid": c.proc.pid, "cpus": c.cpus} for c in children]
+        print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "processes": members}),
+              flush=True)
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
         while not stopping.wait(0.5):

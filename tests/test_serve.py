@@ -4,6 +4,7 @@ through the official client, then SIGTERM stops every child and the command exit
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import openai
 
 def test_serve_starts_answers_and_stops(tiny_llama):
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama), "--port", "0",
-           "--dtype", "float32", "--kv-cache-memory", "8MiB"]
+           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--pin-cpus"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line: list[str] = []
@@ -25,6 +26,10 @@ def test_serve_starts_answers_and_stops(tiny_llama):
         assert line and line[0], proc.stderr.read() if proc.poll() is not None else "no ready line"
         ready = json.loads(line[0])
         assert ready["event"] == "ready" and ready["workers"] == ["prefill", "decode"]
+        cores = sorted(os.sched_getaffinity(0))
+        for member in ready["processes"][1:]:  # each worker runs on its share of the cores
+            assert sorted(os.sched_getaffinity(member["pid"])) == member["cpus"]
+            assert set(member["cpus"]) <= set(cores) and len(member["cpus"]) == max(1, len(cores) // 2)
         client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="unused", max_retries=0)
         r = client.chat.completions.create(model=ready["model"], messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=5, temperature=0)
