@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pdserve.kv_transfer.base import Lease, TransferError
+from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.tcp import InPlaceSender
 
 XFER_TIMEOUT_S = 30.0
@@ -178,9 +178,9 @@ class NixlSender(InPlaceSender):
         except Exception as e:  # NIXL raises its own error types
             raise TransferError(f"NIXL could not add the decode worker's agent: {e}") from None
 
-    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+    def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
         slot_bytes = self.layout.slot_bytes
-        pieces = paired_runs(src_runs, lease.slot_runs(start, end))
+        pieces = paired_runs(src_runs, dst_runs)
         local, remote = [], []
         for layer in layers:
             local_base = self.kv_cache.data_ptr() + layer * self.kv_cache.shape[1] * slot_bytes

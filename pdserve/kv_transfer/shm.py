@@ -16,7 +16,7 @@ import secrets
 
 import torch
 
-from pdserve.kv_transfer.base import KVLayout, Lease, TransferError
+from pdserve.kv_transfer.base import KVLayout, TransferError
 from pdserve.kv_transfer.quant import gather_slots
 from pdserve.kv_transfer.tcp import InPlaceSender
 
@@ -95,10 +95,10 @@ class ShmSender(InPlaceSender):
         self.peer_kv = map_peer_pool(str(peer.get("path", "")), self.layout, int(peer.get("num_slots", 0)))
         self.peer_slots = self.peer_kv.shape[1]
 
-    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
+    def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
         src = gather_slots(self.kv_cache[layers.start : layers.stop], slice(None), src_runs)
         offset = 0
-        for slot, n in lease.slot_runs(start, end):
+        for slot, n in dst_runs:
             self.peer_kv[layers.start : layers.stop, slot : slot + n].copy_(src[:, offset : offset + n])
             offset += n
         return src.numel() * src.element_size()

@@ -291,16 +291,17 @@ class InPlaceSender(TcpSender):
     def _max_layers_per_write(self, num_tokens: int) -> int:
         return self.layout.num_layers  # frames carry no payload: no size limit to respect
 
-    def _copy(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
-        """Write these layers' KV of positions [start, end) into the peer's slots; returns bytes."""
+    def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
+        """Write these layers' KV from this side's slot runs into the peer's; returns bytes."""
         raise NotImplementedError
 
     def _write(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        if any(s + n > self.peer_slots for s, n in lease.slot_runs(start, end)):
+        dst_runs = lease.slot_runs(start, end)
+        if any(s + n > self.peer_slots for s, n in dst_runs):
             raise TransferError(f"lease {lease.fence} names blocks outside the decode worker's pool")
         if not self._claim(lease):
             return
-        self.bytes_sent += self._copy(lease, layers, start, end, src_runs)
+        self.bytes_sent += self._copy(layers, src_runs, dst_runs)
         self._send(encode_frame(
             WriteHeader(lease.request_id, lease.fence, layers.start, start, end - start, "direct", len(layers))))
 
