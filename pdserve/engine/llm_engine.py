@@ -109,15 +109,22 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         remote_prefill: bool = False,
+        output_token_ids: list[int] = (),
     ) -> str:
         """Queue a request. With `remote_prefill` (decode role, n == 1) its prompt's KV is
-        reserved for a prefill worker to fill; `kv_landed` / `kv_failed` tell how that went."""
+        reserved for a prefill worker to fill; `kv_landed` / `kv_failed` tell how that went.
+
+        `output_token_ids` resumes a request that another worker began (a migration): those tokens
+        count as generated (against max_tokens and min_tokens, for stop strings, and for a seeded
+        request's random draws), are computed again with the prompt, and are not output again."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        output_token_ids = list(output_token_ids)
         self._validate_prompt(token_ids, params)
+        self._validate_resumed(token_ids, output_token_ids, params)
         parent = _Parent(request_id, text, token_ids, [])
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
@@ -125,8 +132,14 @@ class LLMEngine:
             )
             engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
-                          priority, remote_prefill=remote_prefill and params.n == 1)
-            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, child_params), i)
+                          priority, remote_prefill=remote_prefill and params.n == 1,
+                          output_token_ids=output_token_ids)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
+            for token in output_token_ids:
+                detokenizer.add(token)
+            detokenizer.released = len(detokenizer.text)  # the text of resumed tokens went out before
+            self._skip_draws(req, len(output_token_ids))
+            seq = _Sequence(req, detokenizer, i, num_tokens_sent=len(output_token_ids))
             parent.sequences.append(seq)
             self._sequences[engine_id] = (parent, seq)
             self.scheduler.add(req)
@@ -167,6 +180,26 @@ class LLMEngine:
         if bad_stop is not None:
             raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {vocab})")
 
+    def _validate_resumed(self, token_ids: list[int], output_ids: list[int], params: SamplingParams) -> None:
+        if not output_ids:
+            return
+        if params.n != 1:
+            raise ValueError("only a single completion (n=1) can be resumed with output_token_ids")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in output_ids):
+            raise ValueError(f"output token ids must be in [0, {vocab})")
+        if len(output_ids) >= self._max_total_tokens(token_ids, params) - len(token_ids):
+            raise ValueError(f"{len(output_ids)} output tokens already reach the request's length limit")
+
+    def _skip_draws(self, req: Request, num_tokens: int) -> None:
+        """Advance a seeded request's generator past `num_tokens` samples drawn elsewhere, so that it
+        goes on exactly as if it had sampled them here."""
+        if req.generator is None or req.params.greedy:
+            return
+        row = torch.empty(self.model_config.vocab_size)  # the sampler draws one row per token
+        for _ in range(num_tokens):
+            row.exponential_(generator=req.generator)
+
     def _max_total_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         limit = min(self.max_model_len, capacity)
@@ -190,9 +223,7 @@ class LLMEngine:
         req = self.scheduler.kv_landed(request_id, first_token)
         if req is None:
             return False
-        if req.generator is not None and not req.params.greedy:
-            # the prefill worker drew the first token's noise from the same seed: skip that draw
-            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+        self._skip_draws(req, 1)  # the prefill worker drew the new token's noise from the same seed
         self._landed.append(req)
         return True
 

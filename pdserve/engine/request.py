@@ -57,10 +57,12 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         remote_prefill: bool = False,
+        output_token_ids: list[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # tokens generated so far: empty, or what another worker generated before this one resumes
+        self.output_token_ids: list[int] = list(output_token_ids)
         self.params = params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

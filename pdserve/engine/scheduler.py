@@ -176,7 +176,7 @@ class Scheduler:
             return None
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens  # prompt and any resumed output
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)
         self.blocks.cache_full_blocks(req)

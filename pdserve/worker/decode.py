@@ -70,7 +70,7 @@ class DecodeRole(RoleHooks):
         url = self.targets.pop(request.request_id)
         lease = Lease(
             request.request_id, next(self._fences), list(self.engine.block_manager.block_table(request.request_id)),
-            self.engine.block_manager.block_size, request.num_computed_tokens, request.num_prompt_tokens,
+            self.engine.block_manager.block_size, request.num_computed_tokens, request.num_tokens,
             time.monotonic() + self.lease_timeout_s,
         )
         self.leases[request.request_id] = lease
@@ -79,6 +79,7 @@ class DecodeRole(RoleHooks):
             "request_id": request.request_id,
             "fence": lease.fence,
             "prompt_token_ids": request.prompt_token_ids,
+            "output_token_ids": request.output_token_ids,  # a resumed request's tokens so far
             "sampling": asdict(request.params),
             "start": lease.start,
             "block_table": lease.block_table,

@@ -67,16 +67,19 @@ class PrefillRole(RoleHooks):
         if body["model_hash"] != self.layout.model_hash:
             raise TransferError("model mismatch: the decode worker serves another model (config hash differs)")
         tokens, start = body["prompt_token_ids"], body["start"]
-        if not 0 <= start < len(tokens):
-            raise ValueError(f"lease start {start} outside the prompt of {len(tokens)} tokens")
-        lease = Lease(body["request_id"], body["fence"], body["block_table"], body["block_size"], start, len(tokens), 0.0)
-        lease.slot_runs(start, len(tokens))  # the table must cover the prompt
-        params = SamplingParams(**body["sampling"]).clone(n=1, max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[])
+        resumed = list(body.get("output_token_ids") or [])  # a migrated request's tokens so far
+        end = len(tokens) + len(resumed)
+        if not 0 <= start < end:
+            raise ValueError(f"lease start {start} outside the sequence of {end} tokens")
+        lease = Lease(body["request_id"], body["fence"], body["block_table"], body["block_size"], start, end, 0.0)
+        lease.slot_runs(start, end)  # the table must cover the sequence
+        params = SamplingParams(**body["sampling"]).clone(
+            n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop=[], stop_token_ids=[])
         sender, backend = self._sender_for(body["decode"], body.get("kv_transfer_dtype", "auto"))
         engine_id = f"{lease.request_id}@{lease.fence}"
 
         def add() -> None:
-            self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params)
+            self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params, output_token_ids=resumed)
             self.shipments[engine_id] = Shipment(sender, lease, start)
 
         sender.prepare(lease)
@@ -167,8 +170,9 @@ class PrefillRole(RoleHooks):
         if shipment is None:
             return
         sender, lease = shipment.sender, shipment.lease
-        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.output_token_ids:
-            sender.notify(lease, request.output_token_ids[0])
+        sampled_here = len(request.output_token_ids) + request.num_prompt_tokens > lease.end
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and sampled_here:
+            sender.notify(lease, request.output_token_ids[-1])
             self.num_notified += 1
         elif not shipment.peer_aborted:
             sender.abort(lease, f"prefill ended: {request.status.finish_reason}")

@@ -1,9 +1,10 @@
 """The worker's control endpoint (HTTP, FastAPI): token ids in, streamed token ids out.
 
 Routes:
-- POST /v1/generate   {prompt_token_ids, sampling, priority, prefill_url?, stream} -> NDJSON lines
+- POST /v1/generate   {prompt_token_ids, output_token_ids?, sampling, priority, prefill_url?, stream}
+                      -> NDJSON lines (output_token_ids resumes a request begun elsewhere)
 - POST /v1/abort      {request_id}
-- POST /v1/prefill    a decode worker's lease (prefill and both roles)
+- POST /v1/prefill    a decode worker's lease (any role: decode workers serve it for migrations)
 - POST /v1/prefill/abort {request_id, fence}
 - GET  /v1/kv_info    how prefill workers reach this one (decode and both roles)
 - GET  /stats, /health, /metrics (Prometheus)
@@ -36,6 +37,7 @@ class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str | None = Field(default=None, max_length=256)
     prompt_token_ids: list[StrictInt] = Field(min_length=1)
+    output_token_ids: list[StrictInt] = Field(default_factory=list)  # resume: generated elsewhere so far
     sampling: dict[str, Any] = Field(default_factory=dict)
     priority: int = 0
     prefill_url: str | None = None
@@ -47,6 +49,7 @@ class PrefillBody(BaseModel):
     request_id: str = Field(max_length=256)
     fence: StrictInt = Field(ge=0)
     prompt_token_ids: list[StrictInt] = Field(min_length=1)
+    output_token_ids: list[StrictInt] = Field(default_factory=list)
     sampling: dict[str, Any]
     start: StrictInt = Field(ge=0)
     block_table: list[StrictInt]
@@ -103,7 +106,7 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
         try:
             params = sampling_params(body.sampling)
             await asyncio.to_thread(worker.generate, request_id, body.prompt_token_ids, params, sink,
-                                    body.priority, body.prefill_url)
+                                    body.priority, body.prefill_url, body.output_token_ids)
         except ValueError as e:
             return error(400, str(e))
         except QueueFullError as e:
@@ -142,8 +145,6 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
             engine_id, backend = await asyncio.to_thread(worker.accept_prefill, body.model_dump())
         except (ValueError, TypeError) as e:
             return error(400, str(e))
-        except RoleNotServedError as e:
-            return error(404, str(e))
         except TransferError as e:
             status = 409 if "mismatch" in str(e) else 503
             return error(status, str(e), "kv_transfer_error")

@@ -2,8 +2,9 @@
 endpoint (server.py) calls.
 
 Lifecycle:
-1. Build the roles (decode: receiver and leases; prefill: senders), then the engine with them as
-   its hooks; a decode worker offering `shm` keeps its KV pool in shared memory.
+1. Build the roles (decode: receiver and leases; every worker: senders, since a decode worker also
+   ships the KV of requests the router migrates away from it), then the engine with them as its
+   hooks; a decode worker offering `shm` keeps its KV pool in shared memory.
 2. Decode: open the KV listener and publish the offers (tcp address, shared pool path).
 3. `start()`: the engine thread runs; `generate`, `abort`, `prefill`, `stats` are safe from any
    thread.
@@ -92,8 +93,10 @@ class Worker:
         self.max_queued = max_queued
         role = config.role
         self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype) if role in ("decode", "both") else None
-        self.prefill = PrefillRole(sender_types(), self.transfer, token, name) if role in ("prefill", "both") else None
-        hooks = _BothRoles(self.decode, self.prefill) if role == "both" else (self.decode or self.prefill)
+        # Every worker can ship KV out: prefill workers for their prompts, decode workers for the
+        # requests the router moves away from them (hot-spot relief).
+        self.prefill = PrefillRole(sender_types(), self.transfer, token, name)
+        hooks = _BothRoles(self.decode, self.prefill) if self.decode is not None else self.prefill
         self._pool: SharedKVPool | None = None
 
         def shared_pool(shape, dtype):
@@ -117,8 +120,7 @@ class Worker:
                 from pdserve.kv_transfer.nixl import local_agent
                 self.offers["nixl"] = {**addr, **local_agent(self.engine.runner.kv_cache).offer()}
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
-        if self.prefill is not None:
-            self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.call_and_wait)
+        self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.call_and_wait)
         self.started_at = time.time()
 
     def start(self) -> None:
@@ -145,6 +147,7 @@ class Worker:
         sink: OutputSink,
         priority: int = 0,
         prefill_url: str | None = None,
+        output_token_ids: list[int] = (),
     ) -> None:
         """Queue a request; its outputs go to `sink` from the engine thread. Raises ValueError
         for a bad request, QueueFullError when the queue is at its bound."""
@@ -158,7 +161,8 @@ class Worker:
             if remote:
                 self.decode.targets[request_id] = prefill_url
             try:
-                self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote)
+                self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote,
+                                        output_token_ids)
             except Exception:
                 if remote:
                     self.decode.targets.pop(request_id, None)
@@ -171,13 +175,10 @@ class Worker:
         self.loop.call(lambda: self.engine.abort(request_id))
 
     def accept_prefill(self, body: dict) -> tuple[str, str]:
-        if self.prefill is None:
-            raise RoleNotServedError(f"a {self.config.role} worker does not prefill for others")
         return self.prefill.accept(body)
 
     def abort_prefill(self, request_id: str, fence: int | None) -> None:
-        if self.prefill is not None:
-            self.loop.call(lambda: self.prefill.abort(request_id, fence))
+        self.loop.call(lambda: self.prefill.abort(request_id, fence))
 
     def kv_info(self) -> dict:
         if self.decode is None:
@@ -190,7 +191,7 @@ class Worker:
     def _stats(self) -> dict:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        queued_prefill += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens)
+        queued_prefill += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_tokens - r.num_computed_tokens > 1)
         out = {
             "role": self.config.role,
             "model_hash": self.layout.model_hash,

@@ -42,10 +42,11 @@ def test_bad_generate_requests(decode, payload, status, fragment):
 
 
 def test_roles_refuse_what_they_do_not_serve(decode, tiny_llama):
+    # a decode worker ships KV too (for migrations), but only for its own model
     r = httpx.post(decode.url + "/v1/prefill", json={
         "request_id": "x", "fence": 1, "prompt_token_ids": [1], "sampling": {}, "start": 0, "block_table": [0],
         "block_size": 4, "model_hash": "h", "decode": {}})
-    assert r.status_code == 404 and "does not prefill" in r.json()["error"]["message"]
+    assert r.status_code == 409 and "model mismatch" in r.json()["error"]["message"]
     p = WorkerServer(tiny_llama, "prefill", ["tcp"])
     try:
         assert httpx.get(p.url + "/v1/kv_info").status_code == 404

@@ -1,0 +1,107 @@
+"""Resuming a request that another worker began (`output_token_ids`): the continuation equals the
+uninterrupted output, for greedy and seeded sampling, colocated and with the KV coming from
+another worker — a decode worker included, which is how the router migrates a running request."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdserve import SamplingParams
+from tests.factories import make_llm
+from tests.worker.cluster import Cluster, WorkerServer, prompt
+
+SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77}}
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama):
+    return make_llm(tiny_llama, block_size=4)
+
+
+def full_output(llm, tokens, max_tokens, **sampling):
+    sp = SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, **sampling})
+    return llm.generate([{"prompt_token_ids": tokens}], sp)[0].outputs[0].token_ids
+
+
+def resume(llm, tokens, done, max_tokens, **sampling):
+    engine = llm.engine
+    sp = SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, **sampling})
+    rid = engine.add_request(None, {"prompt_token_ids": tokens}, sp, output_token_ids=done)
+    new, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                new += out.outputs[0].delta_token_ids
+                last = out
+    return new, last
+
+
+@pytest.mark.parametrize("kind", SAMPLINGS)
+def test_engine_resume_continues_exactly(colocated, kind):
+    tokens = prompt(37, seed=2)
+    full = full_output(colocated, tokens, 20, **SAMPLINGS[kind])
+    for cut in (1, 7, 19):
+        new, last = resume(colocated, tokens, full[:cut], 20, **SAMPLINGS[kind])
+        assert new == full[cut:]  # nothing repeated, nothing missing, max_tokens counts the resumed ones
+        assert last.outputs[0].token_ids == full and last.outputs[0].finish_reason == "length"
+
+
+def test_engine_resume_refuses_bad_output_ids(colocated):
+    engine = colocated.engine
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="length limit"):
+        engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, sp, output_token_ids=[5, 6, 7, 8])
+    with pytest.raises(ValueError, match="must be in"):
+        engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, sp, output_token_ids=[-1])
+    with pytest.raises(ValueError, match="n=1"):
+        engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, sp.clone(n=2), output_token_ids=[5])
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind", SAMPLINGS)
+def test_disaggregated_resume_matches(tiny_llama, colocated, kind):
+    tokens = prompt(45, seed=5)
+    full = full_output(colocated, tokens, 16, **SAMPLINGS[kind])
+    with Cluster(tiny_llama, "tcp") as c:
+        body = c.body(tokens, max_tokens=16, **SAMPLINGS[kind])
+        body["output_token_ids"] = full[:6]
+        r = c.http.post(c.d.url + "/v1/generate", json={**body, "stream": False})
+        assert r.status_code == 200, r.text
+        assert [t for line in r.json() for t in line["outputs"][0]["token_ids"]] == full[6:]
+        stats = c.d.worker.stats()
+        assert stats["kv_landed"] == 1 and stats["kv_recomputed"] == 0
+        c.wait_idle()
+
+
+def test_decode_worker_ships_a_running_requests_kv_to_another(tiny_llama, colocated):
+    """The migration path: a request runs on one decode worker, is stopped there, and continues on
+    another that takes its KV (prompt and generated tokens) from the first one's prefix cache."""
+    tokens = prompt(60, seed=9)
+    sampling = {"temperature": 0.8, "seed": 5, "max_tokens": 24, "ignore_eos": True}
+    full = full_output(colocated, tokens, **sampling)
+    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    try:
+        with httpx.Client(timeout=60) as http:
+            done: list[int] = []
+            with http.stream("POST", hot.url + "/v1/generate",
+                             json={"prompt_token_ids": tokens, "sampling": sampling}) as r:
+                for line in r.iter_lines():
+                    done += json.loads(line)["outputs"][0]["token_ids"]
+                    if len(done) >= 9:
+                        break  # closing the stream aborts the request on `hot`
+            r = http.post(cool.url + "/v1/generate", json={
+                "prompt_token_ids": tokens, "output_token_ids": done, "sampling": sampling,
+                "prefill_url": hot.url, "stream": False})
+            assert r.status_code == 200, r.text
+            assert done + [t for line in r.json() for t in line["outputs"][0]["token_ids"]] == full
+        assert cool.worker.stats()["kv_landed"] == 1 and cool.worker.stats()["kv_recomputed"] == 0
+        assert hot.worker.stats()["kv_notified"] == 1
+        for w in (hot, cool):  # nothing leaked on either side
+            assert w.is_idle()
+    finally:
+        hot.stop()
+        cool.stop()
