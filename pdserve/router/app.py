@@ -7,15 +7,19 @@ Lifecycle of a request:
    lives, and 503 when none lives at all) and, if the prompt's uncached part is worth it and the
    prefill pool is not saturated, a prefill worker (least work, counting its prefix cache).
 4. Stream the decode worker's token deltas back as OpenAI JSON or SSE. A decode worker that fails
-   before the first token is retried once on another; one that fails later ends the stream with an
-   error event. A client that goes away closes the worker stream, and the worker aborts.
+   before the first token is retried once on another; one that fails later (or misses its lease)
+   ends the stream with an error event, or with `--migrate-on-failure` continues on another. A
+   client that goes away closes the worker stream, and the worker aborts.
+5. While it runs, hot-spot relief may move it to a cooler decode worker, which takes its KV from
+   the hot one through the transfer engine; the client's stream goes on without a gap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -25,13 +29,17 @@ from fastapi.responses import Response
 
 from pdserve.http_errors import APIError, error_response, install_error_handlers, require_bearer
 from pdserve.router.policy import (
-    Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, choose_decode, choose_prefill, prefill_remotely,
+    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_decode, choose_migrations,
+    choose_prefill, prefill_remotely,
 )
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
 from pdserve.router.registry import RegistrationError, Registry
 from pdserve.router.responses import serve
+from pdserve.router.streams import LiveStream, WorkerLost, worker_lines
 from pdserve.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -50,6 +58,8 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     keepalive_s: float = 5.0  # SSE comment after this long without a token
     migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
+    migrate_hot_spots: bool = True  # move running requests off decode workers past the hot KV use
+    relief: HotSpotRelief = field(default_factory=HotSpotRelief)
 
 
 class Router:
@@ -62,6 +72,8 @@ class Router:
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.http: httpx.AsyncClient | None = None
+        self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
+        self._relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
 
     # -- choosing workers -----------------------------------------------------------------------
 
@@ -121,56 +133,96 @@ class Router:
             raise APIError(400, "stop strings must not be empty", param="stop")
         return ids, req.sampling(max_tokens)
 
-    async def worker_stream(self, prompt_ids: list[int], sampling: dict, priority: int,
+    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: dict, priority: int,
                             first_choice: tuple[Any, Any]) -> AsyncIterator[dict]:
-        """The decode worker's output lines. A worker that fails before the first token is replaced
-        once by another. One that fails later ends the stream with an error, or, with
-        `migrate_on_failure` (single completions), another worker continues by recomputing the
-        prompt plus the tokens generated so far: no token repeated, none missing."""
+        """The decode worker's output lines, followed across workers:
+        - one that fails before the first token is replaced once by another;
+        - one that fails later ends the stream with an error, or, with `migrate_on_failure`
+          (single completions), another continues from the prompt plus the tokens so far;
+        - hot-spot relief may move a running request: the hot worker stops it, and the new one
+          takes its KV from the hot one's prefix cache and continues.
+        Continuing requests resume (`output_token_ids`): no token repeated, none missing, and
+        seeded sampling goes on exactly as if nothing had happened."""
+        live = LiveStream(request_id, sampling["n"], len(prompt_ids), sampling["max_tokens"])
+        self.live[request_id] = live
         tried: set[str] = set()
         generated: list[int] = []
-        original = sampling
-        while True:
-            sampling = dict(original, max_tokens=original["max_tokens"] - len(generated),
-                            min_tokens=max(0, original["min_tokens"] - len(generated)))
-            d, p = self.route(prompt_ids + generated, frozenset(tried)) if tried else first_choice
-            if generated:
-                p = None  # a migrated request computes its context on the new decode worker
-            body = {"prompt_token_ids": prompt_ids + generated, "sampling": sampling, "priority": priority,
-                    "prefill_url": p.url if p is not None else None}
-            headers = {"Authorization": f"Bearer {self.config.worker_token}"} if self.config.worker_token else {}
-            started = False
-            try:
-                async with self.http.stream("POST", d.url + "/v1/generate", json=body, headers=headers) as r:
-                    if r.status_code != 200:
-                        raw = await r.aread()
-                        raise _worker_error(r.status_code, raw)
-                    async for line in r.aiter_lines():
-                        if not line:
-                            continue
-                        item = json.loads(line)
-                        if "error" in item:
-                            raise APIError(500, item["error"]["message"], "server_error")
+        started = False
+        d, p = first_choice
+        try:
+            for attempt in itertools.count():
+                live.worker_id, live.worker_request_id = d.worker_id, f"{request_id}-{attempt}"
+                body = {"request_id": live.worker_request_id, "prompt_token_ids": prompt_ids,
+                        "output_token_ids": generated, "sampling": sampling, "priority": priority,
+                        "prefill_url": p.url if p is not None else None}
+                moved = False
+                try:
+                    async for item in worker_lines(self.http, d.url, body, self._worker_headers, live):
+                        if live.n == 1:
+                            out = item["outputs"][0]
+                            if out["finish_reason"] == "abort" and live.move_to is not None:
+                                out["finish_reason"], moved = None, True  # stopped for the move
+                            generated += out["token_ids"]
+                            live.tokens_arrived(len(out["token_ids"]))
                         started = True
-                        if original["n"] == 1:
-                            generated += item["outputs"][0]["token_ids"]
                         yield item
-                return
-            except httpx.HTTPError as e:
-                migrate = self.config.migrate_on_failure and original["n"] == 1 and len(tried) < 2
-                if (started or tried) and not migrate:
-                    raise APIError(502, f"the decode worker failed mid-request: {e}", "server_error") from None
-                tried.add(d.worker_id)
-                self.registry.remove(d.worker_id)
-                self.index.forget(d.worker_id)
+                    if not moved:
+                        return
+                    d, p, live.move_to = live.move_to, d, None  # the hot worker now sends its KV
+                    self.metrics.migrations.labels("hot_spot").inc()
+                except (httpx.HTTPError, WorkerLost) as e:
+                    migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
+                    if (started or tried) and not migrate:
+                        raise APIError(502, f"the decode worker failed mid-request: {e}", "server_error") from None
+                    tried.add(d.worker_id)
+                    self.registry.remove(d.worker_id)
+                    self.index.forget(d.worker_id)
+                    live.move_to = None
+                    d, p = self.route(prompt_ids + generated, frozenset(tried))
+                    if started:
+                        self.metrics.migrations.labels("failure").inc()
+        finally:
+            self.live.pop(request_id, None)
 
+    @property
+    def _worker_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.worker_token}"} if self.config.worker_token else {}
 
-def _worker_error(status: int, raw: bytes) -> APIError:
-    try:
-        err = json.loads(raw)["error"]
-        return APIError(status if status < 500 else 502, err["message"], err.get("type", "server_error"))
-    except (ValueError, KeyError, TypeError):
-        return APIError(502, f"the worker answered HTTP {status}", "server_error")
+    # -- the reaper's rounds ---------------------------------------------------------------------
+
+    def drop_expired_workers(self) -> None:
+        """Workers whose lease lapsed leave the registry; streams waiting on them fail now."""
+        for entry in self.registry.expire():
+            self.index.forget(entry.worker_id)
+            for live in self.live.values():
+                if live.worker_id == entry.worker_id:
+                    live.inbox.put_nowait(WorkerLost(f"worker {entry.url} missed its lease"))
+
+    async def relieve_hot_spots(self) -> None:
+        """Move requests off decode workers whose KV use is past the hot threshold, at most one per
+        worker per heartbeat it sent (its load is only known again then)."""
+        if not self.config.migrate_hot_spots:
+            return
+        # a worker's load is known afresh only after a heartbeat since it last gave or took a request
+        decodes = {w.worker_id: w for w in self.registry.workers("decode")
+                   if w.heartbeats > self._relieved_at.get(w.worker_id, 0)}
+        streams = [s.running() for s in self.live.values()
+                   if s.n == 1 and s.move_to is None and s.worker_id in decodes]
+        moves = choose_migrations({k: w.load for k, w in decodes.items()}, streams, self.config.decode_weights,
+                                  self.config.relief)
+        for stream_id, target in moves:
+            live = self.live.get(stream_id)
+            if live is None:
+                continue
+            hot = decodes[live.worker_id]
+            for entry in (hot, decodes[target]):
+                self._relieved_at[entry.worker_id] = entry.heartbeats
+            live.move_to = decodes[target]
+            try:  # the hot worker stops it; its last line ends the call, and the stream moves on
+                await self.http.post(hot.url + "/v1/abort", json={"request_id": live.worker_request_id},
+                                     headers=self._worker_headers, timeout=5.0)
+            except httpx.HTTPError:
+                live.move_to = None  # the worker is failing: the failure path takes over
 
 
 def create_app(router: Router) -> FastAPI:
@@ -258,5 +310,8 @@ def create_app(router: Router) -> FastAPI:
 async def _reap(router: Router) -> None:
     while True:
         await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
-        for entry in router.registry.expire():
-            router.index.forget(entry.worker_id)
+        router.drop_expired_workers()
+        try:
+            await router.relieve_hot_spots()
+        except Exception:  # a round that fails must not end the reaper
+            log.exception("hot-spot relief round failed")

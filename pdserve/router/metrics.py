@@ -29,6 +29,8 @@ class RouterMetrics:
         self.generated_tokens = Counter("pdserve_generated_tokens", "tokens generated", registry=r)
         self.disaggregated = Counter("pdserve_disaggregated_requests", "requests sent through a prefill worker",
                                      registry=r)
+        self.migrations = Counter("pdserve_migrations", "running requests moved to another decode worker, by "
+                                  "reason: hot_spot (KV use) or failure (the worker was lost)", ["reason"], registry=r)
         self.sla_met = Counter("pdserve_sla_met_requests", "finished requests meeting both the TTFT and TPOT targets",
                                registry=r)
         self.queue = Gauge("pdserve_queue_requests", "requests the router holds", registry=r)

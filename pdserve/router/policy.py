@@ -10,6 +10,8 @@ planner's simulator can run the very same code.
   prompt tokens it does not already hold in its prefix cache (a router-side index of block hashes).
 - Conditional disaggregation: a prompt whose uncached part is short, or a saturated prefill pool,
   is prefilled by the decode worker itself.
+- Hot-spot relief: a running request moves off a decode worker above the hot threshold of KV use
+  to one well below it; its KV travels through the transfer engine.
 """
 
 from __future__ import annotations
@@ -163,3 +165,38 @@ class Admission:
         if n is not None:
             self.requests -= 1
             self.tokens -= n
+
+
+@dataclass(frozen=True, slots=True)
+class RunningStream:
+    """What the router knows of a request streaming from a decode worker."""
+
+    stream_id: str
+    worker_id: str
+    context_tokens: int  # prompt + generated so far: the KV it holds there
+    remaining_tokens: int  # at most this many still to generate
+
+
+@dataclass(frozen=True, slots=True)
+class HotSpotRelief:
+    target_max_kv_usage: float = 0.6  # a worker takes moved requests only below this KV use
+    min_remaining_tokens: int = 32  # a request this close to its end stays where it is
+
+
+def choose_migrations(loads: dict[str, WorkerLoad], streams: list[RunningStream],
+                      w: DecodeWeights = DecodeWeights(), relief: HotSpotRelief = HotSpotRelief()) -> list[tuple[str, str]]:
+    """Hot-spot relief: (stream id, target worker id) moves for this round. At most one request
+    leaves each decode worker above the hot threshold of KV use, the one holding the most KV, and
+    each goes to a different worker below the relief target (the best scored)."""
+    hot = sorted((k for k, l in loads.items() if l.kv_usage > w.hot_kv_usage), key=lambda k: (-loads[k].kv_usage, k))
+    cool = {k: l for k, l in loads.items() if l.kv_usage < relief.target_max_kv_usage}
+    moves: list[tuple[str, str]] = []
+    for worker in hot:
+        movable = [s for s in streams if s.worker_id == worker and s.remaining_tokens >= relief.min_remaining_tokens]
+        if not cool or not movable:
+            continue
+        stream = max(movable, key=lambda s: (s.context_tokens, s.stream_id))
+        target = choose_decode(cool, w)
+        moves.append((stream.stream_id, target))
+        del cool[target]
+    return moves

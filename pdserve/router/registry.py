@@ -35,6 +35,7 @@ class WorkerEntry:
     lease_expires: float
     load: WorkerLoad = field(default_factory=WorkerLoad)
     stats: dict = field(default_factory=dict)
+    heartbeats: int = 0  # received since registration
 
     @property
     def decodes(self) -> bool:
@@ -82,6 +83,7 @@ class Registry:
                 raise KeyError(worker_id)
             entry.lease_expires = self.clock() + self.lease_s
             entry.stats = stats
+            entry.heartbeats += 1
             entry.load = WorkerLoad.from_stats(stats)
             return entry
 

@@ -64,7 +64,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     except APIError:
         router.admission.release(request_id)
         raise
-    stream = router.worker_stream(ids, sampling, req.priority, choice)
+    stream = router.worker_stream(request_id, ids, sampling, req.priority, choice)
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

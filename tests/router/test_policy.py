@@ -1,9 +1,9 @@
 """Routing policies without a model: decode score, hot spots, prefix-aware prefill choice,
-conditional disaggregation, admission bounds."""
+conditional disaggregation, admission bounds, hot-spot relief."""
 
 from pdserve.router.policy import (
-    Admission, DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill,
-    decode_score, prefill_remotely,
+    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, RunningStream, WorkerLoad,
+    choose_decode, choose_migrations, choose_prefill, decode_score, prefill_remotely,
 )
 
 
@@ -76,3 +76,23 @@ def test_admission_bounds_requests_and_tokens():
 def test_worker_load_from_stats_ignores_other_keys():
     got = WorkerLoad.from_stats({"running": 3, "kv_blocks_used": 5, "kv_blocks_total": 10, "role": "decode"})
     assert got.running == 3 and got.kv_usage == 0.5
+
+
+def test_hot_spot_relief_moves_the_biggest_request_to_a_cool_worker():
+    loads = {"hot": load(kv_blocks_used=90, running=3), "warm": load(kv_blocks_used=70), "cool": load(kv_blocks_used=10),
+             "idle": load()}
+    streams = [RunningStream("s1", "hot", 300, 100), RunningStream("s2", "hot", 900, 100),
+               RunningStream("s3", "hot", 2000, 5),  # about to finish: stays
+               RunningStream("s4", "warm", 5000, 100)]  # warm is not hot: stays
+    assert choose_migrations(loads, streams) == [("s2", "idle")]
+    # two hot workers, one cool target: only one move this round
+    loads2 = {"h1": load(kv_blocks_used=95), "h2": load(kv_blocks_used=90), "c": load(kv_blocks_used=0)}
+    moves = choose_migrations(loads2, [RunningStream("a", "h1", 10, 50), RunningStream("b", "h2", 10, 50)])
+    assert moves == [("a", "c")]  # the hottest first
+    # nowhere cool enough, or nothing hot: nothing moves
+    assert choose_migrations({"h": load(kv_blocks_used=90), "w": load(kv_blocks_used=65)},
+                             [RunningStream("a", "h", 10, 50)]) == []
+    assert choose_migrations({"a": load(kv_blocks_used=80), "b": load()}, [RunningStream("x", "a", 10, 50)]) == []
+    relief = HotSpotRelief(target_max_kv_usage=0.7, min_remaining_tokens=1)
+    assert choose_migrations({"h": load(kv_blocks_used=90), "w": load(kv_blocks_used=65)},
+                             [RunningStream("a", "h", 10, 2)], relief=relief) == [("a", "w")]

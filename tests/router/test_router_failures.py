@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import time
 
 import httpx
+import pytest
 
 from pdserve.kv_transfer.base import model_fingerprint
 from pdserve.models.arch_config import ArchConfig
@@ -69,17 +71,21 @@ def test_decode_killed_mid_stream(tiny_llama):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1  # prefill serves colocated
 
 
-def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
+@pytest.mark.parametrize("failure", ["killed", "frozen"])
+def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama, failure):
+    """A killed worker closes the stream at once; a frozen one (SIGSTOP) answers nothing, and the
+    router's reaper ends the wait when its lease lapses. Either way the request continues on the
+    other decode worker, seeded sampling included."""
     from pdserve import SamplingParams
     from tests.factories import make_llm
 
     prompt = "a story that goes on and on " * 3
-    expected = make_llm(tiny_llama).generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    sampling = {"temperature": 0.8, "seed": 21, "max_tokens": 200, "ignore_eos": True}
+    expected = make_llm(tiny_llama).generate(prompt, SamplingParams(**sampling))
     expected = expected[0].outputs[0].text
-    with cluster_of_processes(tiny_llama, ["decode", "decode"], lease_s=4.0, migrate_on_failure=True) as (
+    with cluster_of_processes(tiny_llama, ["decode", "decode"], lease_s=2.0, migrate_on_failure=True) as (
             router, url, workers):
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {"model": "tiny", "prompt": prompt, "stream": True, **sampling}
         texts, killed = [], None
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -91,8 +97,9 @@ def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama):
                 if len(texts) == 10 and killed is None:
                     for proc, ready in workers:  # kill the one serving it, mid-stream
                         if httpx.get(ready["url"] + "/stats").json()["running"]:
-                            proc.kill()
+                            proc.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
                             killed = ready["url"]
                             break
         assert killed is not None
-        assert "".join(texts) == expected  # greedy: the same text, no token twice, none missing
+        assert "".join(texts) == expected  # the same text, no token twice, none missing
+        assert router.metrics.migrations.labels("failure")._value.get() == 1

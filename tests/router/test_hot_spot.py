@@ -1,0 +1,93 @@
+"""Hot-spot relief end to end: requests running on a decode worker past the hot KV threshold move
+to a cooler one, their KV sent by the hot worker through the transfer engine, and every client
+stream goes on with exactly the text an uninterrupted run gives."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from pdserve.kv_transfer.base import model_fingerprint
+from pdserve.models.arch_config import ArchConfig
+from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.policy import DecodeWeights, HotSpotRelief
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker.registration import RouterMembership
+from pdserve.worker.server import ServerThread
+from tests.router.test_router_e2e import offline_text
+from tests.factories import make_llm
+from tests.worker.cluster import WorkerServer
+
+PROMPTS = [f"request {i} tells a long story about ships and the sea " * 2 for i in range(3)]
+MAX_TOKENS = 300
+
+
+@pytest.fixture()
+def two_decoders(tiny_llama):
+    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+    config = RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=1.5,
+                          decode_weights=DecodeWeights(hot_kv_usage=0.25),
+                          relief=HotSpotRelief(target_max_kv_usage=0.2, min_remaining_tokens=16))
+    router = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, kv_cache_memory="1MiB")
+    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    members = []
+
+    def register(w):
+        members.append(RouterMembership(http.url, w.url, "decode", w.worker.layout.model_hash, w.worker.stats).start())
+        deadline = time.monotonic() + 20
+        while not any(e.url == w.url and e.heartbeats for e in router.registry.workers()):
+            assert time.monotonic() < deadline, "the worker did not register"
+            time.sleep(0.02)
+
+    yield router, http.url, hot, cool, register
+    for m in members:
+        m.stop()
+    http.stop()
+    hot.stop()
+    cool.stop()
+
+
+def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_decoders):
+    router, url, hot, cool, register = two_decoders
+    offline = make_llm(tiny_llama)
+    expected = [offline_text(offline, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+    register(hot)  # alone at first: every request starts there
+
+    def stream(prompt: str) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        texts = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    assert "error" not in chunk, chunk
+                    texts.append(chunk["choices"][0]["text"])
+        return "".join(texts)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(stream, p) for p in PROMPTS]
+        deadline = time.monotonic() + 30
+        while hot.worker.stats()["running"] < len(PROMPTS):
+            assert time.monotonic() < deadline, "the requests did not start"
+            time.sleep(0.01)
+        register(cool)  # now there is somewhere to go
+        texts = [f.result(timeout=120) for f in futures]
+
+    assert texts == expected  # greedy: the same text, no token twice, none missing
+    moved = router.metrics.migrations.labels("hot_spot")._value.get()
+    assert moved >= 1
+    stats = cool.worker.stats()
+    assert stats["kv_landed"] == moved and stats["kv_recomputed"] == 0  # the KV came from the hot worker
+    assert hot.worker.stats()["kv_notified"] == moved
+    deadline = time.monotonic() + 10
+    while not (hot.is_idle() and cool.is_idle()):
+        assert time.monotonic() < deadline, (hot.worker.stats(), cool.worker.stats())
+        time.sleep(0.05)
+    assert not router.live and router.admission.requests == 0
