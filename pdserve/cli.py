@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--shortest-prompt-first", action="store_true",
+                   help="admit the shortest waiting prompt first (within a priority); see --max-queue-wait")
+    g.add_argument("--max-queue-wait", type=float, default=10.0,
+                   help="seconds after which a waiting request goes ahead of shorter ones")
     g.add_argument("--quantization", choices=["int4"], default=None,
                    help="int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files")
 
@@ -37,7 +41,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads, seed=args.seed,
-        quantization=args.quantization,
+        quantization=args.quantization, shortest_prompt_first=args.shortest_prompt_first,
+        max_queue_wait_s=args.max_queue_wait,
     )
 
 
@@ -114,6 +119,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--no-prefix-caching")
     if args.quantization:
         argv += ["--quantization", args.quantization]
+    if args.shortest_prompt_first:
+        argv += ["--shortest-prompt-first", "--max-queue-wait", str(args.max_queue_wait)]
     return argv
 
 

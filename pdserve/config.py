@@ -73,6 +73,8 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     quantization: str | None = None  # None (weights in `dtype`) | "int4" (4-bit groups of 32, CPU)
     decode_headroom_tokens: int = 64  # decode role: free KV a reservation must leave for generation
+    shortest_prompt_first: bool = False  # admit the shortest waiting prompt first (within a priority)
+    max_queue_wait_s: float = 10.0  # ...except that one waiting this long goes first: none starves
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -92,5 +94,7 @@ class EngineConfig:
             raise ValueError("int4 weights use torch's CPU kernel; run them with device='cpu'")
         if self.decode_headroom_tokens < 0:
             raise ValueError("decode_headroom_tokens must not be negative")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError("max_queue_wait_s must be positive")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

@@ -63,9 +63,11 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     enable_prefix_caching: bool = True,
+    shortest_first_max_wait_s: float | None = None,
 ) -> Scheduler:
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(blocks, max_num_batched_tokens, max_num_seqs)
+    return Scheduler(blocks, max_num_batched_tokens, max_num_seqs,
+                     shortest_first_max_wait_s=shortest_first_max_wait_s)
 
 
 def run_fake_step(scheduler: Scheduler, token: int = 5) -> list[Request]:

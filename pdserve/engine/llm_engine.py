@@ -76,6 +76,7 @@ class LLMEngine:
             self._eos_token_ids(ckpt.generation_config),
             self.hooks,
             config.decode_headroom_tokens,
+            config.max_queue_wait_s if config.shortest_prompt_first else None,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator)
         self._parents: dict[str, _Parent] = {}

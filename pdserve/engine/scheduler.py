@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill, priorities and preemption by recompute.
 
 Lifecycle of a request in the scheduler:
-1. `add`: WAITING, in the waiting queue (ordered by priority, then arrival).
+1. `add`: WAITING, in the waiting queue (ordered by priority, then arrival; or, shortest prompt
+   first within a priority, where a request waiting past `max_wait_s` goes first: none starves).
 2. `schedule`: admitted when blocks and the step's token budget allow -> RUNNING. Its prompt may be
    computed over several steps (chunks); prefix-cache hits skip the blocks already computed.
 3. Out of blocks: the lowest-priority running request is preempted -> PREEMPTED, blocks freed,
@@ -55,6 +56,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         hooks: RoleHooks | None = None,
         headroom_tokens: int = 0,
+        shortest_first_max_wait_s: float | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +64,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.hooks = hooks or RoleHooks()
         self.headroom_tokens = headroom_tokens  # generation room a KV reservation must leave
+        self.max_wait_s = shortest_first_max_wait_s  # None: first come, first served
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key; the last is preempted first
         self.waiting_for_kv: dict[str, Request] = {}  # reserved, prompt KV arriving from elsewhere
@@ -120,22 +123,24 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         skipped: list[Request] = []
+        now = time.monotonic()
         while self.waiting and budget > 0 and self.num_live < self.max_num_seqs:
-            req = self.waiting[0]
+            i = self._next_waiting(now)
+            req = self.waiting[i]
             if not self.hooks.can_schedule(req):
-                skipped.append(self.waiting.pop(0))
+                skipped.append(self.waiting.pop(i))
                 continue
             if req.remote_prefill:
                 if not self._reserve(req):
                     break
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 continue
             cached = self.blocks.find_cached_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.blocks.allocate(req, n, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
@@ -148,6 +153,24 @@ class Scheduler:
         for req in skipped:
             bisect.insort(self.waiting, req, key=Request.sort_key)
         return budget
+
+    def _next_waiting(self, now: float) -> int:
+        """Index of the waiting request to admit next. First come, first served within a priority;
+        or the shortest prompt still to compute, unless one has waited `max_wait_s` (or was
+        preempted, holding progress): then the earliest of those goes first."""
+        if self.max_wait_s is None:
+            return 0
+        top = self.waiting[0].priority
+        best, best_key = 0, None
+        for i, req in enumerate(self.waiting):
+            if req.priority != top:
+                break
+            if req.status == RequestStatus.PREEMPTED or now - req.arrival_time >= self.max_wait_s:
+                return i  # the list is in arrival order within a priority: the earliest overdue one
+            key = (req.num_tokens, req.arrival_time)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
 
     def _reserve(self, req: Request) -> bool:
         assert req.status == RequestStatus.WAITING

@@ -10,6 +10,13 @@ import sys
 
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model the workers serve (for its tokenizer and limits)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
@@ -22,6 +29,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--migrate-on-failure", action="store_true",
                    help="a decode worker lost mid-stream: continue on another by recomputing prompt + output")
+    p.add_argument("--hot-kv-usage", type=_fraction, default=0.85,
+                   help="KV use past which a decode worker gets no new work and running requests move off it")
+    p.add_argument("--no-hot-spot-migration", action="store_true",
+                   help="keep running requests where they are, however hot their decode worker")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for SLA attainment metrics")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
 
@@ -32,6 +43,7 @@ def build_router(args: argparse.Namespace):
     from pdserve.models.loader import load_checkpoint
     from pdserve.models.registry import resolve_model
     from pdserve.router.app import Router, RouterConfig
+    from pdserve.router.policy import DecodeWeights
 
     path = resolve_model(args.model)
     ckpt = load_checkpoint(path)
@@ -41,7 +53,8 @@ def build_router(args: argparse.Namespace):
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=args.api_key,
                           worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
-                          migrate_on_failure=args.migrate_on_failure)
+                          migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
+                          decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage))
     return Router(config, ckpt.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 

@@ -1,5 +1,7 @@
 """The scheduler on its own: no model, tokens 'sampled' by the test, leaks checked after each case."""
 
+import time
+
 from pdserve.engine.request import RequestStatus
 from tests.factories import assert_no_leaks, make_request, make_scheduler, run_fake_step
 
@@ -113,3 +115,32 @@ def test_stop_token_ids_and_min_tokens():
 def test_status_order_puts_finished_last():
     assert all(s.finished for s in RequestStatus if s > RequestStatus.RUNNING)
     assert not any(s.finished for s in RequestStatus if s <= RequestStatus.RUNNING)
+
+
+def admission_order(sched, requests):
+    for r in requests:
+        sched.add(r)
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        order += [r.request_id for r, n in zip(out.requests, out.num_new_tokens) if n > 1 and r.request_id not in order]
+        sched.update(out, [7] * len(out.requests))
+    assert_no_leaks(sched.blocks)
+    return order
+
+
+def test_shortest_prompt_first_with_a_maximum_wait():
+    now = time.monotonic()
+
+    def requests():  # arrival order: long, long, short, then a short one of lower priority
+        return [make_request(num_prompt_tokens=30, request_id="long1", arrival_time=now - 3),
+                make_request(num_prompt_tokens=20, request_id="long2", arrival_time=now - 2),
+                make_request(num_prompt_tokens=5, request_id="short", arrival_time=now - 1),
+                make_request(num_prompt_tokens=2, request_id="low", priority=1, arrival_time=now)]
+    fcfs = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False), requests())
+    assert fcfs == ["long1", "long2", "short", "low"]
+    spf = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=60), requests())
+    assert spf == ["short", "long2", "long1", "low"]  # priority still comes first
+    # long1 has waited past the maximum: it goes ahead of the shorter ones
+    aged = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=2.5), requests())
+    assert aged == ["long1", "short", "long2", "low"]
