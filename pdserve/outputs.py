@@ -28,4 +28,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    phase_times: dict[str, float] | None = None  # once finished: queue_s, prefill_s, kv_wait_s, decode_s
+    phase_times: dict[str, float] | None = None  # once finished: queue_s, prefill_s, transfer_s, decode_s

@@ -218,10 +218,10 @@ class LLMEngine:
         self._aborted.append(self._make_output(parent, changed=set()))
         self._forget(parent)
 
-    def kv_landed(self, request_id: str, first_token: int) -> bool:
+    def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0)) -> bool:
         """A prefill worker filled the request's reserved blocks and sampled `first_token`.
         Its output comes from the next step(). False if the request is no longer waiting for it."""
-        req = self.scheduler.kv_landed(request_id, first_token)
+        req = self.scheduler.kv_landed(request_id, first_token, prefill_times)
         if req is None:
             return False
         self._skip_draws(req, 1)  # the prefill worker drew the new token's noise from the same seed

@@ -46,6 +46,7 @@ class Request:
         "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
+        "remote_queue_s", "remote_compute_s",
     )
 
     def __init__(
@@ -77,6 +78,8 @@ class Request:
         # when things happened (time.monotonic), for the per-phase times of metrics
         self.first_scheduled_time: float | None = None  # admitted (or its KV reserved) first
         self.kv_landed_time: float | None = None
+        self.remote_queue_s = 0.0  # queued on the prefill worker that sent the KV
+        self.remote_compute_s = 0.0  # computing there
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.generator: torch.Generator | None = None
@@ -105,18 +108,20 @@ class Request:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def phase_times(self) -> dict[str, float]:
-        """Seconds spent queued, prefilling here or waiting for a prefill worker's KV, decoding."""
+        """Seconds spent queued (here, and on a prefill worker), computing the prompt (here or
+        there), transferring its KV (what of the wait for it was not the prefill worker's queue or
+        compute: the hand-off and the transfer's tail), and decoding."""
         t0 = self.arrival_time
         scheduled = self.first_scheduled_time or t0
         first = self.first_token_time or scheduled
         end = self.finished_time or first
-        waited_for_kv = self.kv_landed_time is not None
-        return {
-            "queue_s": max(0.0, scheduled - t0),
-            "prefill_s": 0.0 if waited_for_kv else max(0.0, first - scheduled),
-            "kv_wait_s": max(0.0, self.kv_landed_time - scheduled) if waited_for_kv else 0.0,
-            "decode_s": max(0.0, end - first),
-        }
+        queue, prefill, transfer = max(0.0, scheduled - t0), max(0.0, first - scheduled), 0.0
+        if self.kv_landed_time is not None:  # the prompt's KV came from a prefill worker
+            waited = max(0.0, self.kv_landed_time - scheduled)
+            queue += min(self.remote_queue_s, waited)
+            prefill = min(self.remote_compute_s, waited - min(self.remote_queue_s, waited))
+            transfer = waited - min(self.remote_queue_s, waited) - prefill
+        return {"queue_s": queue, "prefill_s": prefill, "transfer_s": transfer, "decode_s": max(0.0, end - first)}
 
     def sort_key(self) -> tuple[int, float]:
         """Lower priority value first, then first come, first served."""

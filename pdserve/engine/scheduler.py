@@ -189,7 +189,8 @@ class Scheduler:
         self.hooks.on_reserved(req)
         return True
 
-    def kv_landed(self, request_id: str, first_token: int) -> Request | None:
+    def kv_landed(self, request_id: str, first_token: int,
+                  prefill_times: tuple[float, float] = (0.0, 0.0)) -> Request | None:
         """The prompt's KV is in the reserved blocks and the first token was sampled elsewhere.
 
         Returns the request, now RUNNING (or finished, if that token ends it); None if it is gone.
@@ -205,6 +206,7 @@ class Scheduler:
         self.blocks.cache_full_blocks(req)
         req.output_token_ids.append(first_token)
         req.kv_landed_time = req.first_token_time = time.monotonic()
+        req.remote_queue_s, req.remote_compute_s = prefill_times
         status = self._stop_status(req, first_token)
         if status is not None:
             self.finish(request_id, status)

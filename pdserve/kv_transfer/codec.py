@@ -75,6 +75,8 @@ class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fence: int
     first_token: int
     num_prompt_tokens: int
+    prefill_queue_s: float = 0.0  # how long the request waited on the prefill worker
+    prefill_compute_s: float = 0.0  # and how long computing it took there
 
 
 class AbortHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -47,6 +47,7 @@ class ReceiverEvent:
     fence: int
     first_token: int = -1
     reason: str = ""
+    prefill_times: tuple[float, float] = (0.0, 0.0)  # LANDED: queue and compute seconds on the prefill worker
 
 
 class _LeaseState:
@@ -322,7 +323,8 @@ class _Connection:
                 state.released = True  # the blocks stay with the request
                 del rx._leases[h.fence]
         if complete:
-            rx.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token))
+            rx.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token,
+                                        prefill_times=(h.prefill_queue_s, h.prefill_compute_s)))
         else:
             rx.events.put(ReceiverEvent(EventKind.FAILED, h.request_id, h.fence, reason="notified before all KV landed"))
             self._after_peer_stopped(state)

@@ -106,8 +106,9 @@ class TcpSender:
     def prepare(self, lease: Lease) -> None:
         """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
 
-    def notify(self, lease: Lease, first_token: int) -> None:
-        self._push(("notify", lease, first_token))
+    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0)) -> None:
+        """After the lease's writes: the first token, and (queue, compute) seconds spent here."""
+        self._push(("notify", lease, first_token, times))
 
     def abort(self, lease: Lease, reason: str) -> None:
         self._push(("abort", lease, reason))
@@ -206,7 +207,7 @@ class TcpSender:
         elif kind == "claim":
             self._claim(lease)
         elif kind == "notify":
-            self._send(encode_frame(NotifyHeader(lease.request_id, lease.fence, job[2], lease.end)))
+            self._send(encode_frame(NotifyHeader(lease.request_id, lease.fence, job[2], lease.end, *job[3])))
             self._status[lease.request_id] = TransferStatus.DONE
         elif kind == "abort":
             self._aborted_fences.add(lease.fence)

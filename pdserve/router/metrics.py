@@ -21,8 +21,9 @@ class RouterMetrics:
                               registry=r)
         self.itl = Histogram("pdserve_itl_seconds", "gap between streamed chunks", buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "request latency, end to end", buckets=_LATENCY_BUCKETS, registry=r)
-        self.phases = Histogram("pdserve_phase_seconds", "time of finished requests per phase: queue, prefill "
-                                "(on decode), kv_wait (prefill worker computing and transferring), decode",
+        self.phases = Histogram("pdserve_phase_seconds", "time of finished requests per phase: queue (on "
+                                "decode and prefill workers), prefill (computing the prompt, wherever), transfer "
+                                "(KV hand-off and transfer not hidden behind prefill compute), decode",
                                 ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)

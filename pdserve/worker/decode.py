@@ -120,7 +120,7 @@ class DecodeRole(RoleHooks):
         if event.kind == EventKind.LANDED:
             del self.leases[event.request_id]
             self.num_landed += 1
-            self.engine.kv_landed(event.request_id, event.first_token)
+            self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times)
         else:
             self._fall_back(event.request_id, event.fence, event.reason)
 

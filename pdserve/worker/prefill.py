@@ -172,7 +172,9 @@ class PrefillRole(RoleHooks):
         sender, lease = shipment.sender, shipment.lease
         sampled_here = len(request.output_token_ids) + request.num_prompt_tokens > lease.end
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and sampled_here:
-            sender.notify(lease, request.output_token_ids[-1])
+            started = request.first_scheduled_time or request.arrival_time
+            times = (started - request.arrival_time, (request.first_token_time or started) - started)
+            sender.notify(lease, request.output_token_ids[-1], times)
             self.num_notified += 1
         elif not shipment.peer_aborted:
             sender.abort(lease, f"prefill ended: {request.status.finish_reason}")

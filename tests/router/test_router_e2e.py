@@ -245,9 +245,9 @@ def test_metrics(client, cluster):
     assert values['pdserve_workers{role="decode"}'] == 1 and values['pdserve_workers{role="prefill"}'] == 1
     assert values["pdserve_queue_requests"] == 0 and values["pdserve_kv_bytes_received"] > 0
     assert 'pdserve_sla_target_seconds{metric="ttft"}' in values
-    for phase in ("queue", "prefill", "kv_wait", "decode"):
+    for phase in ("queue", "prefill", "transfer", "decode"):
         assert values[f'pdserve_phase_seconds_count{{phase="{phase}"}}'] >= 2
-    assert values['pdserve_phase_seconds_sum{phase="kv_wait"}'] > 0  # a prompt's KV came from the prefill worker
+    assert values['pdserve_phase_seconds_sum{phase="transfer"}'] > 0  # a prompt's KV came from the prefill worker
 
 
 def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, cluster, offline):

@@ -38,8 +38,11 @@ def test_sixteen_prompts_match_colocated(tiny_llama, colocated, backend):
 def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend):
     turn1 = prompt(40, seed=7)
     with Cluster(tiny_llama, backend) as c:
-        out1, _ = c.generate(turn1)
+        out1, last1 = c.generate(turn1)
         assert out1 == reference(colocated, [turn1])[0]
+        phases = last1["phase_times"]  # the prefill worker reported its compute time in its notify
+        assert set(phases) == {"queue_s", "prefill_s", "transfer_s", "decode_s"}
+        assert phases["prefill_s"] > 0 and phases["transfer_s"] >= 0 and phases["decode_s"] > 0
         received = c.d.worker.stats()["kv_bytes_received"]
         turn2 = turn1 + out1 + prompt(12, seed=8)
         out2, last = c.generate(turn2)
