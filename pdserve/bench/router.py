@@ -5,6 +5,9 @@
    token ids) and through the router (`/v1/completions`, text), taking turns; p50/p99 of each.
 3. Capacity: the same requests from `--concurrency` client threads for a fixed count, to the
    worker and through the router; requests per second of each.
+4. Overload: the router admits `--concurrency` requests at once; 20 times as many clients send
+   one 32-token request each at the same moment. Counted: answers by status, and the router's
+   resident memory at rest and at its peak.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> dict:
         model = str(write_model(Path(tempfile.mkdtemp()) / "tiny", "tiny", "llama"))
     procs = []
     try:
-        router, r_ready = _spawn(["router", "--model", model, "--port", "0", "--served-model-name", "m"])
+        router, r_ready = _spawn(["router", "--model", model, "--port", "0", "--served-model-name", "m",
+                                  "--max-queued-requests", str(args.concurrency)])
         procs.append(router)
         worker, w_ready = _spawn(["worker", "--model", model, "--role", "both", "--port", "0", "--router",
                                   r_ready["url"], "--threads", "1", "--dtype", "float32"])
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> dict:
                     r.raise_for_status()
         capacity = {name: _capacity(url, body, args.concurrency, args.requests) for name, (url, body)
                     in (("direct", direct), ("router", routed))}
+        overload = _overload(routed[0], {**routed[1], "max_tokens": 32, "ignore_eos": True},
+                             20 * args.concurrency, router.pid)
     finally:
         for proc in procs:
             proc.terminate()
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {"model": args.model or "tiny (synthetic)", "requests": args.requests, "concurrency": args.concurrency,
               "latency_ms": {k: {"p50": _percentile(v, 0.5) * 1e3, "p99": _percentile(v, 0.99) * 1e3,
                                  "mean": statistics.mean(v) * 1e3} for k, v in latency.items()},
-              "capacity_rps": capacity}
+              "capacity_rps": capacity, "overload": overload}
     lat = result["latency_ms"]
     result["added_ms"] = {q: lat["router"][q] - lat["direct"][q] for q in ("p50", "p99")}
     return result
@@ -103,6 +109,43 @@ def _capacity(url: str, body: dict, concurrency: int, total: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _overload(url: str, body: dict, clients: int, router_pid: int) -> dict:
+    at_rest = _rss_mib(router_pid)
+    peak, statuses, done = [at_rest], [], threading.Event()
+    start = threading.Barrier(clients + 1)
+
+    def sample() -> None:
+        while not done.is_set():
+            peak.append(_rss_mib(router_pid))
+            time.sleep(0.02)
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as http:
+            start.wait()
+            try:
+                statuses.append(http.post(url, json=body).status_code)
+            except httpx.HTTPError as e:
+                statuses.append(type(e).__name__)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)] + [threading.Thread(target=sample)]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads[:-1]:
+        t.join()
+    done.set()
+    threads[-1].join()
+    counts = {str(k): statuses.count(k) for k in sorted(set(statuses), key=str)}
+    return {"clients": clients, "answers": counts, "rss_mib_at_rest": at_rest, "rss_mib_peak": max(peak)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench-router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- |")
     for name in ("direct", "router"):
         print(f"| {name} | {lat[name]['p50']:.2f} ms | {lat[name]['p99']:.2f} ms | {cap[name]:.0f} |")
+    ov = result["overload"]
+    print(f"overload: {ov['clients']} clients at once -> {ov['answers']}; router memory {ov['rss_mib_at_rest']:.0f} MiB "
+          f"at rest, {ov['rss_mib_peak']:.0f} MiB at peak")
     print(f"router adds {result['added_ms']['p50']:.2f} ms at p50, {result['added_ms']['p99']:.2f} ms at p99; "
           f"wrote {out}", file=sys.stderr)
     return 0

@@ -191,17 +191,30 @@ def test_client_disconnect_frees_both_workers(cluster):
 def test_overload_gets_429_and_every_admitted_request_completes(cluster):
     import concurrent.futures
 
+    import threading
+
     router = cluster["router"]
     router.admission.max_requests = 2
+    held, done = [], threading.Event()
+
+    def watch():  # what the router holds stays within its bound however many clients push
+        while not done.is_set():
+            held.append((router.admission.requests, len(router.live)))
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     try:
         def one(i):
             return httpx.post(cluster["url"] + "/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": f"request {i} " * 5, "max_tokens": 16, "temperature": 0,
                                     "ignore_eos": True})
-        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:  # 20x what the router admits
             results = list(pool.map(one, range(40)))
     finally:
+        done.set()
+        watcher.join()
         router.admission.max_requests = 1024
+    assert max(h for h, _ in held) <= 2 and max(n for _, n in held) <= 2
     codes = [r.status_code for r in results]
     assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
     for r in results:
