@@ -118,9 +118,10 @@ class Request:
         queue, prefill, transfer = max(0.0, scheduled - t0), max(0.0, first - scheduled), 0.0
         if self.kv_landed_time is not None:  # the prompt's KV came from a prefill worker
             waited = max(0.0, self.kv_landed_time - scheduled)
-            queue += min(self.remote_queue_s, waited)
-            prefill = min(self.remote_compute_s, waited - min(self.remote_queue_s, waited))
-            transfer = waited - min(self.remote_queue_s, waited) - prefill
+            remote_queue = min(self.remote_queue_s, waited)
+            prefill = min(self.remote_compute_s, waited - remote_queue)
+            queue += remote_queue
+            transfer = waited - remote_queue - prefill
         return {"queue_s": queue, "prefill_s": prefill, "transfer_s": transfer, "decode_s": max(0.0, end - first)}
 
     def sort_key(self) -> tuple[int, float]:

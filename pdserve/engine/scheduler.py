@@ -156,7 +156,7 @@ class Scheduler:
 
     def _next_waiting(self, now: float) -> int:
         """Index of the waiting request to admit next. First come, first served within a priority;
-        or the shortest prompt still to compute, unless one has waited `max_wait_s` (or was
+        or the shortest prompt (with any output so far), unless one has waited `max_wait_s` (or was
         preempted, holding progress): then the earliest of those goes first."""
         if self.max_wait_s is None:
             return 0

@@ -153,7 +153,7 @@ class Router:
             for attempt in itertools.count():
                 live.worker_id, live.worker_request_id = d.worker_id, f"{request_id}-{attempt}"
                 body = {"request_id": live.worker_request_id, "prompt_token_ids": prompt_ids,
-                        "output_token_ids": generated, "sampling": sampling, "priority": priority,
+                        "output_token_ids": list(generated), "sampling": sampling, "priority": priority,
                         "prefill_url": p.url if p is not None else None}
                 moved = False
                 try:
