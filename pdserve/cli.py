@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(rt)
     rt.set_defaults(func=cmd_router)
 
+    sub.add_parser("bench", help="load any OpenAI-compatible server (TTFT, TPOT, goodput, plots); "
+                   "'bench compare': colocated vs disaggregated on this machine", add_help=False)
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
     sub.add_parser("bench-router", help="latency the router adds and requests it routes per second",
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench-router":
         from pdserve.bench.router import main as bench_router
         return bench_router(argv[1:])
+    if argv and argv[0] == "bench":
+        from pdserve.bench.serving import main as bench_serving
+        return bench_serving(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -269,7 +269,8 @@ def create_app(router: Router) -> FastAPI:
     async def models(request: Request):
         check_key(request)
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": now(),
-                                            "owned_by": "pdserve", "max_model_len": cfg.max_model_len}]}
+                                            "owned_by": "pdserve", "max_model_len": cfg.max_model_len,
+                                            "vocab_size": router.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,0 +1,164 @@
+"""`pdserve bench compare`: colocated against disaggregated serving on this machine, equal cores.
+
+1. For each configuration, start a local cluster with `pdserve serve --pin-cpus` (workers share the
+   machine's cores equally) and wait until it is ready:
+   - colocated: one worker doing prefill and decode on all cores;
+   - disaggregated: one prefill and one decode worker, the cores split between them;
+   - replicas: two colocated workers, the cores split.
+2. Run the same seeded workload sweep against each (the `pdserve bench` runner), sampling the
+   workers' resident memory, then stop the cluster.
+3. Write JSON (every setting disclosed), a markdown table in the seeds' shape, the goodput ratio of
+   each configuration to colocated at each load, and plots: goodput and p99 TPOT against load, and
+   latency CDFs of every configuration at each load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pdserve.bench.router import _rss_mib
+from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
+
+CONFIGS = {
+    "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"],
+    "disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0"],
+    "replicas": ["--prefill", "0", "--decode", "0", "--colocated", "2"],
+}
+
+
+class LocalCluster:
+    """`pdserve serve` as a child process, until `stop()`."""
+
+    def __init__(self, model: str, layout: list[str], extra: list[str], timeout_s: float = 900.0) -> None:
+        argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port", "0", "--pin-cpus",
+                *layout, *extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not line or not line[0].startswith("{"):
+            self.stop()
+            raise RuntimeError(f"the cluster ({' '.join(layout)}) did not start")
+        self.ready = json.loads(line[0])
+        self.url = self.ready["url"]
+        self.pids = [p["pid"] for p in self.ready["processes"]]
+
+    def memory_mib(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            try:
+                total += _rss_mib(pid)
+            except OSError:
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
+    print(f"[bench compare] starting {name}", file=sys.stderr, flush=True)
+    cluster = LocalCluster(args.model, CONFIGS[name], args.serve_args.split())
+    peak, done = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.25):
+            peak[0] = max(peak[0], cluster.memory_mib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        info = server_info(cluster.url)
+        spec = spec_from_args(args, args.vocab_size or int(info.get("vocab_size") or 256))
+        runs, records = sweep(cluster.url, info["id"], spec, points, args, label=f"{name}: ")
+    finally:
+        done.set()
+        sampler.join()
+        cluster.stop()
+    return {"runs": runs, "memory_mib_peak": peak[0], "processes": cluster.ready["processes"],
+            "workload": spec.describe()}, records
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| config | load | done/sent | output tok/s | TTFT mean / p99 ms | TPOT mean / p99 ms | goodput req/s "
+             "| SLA % | vs colocated | memory MiB |", "|" + " --- |" * 10]
+    base = results.get("colocated")
+    for name, res in results.items():
+        for i, s in enumerate(res["runs"]):
+            load = s["load"]["concurrency"] if s["load"]["concurrency"] else (s["load"]["request_rate"] or "inf")
+            ratio = "-"
+            if base is not None and base["runs"][i]["goodput"] > 0:
+                ratio = f"{s['goodput'] / base['runs'][i]['goodput']:.2f}x"
+            f = lambda d: "-" if d["mean"] is None else f"{d['mean']:.0f} / {d['p99']:.0f}"  # noqa: E731
+            lines.append(f"| {name} | {load} | {s['completed']}/{s['num_requests']} | {s['output_throughput']:.1f} "
+                         f"| {f(s['ttft'])} | {f(s['tpot'])} | {s['goodput']:.3f} | {s['sla_attainment_pct']:.0f} "
+                         f"| {ratio} | {res['memory_mib_peak']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="model for every cluster (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--configs", default="colocated,disaggregated,replicas")
+    p.add_argument("--serve-args", default="", help="more flags for every `pdserve serve`, e.g. '--dtype float32'")
+    add_workload_args(p)
+    # the long-prompt workload where prefill and decode interfere
+    p.set_defaults(input_len="1024+-128", output_len="64", num_requests=24, request_rate="0.1,0.2,0.3",
+                   ttft_slo=10000.0, tpot_slo=150.0)
+    p.add_argument("--result-json", default="results/bench_compare.json")
+    p.add_argument("--plot-dir", default="results/plots")
+    args = p.parse_args(argv)
+    args.api_key = ""  # clusters started here ask for no key
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        p.error(f"--configs takes {', '.join(CONFIGS)}; got {args.configs!r}")
+    try:
+        points = load_points(args.request_rate, args.concurrency)
+    except ValueError as e:
+        p.error(str(e))
+    results, records = {}, {}
+    for name in names:
+        results[name], records[name] = run_config(name, args, points)
+    settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "serve_args": args.serve_args,
+                "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
+                "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}
+    out = Path(args.result_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    written = _plots(results, records, Path(args.plot_dir), args.model)
+    print(table(results))
+    print(f"wrote {out} and {', '.join(str(w) for w in written)}", file=sys.stderr)
+    return 0
+
+
+def _plots(results: dict, records: dict, plot_dir: Path, model: str) -> list[Path]:
+    from pdserve.bench import plots
+
+    first = next(iter(results.values()))["runs"]
+    key = "concurrency" if first[0]["load"]["concurrency"] else "request_rate"
+    written = []
+    if len(first) > 1:
+        written.append(plots.load_curves({n: r["runs"] for n, r in results.items()}, key,
+                                         plot_dir / "compare_goodput_vs_load.png", f"{model}: equal cores"))
+    for point in next(iter(records.values())):
+        slug = point.replace(" ", "").replace(",", "_")
+        written.append(plots.latency_cdfs({n: recs[point] for n, recs in records.items()},
+                                          plot_dir / f"compare_cdf_{slug}.png", f"{model}, {point}"))
+    return written

@@ -1,0 +1,67 @@
+"""`pdserve bench` end to end against a real local cluster (router + 1 prefill + 1 decode worker,
+tiny model): every field of the JSON, counts that agree, the server's phases, and the plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.serving import main
+from tests.router.test_router_e2e import cluster  # noqa: F401 (the fixture)
+
+FIELDS = ("num_requests", "completed", "failed", "ttft", "tpot", "itl", "e2e", "request_throughput",
+          "output_throughput", "goodput", "sla_attainment_pct")
+
+
+def check_run(run: dict, num_requests: int, output_len: int | None = None) -> None:
+    assert set(FIELDS) <= set(run)
+    assert run["num_requests"] == num_requests and run["completed"] + run["failed"] == num_requests
+    assert run["completed"] == num_requests, run["errors"]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        d = run[metric]
+        assert set(d) == {"mean", "p50", "p90", "p99"}
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"]
+    assert run["ttft"]["p50"] <= run["e2e"]["p50"]
+    if output_len is not None:  # EOS ignored: exactly the asked tokens
+        expected = run["completed"] * output_len / run["duration_s"]
+        assert run["output_throughput"] == pytest.approx(expected)
+    assert 0 <= run["goodput"] <= run["request_throughput"]
+    assert 0 <= run["sla_attainment_pct"] <= 100
+    assert set(run["phases_ms"]) == {"queue", "prefill", "transfer", "decode"}
+
+
+def test_bench_single_point_writes_json_and_plots(cluster, tmp_path, capsys):  # noqa: F811
+    out, plots = tmp_path / "r.json", tmp_path / "plots"
+    code = main(["--url", cluster["url"], "--num-requests", "6", "--request-rate", "inf", "--concurrency", "3",
+                 "--input-len", "300", "--output-len", "6", "--seed", "3", "--result-json", str(out),
+                 "--plot-dir", str(plots)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    check_run(result, 6, output_len=6)
+    assert result["settings"]["model"] == "tiny" and result["settings"]["input_len"] == "300"
+    assert len(result["runs"]) == 1
+    assert (plots / "latency_cdf.png").stat().st_size > 10_000
+    assert "| load |" in capsys.readouterr().out
+    assert cluster["router"].admission.requests == 0
+
+
+def test_bench_sweep_with_sessions_and_shared_prefixes(cluster, tmp_path):  # noqa: F811
+    out, plots = tmp_path / "r.json", tmp_path / "plots"
+    code = main(["--url", cluster["url"], "--num-requests", "6", "--request-rate", "20,40", "--input-len", "8-24",
+                 "--output-len", "4+-1", "--shared-prefix-len", "16", "--num-prefixes", "2", "--turns", "2",
+                 "--result-json", str(out), "--plot-dir", str(plots)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["load"]["request_rate"] for r in result["runs"]] == [20, 40]
+    for run in result["runs"]:
+        check_run(run, 6)
+    assert (plots / "goodput_vs_load.png").stat().st_size > 10_000
+
+
+def test_bench_refuses_bad_flags(cluster, capsys):  # noqa: F811
+    with pytest.raises(SystemExit) as e:
+        main(["--url", cluster["url"], "--input-len", "lots"])
+    assert e.value.code == 2 and "a length is N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--url", cluster["url"], "--request-rate", "1,2", "--concurrency", "1,2"])
