@@ -6,7 +6,8 @@
    - disaggregated: one prefill and one decode worker, the cores split between them;
    - replicas: two colocated workers, the cores split.
 2. Run the same seeded workload sweep against each (the `pdserve bench` runner), sampling the
-   workers' resident memory, then stop the cluster.
+   memory of the router and workers (proportional set size: shared pages count once), then stop
+   the cluster.
 3. Write JSON (every setting disclosed), a markdown table in the seeds' shape, the goodput ratio of
    each configuration to colocated at each load, and plots: goodput and p99 TPOT against load, and
    latency CDFs of every configuration at each load.
@@ -24,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.router import _rss_mib
+from pdserve.bench.procmem import memory_mib
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
 
 CONFIGS = {
@@ -52,14 +53,9 @@ class LocalCluster:
         self.url = self.ready["url"]
         self.pids = [p["pid"] for p in self.ready["processes"]]
 
-    def memory_mib(self) -> float:
-        total = 0.0
-        for pid in self.pids:
-            try:
-                total += _rss_mib(pid)
-            except OSError:
-                pass
-        return total
+    def total_memory_mib(self) -> float:
+        """The cluster's memory: router and workers, shared pages counted once."""
+        return sum(m for pid in self.pids if (m := memory_mib(pid)) == m)  # NaN: a process that is gone
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -78,7 +74,7 @@ def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple
 
     def sample() -> None:
         while not done.wait(0.25):
-            peak[0] = max(peak[0], cluster.memory_mib())
+            peak[0] = max(peak[0], cluster.total_memory_mib())
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -119,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="", help="more flags for every `pdserve serve`, e.g. '--dtype float32'")
     add_workload_args(p)
     # the long-prompt workload where prefill and decode interfere
-    p.set_defaults(input_len="1024+-128", output_len="64", num_requests=24, request_rate="0.1,0.2,0.3",
-                   ttft_slo=10000.0, tpot_slo=150.0)
+    p.set_defaults(input_len="1024+-128", output_len="64", num_requests=24, request_rate="0.1,0.2,0.3,0.4",
+                   ttft_slo=8000.0, tpot_slo=100.0)
     p.add_argument("--result-json", default="results/bench_compare.json")
     p.add_argument("--plot-dir", default="results/plots")
     args = p.parse_args(argv)

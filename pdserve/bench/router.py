@@ -7,7 +7,7 @@
    worker and through the router; requests per second of each.
 4. Overload: the router admits `--concurrency` requests at once; 20 times as many clients send
    one 32-token request each at the same moment. Counted: answers by status, and the router's
-   resident memory at rest and at its peak.
+   memory (proportional set size) at rest and at its peak.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.bench.procmem import memory_mib
 
 
 def _spawn(argv: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -109,21 +111,14 @@ def _capacity(url: str, body: dict, concurrency: int, total: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _overload(url: str, body: dict, clients: int, router_pid: int) -> dict:
-    at_rest = _rss_mib(router_pid)
+    at_rest = memory_mib(router_pid)
     peak, statuses, done = [at_rest], [], threading.Event()
     start = threading.Barrier(clients + 1)
 
     def sample() -> None:
         while not done.is_set():
-            peak.append(_rss_mib(router_pid))
+            peak.append(memory_mib(router_pid))
             time.sleep(0.02)
 
     def client() -> None:
@@ -143,7 +138,7 @@ def _overload(url: str, body: dict, clients: int, router_pid: int) -> dict:
     done.set()
     threads[-1].join()
     counts = {str(k): statuses.count(k) for k in sorted(set(statuses), key=str)}
-    return {"clients": clients, "answers": counts, "rss_mib_at_rest": at_rest, "rss_mib_peak": max(peak)}
+    return {"clients": clients, "answers": counts, "memory_mib_at_rest": at_rest, "memory_mib_peak": max(peak)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("direct", "router"):
         print(f"| {name} | {lat[name]['p50']:.2f} ms | {lat[name]['p99']:.2f} ms | {cap[name]:.0f} |")
     ov = result["overload"]
-    print(f"overload: {ov['clients']} clients at once -> {ov['answers']}; router memory {ov['rss_mib_at_rest']:.0f} MiB "
-          f"at rest, {ov['rss_mib_peak']:.0f} MiB at peak")
+    print(f"overload: {ov['clients']} clients at once -> {ov['answers']}; router memory {ov['memory_mib_at_rest']:.0f} MiB "
+          f"at rest, {ov['memory_mib_peak']:.0f} MiB at peak")
     print(f"router adds {result['added_ms']['p50']:.2f} ms at p50, {result['added_ms']['p99']:.2f} ms at p99; "
           f"wrote {out}", file=sys.stderr)
     return 0

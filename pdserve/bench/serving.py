@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -163,10 +164,12 @@ def load_points(rates: str, concurrencies: str | None) -> list[dict]:
 
 def sweep(url: str, model: str, spec: WorkloadSpec, points: list[dict], args: argparse.Namespace,
           label: str = "") -> tuple[list[dict], dict[str, list[RequestRecord]]]:
-    """Run every load point; (summaries, records by point label)."""
-    requests = build_requests(spec)
+    """Run every load point; (summaries, records by point label). Each point draws prompts of its
+    own (seed + its index), so no point finds the last one's prompts in a prefix cache; the same
+    seed gives every server the same prompts at each point."""
     summaries, records_by_point = [], {}
-    for point in points:
+    for i, point in enumerate(points):
+        requests = build_requests(dataclasses.replace(spec, seed=spec.seed + i))
         name = _point_label(point)
         before = scrape_phases(url)
         records = asyncio.run(run_load(url, model, requests, point["request_rate"], point["concurrency"],

@@ -1,0 +1,34 @@
+"""`pdserve bench compare` on the tiny model: three real local clusters, one sweep each (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.compare import main
+
+
+@pytest.mark.slow
+def test_compare_runs_every_configuration(tmp_path, capsys):
+    out, plots = tmp_path / "c.json", tmp_path / "plots"
+    code = main(["--model", "tiny", "--serve-args", "--dtype float32", "--num-requests", "4", "--request-rate",
+                 "inf", "--concurrency", "1,2", "--input-len", "300", "--output-len", "6", "--result-json", str(out),
+                 "--plot-dir", str(plots)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"colocated", "disaggregated", "replicas"}
+    assert result["settings"]["cores"] >= 1 and result["settings"]["model"] == "tiny"
+    layouts = {name: [p["name"].split(" ")[0] for p in r["processes"] if p["name"] != "router"]
+               for name, r in result["results"].items()}
+    assert layouts == {"colocated": ["both"], "disaggregated": ["prefill", "decode"], "replicas": ["both", "both"]}
+    for name, res in result["results"].items():
+        assert [r["load"]["concurrency"] for r in res["runs"]] == [1, 2]
+        assert all(r["completed"] == 4 and r["failed"] == 0 for r in res["runs"])
+        assert res["memory_mib_peak"] > 0
+    disagg = result["results"]["disaggregated"]["runs"][0]
+    assert disagg["phases_ms"]["transfer"] >= 0 and disagg["phases_ms"]["prefill"] > 0
+    table = capsys.readouterr().out
+    assert table.count("| colocated |") == 2 and "vs colocated" in table
+    assert (plots / "compare_goodput_vs_load.png").exists()
+    assert len(list(plots.glob("compare_cdf_*.png"))) == 2
