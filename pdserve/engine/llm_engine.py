@@ -111,13 +111,15 @@ class LLMEngine:
         priority: int = 0,
         remote_prefill: bool = False,
         output_token_ids: list[int] = (),
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request. With `remote_prefill` (decode role, n == 1) its prompt's KV is
         reserved for a prefill worker to fill; `kv_landed` / `kv_failed` tell how that went.
 
         `output_token_ids` resumes a request that another worker began (a migration): those tokens
         count as generated (against max_tokens and min_tokens, for stop strings, and for a seeded
-        request's random draws), are computed again with the prompt, and are not output again."""
+        request's random draws), are computed again with the prompt, and are not output again.
+        `arrival_time` (time.monotonic()) is when a server received it; default: now."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._parents:
@@ -133,7 +135,7 @@ class LLMEngine:
             )
             engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
-                          priority, remote_prefill=remote_prefill and params.n == 1,
+                          priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
                           output_token_ids=output_token_ids)
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
             for token in output_token_ids:

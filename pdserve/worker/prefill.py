@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -77,9 +78,11 @@ class PrefillRole(RoleHooks):
             n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop=[], stop_token_ids=[])
         sender, backend = self._sender_for(body["decode"], body.get("kv_transfer_dtype", "auto"))
         engine_id = f"{lease.request_id}@{lease.fence}"
+        received = time.monotonic()  # its queue time starts now, not when the engine thread is free
 
         def add() -> None:
-            self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params, output_token_ids=resumed)
+            self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params, output_token_ids=resumed,
+                                    arrival_time=received)
             self.shipments[engine_id] = Shipment(sender, lease, start)
 
         sender.prepare(lease)

@@ -154,6 +154,8 @@ class Worker:
         if prefill_url and self.decode is None:
             raise RoleNotServedError(f"a {self.config.role} worker does not take KV from a prefill worker")
 
+        received = time.monotonic()  # queueing starts now, not when the engine thread is free
+
         def add() -> None:
             if len(self.engine.scheduler.waiting) >= self.max_queued:
                 raise QueueFullError(f"the worker's queue holds its maximum of {self.max_queued} requests")
@@ -162,7 +164,7 @@ class Worker:
                 self.decode.targets[request_id] = prefill_url
             try:
                 self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote,
-                                        output_token_ids)
+                                        output_token_ids, received)
             except Exception:
                 if remote:
                     self.decode.targets.pop(request_id, None)
