@@ -54,12 +54,7 @@ def latency_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: str = 
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, alpha=0.3, which="both")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(title or "latency CDFs")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, title or "latency CDFs", path)
 
 
 def load_curves(series: dict[str, list[dict]], load_key: str, path: Path, title: str = "") -> Path:
@@ -82,7 +77,11 @@ def load_curves(series: dict[str, list[dict]], load_key: str, path: Path, title:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title or "serving under load")
+    return _save(plt, fig, title or "serving under load", path)
+
+
+def _save(plt, fig, title: str, path: Path) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
