@@ -1,0 +1,204 @@
+"""A discrete-event simulation of a pdserve cluster. The router's policies (router/policy.py) and
+the engine's scheduler (engine/scheduler.py) are the very code that serves; here a clock drives
+them instead of a model, and a performance model says how long each step and transfer takes.
+
+Lifecycle of a simulated request:
+1. Arrival: the router's policies choose a decode worker and, when the uncached prompt is long
+   enough and the prefill pool not saturated, a prefill worker.
+2. Colocated: the decode worker's scheduler admits it and computes the prompt in chunks; the step
+   that completes the prompt samples the first token.
+3. Disaggregated: the decode worker's scheduler reserves blocks (`on_reserved`), the prefill worker
+   computes the prompt and samples the first token, the KV transfer's exposed time passes, and the
+   decode worker's scheduler takes it (`kv_landed`).
+4. Each decode step adds a token, until max_tokens (EOS is ignored). Every token's time is kept,
+   and the records are the ones `pdserve bench` summarizes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.role import RoleHooks
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.router.policy import (
+    DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill, prefill_remotely,
+)
+from pdserve.sampling_params import SamplingParams
+from pdserve.sim.perf import LinearPerfModel, StepShape
+
+TOKEN = 7  # what every simulated step samples
+_PREFILL_SUFFIX = "@prefill"
+
+
+class Clock:
+    """Events in time order; ties in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn))
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+
+
+def step_shape(out: SchedulerOutput) -> StepShape:
+    prefill = decode_seqs = decode_ctx = 0
+    prefill_ctx = 0.0
+    for req, n in zip(out.requests, out.num_new_tokens):
+        if n == 1:
+            decode_seqs += 1
+            decode_ctx += req.num_computed_tokens + 1
+        else:
+            prefill += n
+            prefill_ctx += n * (req.num_computed_tokens + n / 2)
+    return StepShape(prefill, round(prefill_ctx / prefill) if prefill else 0, decode_seqs, decode_ctx)
+
+
+class SimWorker(RoleHooks):
+    """One worker: the real scheduler and block manager, stepped by the clock."""
+
+    def __init__(self, cluster: SimCluster, name: str, role: str, perf: LinearPerfModel, num_blocks: int,
+                 block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 headroom_tokens: int = 64) -> None:
+        self.cluster, self.name, self.role, self.perf = cluster, name, role, perf
+        self.scheduler = Scheduler(BlockManager(num_blocks, block_size), max_num_batched_tokens, max_num_seqs,
+                                   hooks=self, headroom_tokens=headroom_tokens)
+        self.busy = False
+        self.step_ewma_s = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def load(self) -> WorkerLoad:
+        s, b = self.scheduler, self.scheduler.blocks
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in s.running if r.num_tokens - r.num_computed_tokens > 1)
+        return WorkerLoad(len(s.running), len(s.waiting), len(s.waiting_for_kv), queued,
+                          b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3)
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        out = self.scheduler.schedule()
+        if out.empty:
+            return
+        duration = self.perf.step_time(step_shape(out))
+        self.busy = True
+        self.cluster.clock.at(self.cluster.clock.now + duration, lambda: self._finish(out, duration))
+
+    def _finish(self, out: SchedulerOutput, duration: float) -> None:
+        self.num_steps += 1
+        self.busy_s += duration
+        self.step_ewma_s = duration if self.num_steps == 1 else 0.8 * self.step_ewma_s + 0.2 * duration
+        sampled = [TOKEN if r.num_computed_tokens + n == r.num_tokens else None
+                   for r, n in zip(out.requests, out.num_new_tokens)]
+        for req in self.scheduler.update(out, sampled):
+            self.cluster.token(req)
+        self.busy = False
+        self.kick()
+
+    # scheduler hooks
+    def on_reserved(self, request: Request) -> None:
+        self.cluster.dispatch_prefill(self, request)
+
+    def on_finished(self, request: Request) -> None:
+        self.cluster.finished(self, request)
+
+
+class SimCluster:
+    def __init__(self, prefill_perf: LinearPerfModel, decode_perf: LinearPerfModel, num_prefill: int = 0,
+                 num_decode: int = 0, num_colocated: int = 0, worker_args: dict | None = None,
+                 policy: DisaggregationPolicy = DisaggregationPolicy(), weights: DecodeWeights = DecodeWeights(),
+                 transfer: LinearPerfModel | None = None) -> None:
+        if not (num_decode or num_colocated):
+            raise ValueError("a simulated cluster needs a decode or colocated worker")
+        self.clock = Clock()
+        args = {"num_blocks": 4096, **(worker_args or {})}
+        self.prefills = [SimWorker(self, f"prefill{i}", "prefill", prefill_perf, **args) for i in range(num_prefill)]
+        self.decodes = [SimWorker(self, f"decode{i}", "decode", decode_perf, **args) for i in range(num_decode)]
+        self.decodes += [SimWorker(self, f"both{i}", "both", decode_perf, **args) for i in range(num_colocated)]
+        self.policy, self.weights = policy, weights
+        self.transfer = transfer or decode_perf
+        self.index = PrefixIndex()
+        self.records: dict[str, RequestRecord] = {}
+        self._targets: dict[str, SimWorker] = {}  # decode request id -> its prefill worker
+        self._waiting_kv: dict[str, tuple[SimWorker, Request]] = {}  # prefill request id -> decode side
+        self._ids = itertools.count()
+
+    # -- the router ------------------------------------------------------------------------------
+
+    def submit(self, at: float, prompt: list[int], max_tokens: int) -> str:
+        request_id = f"r{next(self._ids)}"
+        self.clock.at(at, lambda: self._arrive(request_id, prompt, max_tokens))
+        return request_id
+
+    def _arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        decodes = {w.name: w for w in self.decodes}
+        d = decodes[choose_decode({k: w.load() for k, w in decodes.items()}, self.weights)]
+        hashes = self.index.hashes(prompt)
+        uncached = len(prompt) - self.index.cached_tokens(d.name, hashes)
+        prefills = {w.name: w for w in self.prefills}
+        loads = {k: w.load() for k, w in prefills.items()}
+        remote = prefill_remotely(uncached, loads, self.policy)
+        if remote:
+            p = prefills[choose_prefill(loads, self.index, hashes, len(prompt))]
+            self.index.record(p.name, hashes)
+            self._targets[request_id] = p
+        self.index.record(d.name, hashes)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id, prompt, params, len(prompt) + max_tokens, arrival_time=self.clock.now,
+                      remote_prefill=remote)
+        self.records[request_id] = RequestRecord(start=self.clock.now, prompt_tokens=len(prompt))
+        d.scheduler.add(req)
+        d.kick()
+
+    # -- between workers ---------------------------------------------------------------------------
+
+    def dispatch_prefill(self, decode: SimWorker, req: Request) -> None:
+        p = self._targets.pop(req.request_id)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        prefill_req = Request(req.request_id + _PREFILL_SUFFIX, req.prompt_token_ids, params, req.num_tokens + 1,
+                              arrival_time=self.clock.now)
+        self._waiting_kv[prefill_req.request_id] = (decode, req)
+        p.scheduler.add(prefill_req)
+        self.clock.at(self.clock.now, p.kick)  # after the decode step that reserved it
+
+    def finished(self, worker: SimWorker, req: Request) -> None:
+        if req.request_id.endswith(_PREFILL_SUFFIX):
+            decode, decode_req = self._waiting_kv.pop(req.request_id)
+            missing = decode_req.num_tokens - decode_req.num_computed_tokens
+            self.clock.at(self.clock.now + self.transfer.transfer_time(missing), lambda: self._land(decode, decode_req))
+            return
+        self.records[req.request_id].end = self.clock.now
+
+    def _land(self, decode: SimWorker, req: Request) -> None:
+        record = self.records[req.request_id]
+        if decode.scheduler.kv_landed(req.request_id, TOKEN) is not None:
+            self._tokens_arrived(record)
+        decode.kick()
+
+    def token(self, req: Request) -> None:
+        if not req.request_id.endswith(_PREFILL_SUFFIX):
+            self._tokens_arrived(self.records[req.request_id])
+
+    def _tokens_arrived(self, record: RequestRecord) -> None:
+        now = self.clock.now
+        record.first_token = record.first_token if record.first_token is not None else now
+        record.chunk_times.append(now)
+        record.output_tokens += 1
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def run(self) -> list[RequestRecord]:
+        self.clock.run()
+        return list(self.records.values())

@@ -1,0 +1,51 @@
+"""Performance models: how long one engine step and one KV transfer take.
+
+The simulator asks a model for the duration of each step the real scheduler produces. A model
+here is linear in what a step holds, which is the shape `pdserve profile` fits to measurements
+and the roofline projection produces for hardware we cannot run:
+
+    step = base + prefill_token * prefill tokens + prefill_attention * prefill tokens * their mean
+           context + decode_seq * decode sequences + decode_context * KV tokens the decodes read
+    transfer = latency + KV bytes / link bandwidth
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one scheduled step computes."""
+
+    prefill_tokens: int = 0  # prompt tokens computed (chunks)
+    prefill_context: int = 0  # mean context those tokens attend to
+    decode_seqs: int = 0  # sequences computing one token each
+    decode_context: int = 0  # KV tokens all the decodes read together
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPerfModel:
+    base_s: float = 0.0
+    prefill_token_s: float = 0.0
+    prefill_attention_s: float = 0.0  # per prefill token per token of context
+    decode_seq_s: float = 0.0
+    decode_context_s: float = 0.0  # per KV token read by a decode
+    kv_bytes_per_token: int = 0
+    link_bytes_per_s: float = float("inf")
+    link_latency_s: float = 0.0
+
+    def step_time(self, s: StepShape) -> float:
+        if not (s.prefill_tokens or s.decode_seqs):
+            return 0.0
+        return (self.base_s + self.prefill_token_s * s.prefill_tokens
+                + self.prefill_attention_s * s.prefill_tokens * s.prefill_context
+                + self.decode_seq_s * s.decode_seqs + self.decode_context_s * s.decode_context)
+
+    def transfer_time(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self.link_latency_s + num_tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    def to_json(self) -> dict:
+        return asdict(self)
