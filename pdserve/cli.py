@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "'bench compare': colocated vs disaggregated on this machine", add_help=False)
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
+    sub.add_parser("simulate", help="a cluster's serving metrics for a workload, from a profile, without a model",
+                   add_help=False)
+    sub.add_parser("profile", help="this machine's step and transfer times for a model, fitted for the simulator",
+                   add_help=False)
     sub.add_parser("bench-router", help="latency the router adds and requests it routes per second",
                    add_help=False)
     sub.add_parser("bench-transfer", help="KV transfer speed per backend against raw limits; TTFT added",
@@ -216,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from pdserve.bench.serving import main as bench_serving
         return bench_serving(argv[1:])
+    if argv and argv[0] == "simulate":
+        from pdserve.sim.simulate import main as simulate
+        return simulate(argv[1:])
+    if argv and argv[0] == "profile":
+        from pdserve.sim.profile import main as profile
+        return profile(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

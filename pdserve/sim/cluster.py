@@ -134,6 +134,7 @@ class SimCluster:
         self._targets: dict[str, SimWorker] = {}  # decode request id -> its prefill worker
         self._waiting_kv: dict[str, tuple[SimWorker, Request]] = {}  # prefill request id -> decode side
         self._ids = itertools.count()
+        self.on_done: Callable[[str], None] = lambda request_id: None  # a client's request completed
 
     # -- the router ------------------------------------------------------------------------------
 
@@ -180,6 +181,7 @@ class SimCluster:
             self.clock.at(self.clock.now + self.transfer.transfer_time(missing), lambda: self._land(decode, decode_req))
             return
         self.records[req.request_id].end = self.clock.now
+        self.on_done(req.request_id)
 
     def _land(self, decode: SimWorker, req: Request) -> None:
         record = self.records[req.request_id]

@@ -1,0 +1,114 @@
+"""`pdserve simulate`: a cluster's serving metrics for a workload, without running a model.
+
+1. The performance model: a `pdserve profile` JSON (one for prefill workers and, optionally,
+   another for decode and colocated workers, e.g. profiled with their thread counts).
+2. The workload: the very flags and seeds of `pdserve bench`, so the simulated requests have the
+   lengths and arrival times the benchmark sends.
+3. For each load point, the discrete-event cluster (cluster.py) runs the requests; clients hold at
+   most `--concurrency` in flight, as the benchmark does. Summaries are the benchmark's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
+from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.bench.serving import add_workload_args, load_points, markdown
+from pdserve.router.policy import DisaggregationPolicy
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.profile import perf_model
+
+
+def simulate_point(make_cluster, requests: list[BenchRequest], rate: float, concurrency: int | None,
+                   burstiness: float, seed: int) -> list[RequestRecord]:
+    """Run one load point; records in request order. Clients send at the arrival times, holding
+    back (in arrival order) while `concurrency` requests are in flight."""
+    cluster: SimCluster = make_cluster()
+    offsets = arrival_times(len(requests), rate, burstiness, seed)
+    held: list[int] = []
+    ids: dict[int, str] = {}
+    in_flight = [0]
+
+    def send(i: int) -> None:
+        in_flight[0] += 1
+        r = requests[i]
+        prompt = r.prompt if isinstance(r.prompt, list) else list(range(10, 10 + r.prompt_tokens))
+        ids[i] = cluster.submit(cluster.clock.now, prompt, r.max_tokens)
+
+    def arrive(i: int) -> None:
+        if concurrency and in_flight[0] >= concurrency:
+            held.append(i)
+        else:
+            send(i)
+
+    def done(_request_id: str) -> None:
+        in_flight[0] -= 1
+        if held:
+            send(held.pop(0))
+
+    cluster.on_done = done
+    for i, t in enumerate(offsets):
+        cluster.clock.at(t, lambda i=i: arrive(i))
+    cluster.run()
+    return [cluster.records[ids[i]] for i in range(len(requests))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help="a `pdserve profile` JSON: the prefill workers' model")
+    p.add_argument("--decode-profile", default=None, help="the decode and colocated workers' (default: --profile)")
+    p.add_argument("--backend", default=None, help="the profile's link to use (default: its first)")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--colocated", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens per worker")
+    p.add_argument("--min-remote-tokens", type=int, default=256, help="the router's disaggregation threshold")
+    add_workload_args(p)
+    p.add_argument("--result-json", default="results/simulate.json")
+    args = p.parse_args(argv)
+    try:
+        prefill_model = perf_model(json.loads(Path(args.profile).read_text()), args.backend)
+        decode_model = (perf_model(json.loads(Path(args.decode_profile).read_text()), args.backend)
+                        if args.decode_profile else prefill_model)
+        spec = WorkloadSpec(args.num_requests, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
+                            args.seed, args.vocab_size or 49152, args.shared_prefix_len, args.num_prefixes, 1,
+                            args.dataset)
+        points = load_points(args.request_rate, args.concurrency)
+        if not (args.decode or args.colocated):
+            raise ValueError("a cluster needs a decode or colocated worker")
+    except (OSError, ValueError, KeyError) as e:
+        p.error(str(e))
+    worker_args = {"num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": args.max_num_seqs}
+
+    def make_cluster() -> SimCluster:
+        return SimCluster(prefill_model, decode_model, args.prefill, args.decode, args.colocated, worker_args,
+                          DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model)
+
+    runs = []
+    for i, point in enumerate(points):
+        requests = build_requests(dataclasses.replace(spec, seed=spec.seed + i))
+        records = simulate_point(make_cluster, requests, point["request_rate"], point["concurrency"],
+                                 args.burstiness, spec.seed)
+        runs.append({"load": {k: (None if v == math.inf else v) for k, v in point.items()},
+                     **summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3)})
+        print(f"[simulate] {point} done", file=sys.stderr, flush=True)
+    result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "prefill": args.prefill,
+                           "decode": args.decode, "colocated": args.colocated, **spec.describe()},
+              "runs": runs}
+    out = Path(args.result_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(markdown(runs))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+

@@ -1,0 +1,78 @@
+"""Fitting the performance model, and `pdserve simulate` end to end on a synthetic profile."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pdserve.bench.loadgen import LengthDist, WorkloadSpec, build_requests
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.perf import LinearPerfModel, StepShape
+from pdserve.sim.profile import fit_link, fit_steps, perf_model
+from pdserve.sim.simulate import main, simulate_point
+
+TRUE = LinearPerfModel(base_s=0.004, prefill_token_s=2e-4, prefill_attention_s=1e-8, decode_seq_s=1e-3,
+                       decode_context_s=2e-6)
+
+
+def test_the_fit_recovers_a_known_model():
+    rng = random.Random(0)
+    shapes = [StepShape(rng.choice([0, 64, 256, 512]), rng.randrange(0, 2048), rng.randrange(0, 17),
+                        rng.randrange(0, 8000)) for _ in range(200)]
+    samples = [(s, TRUE.step_time(s)) for s in shapes if s.prefill_tokens or s.decode_seqs]
+    coef, error = fit_steps(samples)
+    assert error < 1e-6
+    for name, value in coef.items():
+        assert value == pytest.approx(getattr(TRUE, name), rel=1e-4, abs=1e-12)
+    assert all(v >= 0 for v in coef.values())
+
+
+def test_the_fit_keeps_coefficients_non_negative():
+    # times that fall with decode context would want a negative coefficient: it is dropped instead
+    samples = [(StepShape(decode_seqs=1, decode_context=c), 0.01 - c * 1e-7) for c in range(0, 10000, 500)]
+    coef, _ = fit_steps(samples)
+    assert all(v >= 0 for v in coef.values())
+
+
+def test_link_fit():
+    assert fit_link([(1000, 0.002), (11000, 0.012)]) == pytest.approx({"latency_s": 0.001, "bytes_per_s": 1e6})
+    assert fit_link([(1000, 0.002), (2000, 0.001)]) == {"latency_s": 0.0, "bytes_per_s": 2e6}  # noise: a bound
+
+
+def profile_json(tmp_path):
+    profile = {"model": "synthetic", "kv_bytes_per_token": 1000,
+               "step": {k: getattr(TRUE, k) for k in ("base_s", "prefill_token_s", "prefill_attention_s",
+                                                      "decode_seq_s", "decode_context_s")},
+               "links": {"shm": {"latency_s": 0.001, "bytes_per_s": 1e9}}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    return path, profile
+
+
+def test_concurrency_caps_requests_in_flight(tmp_path):
+    _, profile = profile_json(tmp_path)
+    model = perf_model(profile)
+    spec = WorkloadSpec(12, LengthDist.parse("100-300"), LengthDist.parse("5-20"), seed=1, vocab_size=500)
+    records = simulate_point(lambda: SimCluster(model, model, num_colocated=1), build_requests(spec),
+                             float("inf"), 1, 1.0, 1)
+    spans = sorted((r.start, r.end) for r in records)
+    assert all(r.ok for r in records)
+    assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # one at a time
+
+
+def test_simulate_command(tmp_path, capsys):
+    path, _ = profile_json(tmp_path)
+    out = tmp_path / "sim.json"
+    code = main(["--profile", str(path), "--prefill", "1", "--decode", "1", "--num-requests", "30",
+                 "--request-rate", "2,4", "--input-len", "1024+-128", "--output-len", "32", "--vocab-size", "500",
+                 "--result-json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["load"]["request_rate"] for r in result["runs"]] == [2, 4]
+    for run in result["runs"]:
+        assert run["completed"] == 30 and run["ttft"]["p50"] > 0 and run["tpot"]["p50"] > 0
+    assert "| load |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--profile", str(tmp_path / "missing.json")])
