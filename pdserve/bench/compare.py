@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         results[name], records[name] = run_config(name, args, points)
     settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "serve_args": args.serve_args,
+                "dtype": _dtype(args.serve_args),
                 "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
                 "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.result_json)
@@ -142,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print(f"wrote {out} and {', '.join(str(w) for w in written)}", file=sys.stderr)
     return 0
+
+
+def _dtype(serve_args: str) -> str:
+    """The workers' dtype: as passed, or what `auto` resolves to on this machine."""
+    parts = serve_args.split()
+    name = parts[parts.index("--dtype") + 1] if "--dtype" in parts[:-1] else "auto"
+    if name != "auto":
+        return name
+    import torch
+
+    from pdserve.config import resolve_dtype
+    return f"auto ({str(resolve_dtype('auto', torch.device('cpu'))).removeprefix('torch.')})"
 
 
 def _plots(results: dict, records: dict, plot_dir: Path, model: str) -> list[Path]:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="as the workers run it (auto: bfloat16 where the CPU has it)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads, as one worker of the cluster gets")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
