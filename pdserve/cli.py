@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -136,16 +137,15 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
-def cmd_bench_engine(argv: list[str]) -> int:
-    from pdserve.bench.engine import main as bench_main
-
-    return bench_main(argv)
-
-
-def cmd_bench_transfer(argv: list[str]) -> int:
-    from pdserve.bench.transfer import command
-
-    return command(argv)
+# Commands with parsers of their own: name -> (module, function taking the rest of argv).
+OWN_PARSERS = {
+    "bench": ("pdserve.bench.serving", "main"),
+    "bench-engine": ("pdserve.bench.engine", "main"),
+    "bench-router": ("pdserve.bench.router", "main"),
+    "bench-transfer": ("pdserve.bench.transfer", "command"),
+    "profile": ("pdserve.sim.profile", "main"),
+    "simulate": ("pdserve.sim.simulate", "main"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,22 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench-engine":
-        return cmd_bench_engine(argv[1:])
-    if argv and argv[0] == "bench-transfer":
-        return cmd_bench_transfer(argv[1:])
-    if argv and argv[0] == "bench-router":
-        from pdserve.bench.router import main as bench_router
-        return bench_router(argv[1:])
-    if argv and argv[0] == "bench":
-        from pdserve.bench.serving import main as bench_serving
-        return bench_serving(argv[1:])
-    if argv and argv[0] == "simulate":
-        from pdserve.sim.simulate import main as simulate
-        return simulate(argv[1:])
-    if argv and argv[0] == "profile":
-        from pdserve.sim.profile import main as profile
-        return profile(argv[1:])
+    if argv and argv[0] in OWN_PARSERS:
+        module, function = OWN_PARSERS[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
