@@ -3,7 +3,8 @@
 1. The performance model: a `pdserve profile` JSON (one for prefill workers and, optionally,
    another for decode and colocated workers, e.g. profiled with their thread counts).
 2. The workload: the very flags and seeds of `pdserve bench`, so the simulated requests have the
-   lengths and arrival times the benchmark sends.
+   lengths and arrival times the benchmark sends (give `--vocab-size` of the served model: the
+   seeded draws of prompt ids and lengths share one random stream).
 3. For each load point, the discrete-event cluster (cluster.py) runs the requests; clients hold at
    most `--concurrency` in flight, as the benchmark does. Summaries are the benchmark's.
 """
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_model = (perf_model(json.loads(Path(args.decode_profile).read_text()), args.backend)
                         if args.decode_profile else prefill_model)
         spec = WorkloadSpec(args.num_requests, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
-                            args.seed, args.vocab_size or 49152, args.shared_prefix_len, args.num_prefixes, 1,
+                            args.seed, args.vocab_size or 1 << 15, args.shared_prefix_len, args.num_prefixes, 1,
                             args.dataset)
         points = load_points(args.request_rate, args.concurrency)
         if not (args.decode or args.colocated):
