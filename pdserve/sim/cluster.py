@@ -119,12 +119,13 @@ class SimCluster:
     def __init__(self, prefill_perf: LinearPerfModel, decode_perf: LinearPerfModel, num_prefill: int = 0,
                  num_decode: int = 0, num_colocated: int = 0, worker_args: dict | None = None,
                  policy: DisaggregationPolicy = DisaggregationPolicy(), weights: DecodeWeights = DecodeWeights(),
-                 transfer: LinearPerfModel | None = None) -> None:
+                 transfer: LinearPerfModel | None = None, prefill_worker_args: dict | None = None) -> None:
         if not (num_decode or num_colocated):
             raise ValueError("a simulated cluster needs a decode or colocated worker")
         self.clock = Clock()
         args = {"num_blocks": 4096, **(worker_args or {})}
-        self.prefills = [SimWorker(self, f"prefill{i}", "prefill", prefill_perf, **args) for i in range(num_prefill)]
+        p_args = {**args, **(prefill_worker_args or {})}
+        self.prefills = [SimWorker(self, f"prefill{i}", "prefill", prefill_perf, **p_args) for i in range(num_prefill)]
         self.decodes = [SimWorker(self, f"decode{i}", "decode", decode_perf, **args) for i in range(num_decode)]
         self.decodes += [SimWorker(self, f"both{i}", "both", decode_perf, **args) for i in range(num_colocated)]
         self.policy, self.weights = policy, weights

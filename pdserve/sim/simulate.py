@@ -1,7 +1,8 @@
 """`pdserve simulate`: a cluster's serving metrics for a workload, without running a model.
 
 1. The performance model: a `pdserve profile` JSON (one for prefill workers and, optionally,
-   another for decode and colocated workers, e.g. profiled with their thread counts).
+   another for decode and colocated workers, e.g. profiled with their thread counts), or the
+   roofline projection of a catalogued model on catalogued GPUs (catalog.py).
 2. The workload: the very flags and seeds of `pdserve bench`, so the simulated requests have the
    lengths and arrival times the benchmark sends (give `--vocab-size` of the served model: the
    seeded draws of prompt ids and lengths share one random stream).
@@ -22,7 +23,9 @@ from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arriva
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.serving import add_workload_args, load_points, markdown
 from pdserve.router.policy import DisaggregationPolicy
+from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
 from pdserve.sim.cluster import SimCluster
+from pdserve.sim.perf import LinearPerfModel
 from pdserve.sim.profile import perf_model
 
 
@@ -60,10 +63,41 @@ def simulate_point(make_cluster, requests: list[BenchRequest], rate: float, conc
     return [cluster.records[ids[i]] for i in range(len(requests))]
 
 
+def _num_blocks(args: argparse.Namespace, tp: int) -> int:
+    if args.num_blocks is not None:
+        return args.num_blocks
+    if args.profile:
+        return 4096
+    return fits(MODELS[args.model_spec], GPUS[args.gpu], tp, args.weight_bits) // 16
+
+
+def _models(args: argparse.Namespace) -> tuple[LinearPerfModel, LinearPerfModel]:
+    """(prefill, decode) performance models: from profiles, or projected by the roofline."""
+    if args.profile:
+        prefill = perf_model(json.loads(Path(args.profile).read_text()), args.backend)
+        decode = perf_model(json.loads(Path(args.decode_profile).read_text()), args.backend) if args.decode_profile \
+            else prefill
+        return prefill, decode
+    if not args.gpu:
+        raise ValueError("give --profile (measured) or --gpu (projected)")
+    try:
+        gpu, model, link = GPUS[args.gpu], MODELS[args.model_spec], LINKS[args.link]
+    except KeyError as e:
+        raise ValueError(f"unknown {e}; see --help for the catalogue") from None
+    return (roofline(model, gpu, args.tp_prefill, args.weight_bits, link),
+            roofline(model, gpu, args.tp_decode, args.weight_bits, link))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", required=True, help="a `pdserve profile` JSON: the prefill workers' model")
+    p.add_argument("--profile", default=None, help="a `pdserve profile` JSON: the prefill workers' model")
+    p.add_argument("--gpu", default=None, help=f"or a roofline projection on one of: {', '.join(GPUS)}")
+    p.add_argument("--model-spec", default="llama-3-8b", help=f"the projected model: {', '.join(MODELS)}")
+    p.add_argument("--tp-prefill", type=int, default=1)
+    p.add_argument("--tp-decode", type=int, default=1)
+    p.add_argument("--weight-bits", type=int, default=16, choices=[4, 8, 16])
+    p.add_argument("--link", default="IB-NDR", help=f"the projected KV link: {', '.join(LINKS)}")
     p.add_argument("--decode-profile", default=None, help="the decode and colocated workers' (default: --profile)")
     p.add_argument("--backend", default=None, help="the profile's link to use (default: its first)")
     p.add_argument("--prefill", type=int, default=1)
@@ -71,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--colocated", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens per worker")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of 16 tokens per worker (default: what fits beside the weights when projected, "
+                        "else 4096)")
     p.add_argument("--min-remote-tokens", type=int, default=256, help="the router's disaggregation threshold")
     add_workload_args(p)
     p.add_argument("--result-json", default="results/simulate.json")
     args = p.parse_args(argv)
     try:
-        prefill_model = perf_model(json.loads(Path(args.profile).read_text()), args.backend)
-        decode_model = (perf_model(json.loads(Path(args.decode_profile).read_text()), args.backend)
-                        if args.decode_profile else prefill_model)
+        prefill_model, decode_model = _models(args)
         spec = WorkloadSpec(args.num_requests, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
                             args.seed, args.vocab_size or 1 << 15, args.shared_prefix_len, args.num_prefixes, 1,
                             args.dataset)
@@ -88,12 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("a cluster needs a decode or colocated worker")
     except (OSError, ValueError, KeyError) as e:
         p.error(str(e))
-    worker_args = {"num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
+    worker_args = {"num_blocks": _num_blocks(args, args.tp_decode), "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs}
+    prefill_args = {"num_blocks": _num_blocks(args, args.tp_prefill)}
+    if not min(worker_args["num_blocks"], prefill_args["num_blocks"] if args.prefill else 1):
+        p.error("the model's weights leave no room for KV on those GPUs: raise the tensor parallelism or quantize")
 
     def make_cluster() -> SimCluster:
         return SimCluster(prefill_model, decode_model, args.prefill, args.decode, args.colocated, worker_args,
-                          DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model)
+                          DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model,
+                          prefill_worker_args=prefill_args)
 
     runs = []
     for i, point in enumerate(points):
@@ -103,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"load": {k: (None if v == math.inf else v) for k, v in point.items()},
                      **summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3)})
         print(f"[simulate] {point} done", file=sys.stderr, flush=True)
-    result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "prefill": args.prefill,
+    projection = {"gpu": args.gpu, "model": args.model_spec, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
+                  "weight_bits": args.weight_bits, "link": args.link} if not args.profile else None
+    result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "projection": projection,
+                           "prefill": args.prefill,
                            "decode": args.decode, "colocated": args.colocated, **spec.describe()},
               "runs": runs}
     out = Path(args.result_json)

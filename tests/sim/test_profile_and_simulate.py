@@ -76,3 +76,18 @@ def test_simulate_command(tmp_path, capsys):
     assert "| load |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--profile", str(tmp_path / "missing.json")])
+
+
+def test_simulate_a_projected_cluster(tmp_path):
+    out = tmp_path / "sim.json"
+    code = main(["--gpu", "A100-80G", "--model-spec", "llama-3-70b", "--tp-prefill", "2", "--tp-decode", "2",
+                 "--weight-bits", "4", "--prefill", "2", "--decode", "2", "--num-requests", "40", "--concurrency", "32",
+                 "--input-len", "2048", "--output-len", "128", "--result-json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == 40 and run["tpot"]["p50"] > 5  # a 70B decode step takes milliseconds, not less
+    assert json.loads(out.read_text())["settings"]["projection"]["gpu"] == "A100-80G"
+    with pytest.raises(SystemExit):
+        main(["--gpu", "nonexistent"])
+    with pytest.raises(SystemExit):
+        main([])
