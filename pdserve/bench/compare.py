@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench.procmem import memory_mib
+from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
 
 CONFIGS = {
@@ -136,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": _dtype(args.serve_args),
                 "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
                 "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.result_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    out = write_json(args.result_json, {"settings": settings, "results": results})
     written = _plots(results, records, Path(args.plot_dir), args.model)
     print(table(results))
     print(f"wrote {out} and {', '.join(str(w) for w in written)}", file=sys.stderr)

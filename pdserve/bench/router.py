@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.procmem import memory_mib
+from pdserve.bench.results import write_json
 
 
 def _spawn(argv: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -150,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/bench_router.json")
     args = p.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.out, result)
     lat, cap = result["latency_ms"], result["capacity_rps"]
     print("| path | p50 | p99 | requests/s at concurrency %d |" % args.concurrency)
     print("| --- | --- | --- | --- |")

@@ -26,6 +26,7 @@ import httpx
 
 from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
 from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.bench.results import write_json
 
 _PHASE = re.compile(r'^pdserve_phase_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$')
 
@@ -255,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                            "temperature": args.temperature}, "runs": summaries}
     if len(summaries) == 1:
         result.update(summaries[0])
-    out = Path(args.result_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.result_json, result)
     from pdserve.bench import plots
 
     plot_dir = Path(args.plot_dir)

@@ -79,6 +79,13 @@ class Scheduler:
         """Requests holding blocks for their whole prompt: running or awaiting their KV."""
         return len(self.running) + len(self.waiting_for_kv)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: of waiting requests, and of running ones mid-prefill."""
+        left = (r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        mid = (n for r in self.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
+        return sum(left) + sum(mid)
+
     def add(self, request: Request) -> None:
         assert request.status == RequestStatus.WAITING
         if request.request_id in self.requests:

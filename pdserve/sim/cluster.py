@@ -81,9 +81,7 @@ class SimWorker(RoleHooks):
 
     def load(self) -> WorkerLoad:
         s, b = self.scheduler, self.scheduler.blocks
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
-        queued += sum(r.num_tokens - r.num_computed_tokens for r in s.running if r.num_tokens - r.num_computed_tokens > 1)
-        return WorkerLoad(len(s.running), len(s.waiting), len(s.waiting_for_kv), queued,
+        return WorkerLoad(len(s.running), len(s.waiting), len(s.waiting_for_kv), s.queued_prefill_tokens,
                           b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3)
 
     def kick(self) -> None:

@@ -13,18 +13,17 @@ simulator's performance model.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.results import write_json
 from pdserve.engine.role import RoleHooks
-from pdserve.sim.perf import LinearPerfModel, StepShape
 from pdserve.sim.cluster import step_shape
+from pdserve.sim.perf import LinearPerfModel, StepShape
 
 STEP_TERMS = ("base_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s", "decode_context_s")
 
@@ -178,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/profile.json")
     args = p.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.out, result)
     step = result["step"]
     print(f"step = {step['base_s'] * 1e3:.2f} ms + {step['prefill_token_s'] * 1e6:.1f} us/prefill token "
           f"+ {step['prefill_attention_s'] * 1e9:.2f} ns/(prefill token x context) + {step['decode_seq_s'] * 1e3:.2f} "

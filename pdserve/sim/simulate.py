@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
 from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, markdown
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
@@ -147,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                            "prefill": args.prefill,
                            "decode": args.decode, "colocated": args.colocated, **spec.describe()},
               "runs": runs}
-    out = Path(args.result_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.result_json, result)
     print(markdown(runs))
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -192,15 +192,13 @@ class Worker:
 
     def _stats(self) -> dict:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
-        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        queued_prefill += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_tokens - r.num_computed_tokens > 1)
         out = {
             "role": self.config.role,
             "model_hash": self.layout.model_hash,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "waiting_for_kv": len(sched.waiting_for_kv),
-            "queued_prefill_tokens": queued_prefill,
+            "queued_prefill_tokens": sched.queued_prefill_tokens,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_free": blocks.num_free_blocks,
