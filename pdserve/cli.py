@@ -145,6 +145,7 @@ OWN_PARSERS = {
     "bench-transfer": ("pdserve.bench.transfer", "command"),
     "profile": ("pdserve.sim.profile", "main"),
     "simulate": ("pdserve.sim.simulate", "main"),
+    "plan": ("pdserve.sim.plan_cli", "main"),
 }
 
 
@@ -198,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
     sub.add_parser("simulate", help="a cluster's serving metrics for a workload, from a profile, without a model",
+                   add_help=False)
+    sub.add_parser("plan", help="the cheapest colocated or disaggregated cluster for a traffic profile and SLA",
                    add_help=False)
     sub.add_parser("profile", help="this machine's step and transfer times for a model, fitted for the simulator",
                    add_help=False)

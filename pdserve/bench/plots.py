@@ -12,7 +12,7 @@ from pdserve.bench.metrics import RequestRecord
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end to end"))
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,7 +35,7 @@ def _values_ms(records: list[RequestRecord], metric: str) -> list[float]:
 
 def latency_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: str = "") -> Path:
     """One panel per latency metric, one CDF line per run (label -> its records)."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -54,13 +54,13 @@ def latency_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: str = 
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, alpha=0.3, which="both")
     axes.flat[0].legend(fontsize=8)
-    return _save(plt, fig, title or "latency CDFs", path)
+    return save_figure(plt, fig, title or "latency CDFs", path)
 
 
 def load_curves(series: dict[str, list[dict]], load_key: str, path: Path, title: str = "") -> Path:
     """Goodput and p99 TPOT against load; one line per configuration (name -> run summaries,
     each with `load[load_key]`)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, runs in series.items():
         x = [r["load"][load_key] for r in runs]
@@ -77,10 +77,10 @@ def load_curves(series: dict[str, list[dict]], load_key: str, path: Path, title:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(plt, fig, title or "serving under load", path)
+    return save_figure(plt, fig, title or "serving under load", path)
 
 
-def _save(plt, fig, title: str, path: Path) -> Path:
+def save_figure(plt, fig, title: str, path: Path) -> Path:
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
