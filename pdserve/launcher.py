@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -70,6 +71,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="the router's port")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""))
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
+    g.add_argument("--record-steps", default=None, metavar="DIR",
+                   help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
 
 
@@ -102,6 +105,9 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         for i, role in enumerate(roles):
             argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
                     "--token", token, "--transfer", args.transfer, "--threads", str(len(shares[i])), *engine_argv]
+            if args.record_steps:
+                Path(args.record_steps).mkdir(parents=True, exist_ok=True)
+                argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]
             children.append(Child(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
         for child in children[1:]:
             info = child.wait_ready(args.ready_timeout)

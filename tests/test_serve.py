@@ -14,9 +14,10 @@ import httpx
 import openai
 
 
-def test_serve_starts_answers_and_stops(tiny_llama):
+def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
+    steps = tmp_path / "steps"
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama), "--port", "0",
-           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--pin-cpus"]
+           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--pin-cpus", "--record-steps", str(steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line: list[str] = []
@@ -44,6 +45,13 @@ def test_serve_starts_answers_and_stops(tiny_llama):
             pass
         err = proc.stderr.read()
         assert "all 2 workers registered" in err and "stopping" in err
+        # every step each worker ran, with its shape: the prompt (short: the decode worker computes
+        # it), then four decodes (the fifth token is the prompt step's)
+        logged = {f.name: [json.loads(line) for line in f.read_text().splitlines()] for f in steps.iterdir()}
+        assert set(logged) == {"prefill-0.jsonl", "decode-1.jsonl"}
+        assert sum(s["prefill_tokens"] for s in logged["decode-1.jsonl"]) == r.usage.prompt_tokens
+        assert sum(s["decode_seqs"] for s in logged["decode-1.jsonl"]) == 4
+        assert all(s["seconds"] > 0 for rows in logged.values() for s in rows)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,7 +18,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import CompletionOutput, RequestOutput
@@ -58,6 +58,7 @@ class LLMEngine:
         if config.quantization == "int4" and self.dtype != torch.bfloat16:
             raise ValueError("int4 weights run with bfloat16 activations; pass dtype='bfloat16'")
         self.hooks = hooks or RoleHooks()
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step before it runs
         ckpt = load_checkpoint(config.model)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
@@ -259,6 +260,8 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step.empty:
             return outputs
+        if self.on_schedule is not None:
+            self.on_schedule(step)
         on_layer = self.hooks.before_execute(step)
         try:
             sampled = self.runner.execute(step, on_layer)

@@ -29,7 +29,8 @@ from pdserve.router.policy import (
     DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill, prefill_remotely,
 )
 from pdserve.sampling_params import SamplingParams
-from pdserve.sim.perf import LinearPerfModel, StepShape
+from pdserve.engine.step_shape import step_shape
+from pdserve.sim.perf import LinearPerfModel
 
 TOKEN = 7  # what every simulated step samples
 _PREFILL_SUFFIX = "@prefill"
@@ -50,19 +51,6 @@ class Clock:
         while self._events:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
-
-
-def step_shape(out: SchedulerOutput) -> StepShape:
-    prefill = decode_seqs = decode_ctx = 0
-    prefill_ctx = 0.0
-    for req, n in zip(out.requests, out.num_new_tokens):
-        if n == 1:
-            decode_seqs += 1
-            decode_ctx += req.num_computed_tokens + 1
-        else:
-            prefill += n
-            prefill_ctx += n * (req.num_computed_tokens + n / 2)
-    return StepShape(prefill, round(prefill_ctx / prefill) if prefill else 0, decode_seqs, decode_ctx)
 
 
 class SimWorker(RoleHooks):

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pdserve.engine.step_shape import StepShape
 
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What one scheduled step computes."""
-
-    prefill_tokens: int = 0  # prompt tokens computed (chunks)
-    prefill_context: int = 0  # mean context those tokens attend to
-    decode_seqs: int = 0  # sequences computing one token each
-    decode_context: int = 0  # KV tokens all the decodes read together
+__all__ = ["LinearPerfModel", "StepShape"]
 
 
 @dataclass(frozen=True, slots=True)

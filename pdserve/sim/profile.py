@@ -13,17 +13,19 @@ simulator's performance model.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
 from pdserve.bench.results import write_json
 from pdserve.engine.role import RoleHooks
-from pdserve.sim.cluster import step_shape
-from pdserve.sim.perf import LinearPerfModel, StepShape
+from pdserve.engine.step_shape import StepShape, step_shape
+from pdserve.sim.perf import LinearPerfModel
 
 STEP_TERMS = ("base_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s", "decode_context_s")
 
@@ -155,6 +157,29 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def from_steps(paths: list[str], links_from: dict) -> dict:
+    """A profile fitted to steps workers logged while serving (`--record-steps`); the KV size and
+    the links are `links_from`'s, a profile measured on the same machine."""
+    samples = []
+    for path in paths:
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            try:
+                row = json.loads(line)
+                samples.append((StepShape(*(int(row[k]) for k in StepShape.__dataclass_fields__)), float(row["seconds"])))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{i + 1}: not a step line (shape fields and seconds)") from None
+    if len(samples) < len(STEP_TERMS):
+        raise ValueError(f"{len(samples)} steps in {', '.join(paths)}: too few to fit")
+    coef, error = fit_steps(samples)
+    return {
+        "model": links_from.get("model"), "dtype": links_from.get("dtype"), "threads": None, "from_steps": paths,
+        "kv_bytes_per_token": links_from["kv_bytes_per_token"], "step": coef, "step_fit_median_rel_error": error,
+        "links": links_from.get("links", {}),
+        "points": {"steps": [[*asdict(s).values(), t] for s, t in samples],
+                   "step_columns": [*StepShape.__dataclass_fields__, "seconds"]},
+    }
+
+
 def perf_model(profile: dict, backend: str | None = None) -> LinearPerfModel:
     """The simulator's model from a profile's fit (and one backend's link, the first by default)."""
     links = profile.get("links") or {}
@@ -174,9 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="shm,tcp", help="KV transfer backends to time")
     p.add_argument("--quick", action="store_true", help="fewer sizes (about a minute on the tiny model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from-steps", nargs="+", default=None, metavar="JSONL",
+                   help="fit to the steps workers logged while serving (`pdserve serve --record-steps`) instead of "
+                        "measuring; takes the KV size and links from --links-from")
+    p.add_argument("--links-from", default=None, help="with --from-steps: a profile of this machine and model")
     p.add_argument("--out", default="results/profile.json")
     args = p.parse_args(argv)
-    result = run(args)
+    if args.from_steps:
+        try:
+            if not args.links_from:
+                raise ValueError("--from-steps needs --links-from (a measured profile of the same model)")
+            result = from_steps(args.from_steps, json.loads(Path(args.links_from).read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(str(e))
+    else:
+        result = run(args)
     out = write_json(args.out, result)
     step = result["step"]
     print(f"step = {step['base_s'] * 1e3:.2f} ms + {step['prefill_token_s'] * 1e6:.1f} us/prefill token "

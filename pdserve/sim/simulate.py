@@ -64,6 +64,21 @@ def simulate_point(make_cluster, requests: list[BenchRequest], rate: float, conc
     return [cluster.records[ids[i]] for i in range(len(requests))]
 
 
+def simulate_sweep(make_cluster, spec: WorkloadSpec, points: list[dict], burstiness: float, ttft_slo_s: float,
+                   tpot_slo_s: float) -> list[dict]:
+    """`pdserve bench`'s sweep, simulated: each point draws its own requests (seed + its index), as
+    the benchmark does, and is summarized as the benchmark summarizes."""
+    runs = []
+    for i, point in enumerate(points):
+        requests = build_requests(dataclasses.replace(spec, seed=spec.seed + i))
+        records = simulate_point(make_cluster, requests, point["request_rate"], point["concurrency"], burstiness,
+                                 spec.seed)
+        runs.append({"load": {k: (None if v == math.inf else v) for k, v in point.items()},
+                     **summarize(records, ttft_slo_s, tpot_slo_s)})
+        print(f"[simulate] {point} done", file=sys.stderr, flush=True)
+    return runs
+
+
 def _num_blocks(args: argparse.Namespace, tp: int) -> int:
     if args.num_blocks is not None:
         return args.num_blocks
@@ -134,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                           DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model,
                           prefill_worker_args=prefill_args)
 
-    runs = []
-    for i, point in enumerate(points):
-        requests = build_requests(dataclasses.replace(spec, seed=spec.seed + i))
-        records = simulate_point(make_cluster, requests, point["request_rate"], point["concurrency"],
-                                 args.burstiness, spec.seed)
-        runs.append({"load": {k: (None if v == math.inf else v) for k, v in point.items()},
-                     **summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3)})
-        print(f"[simulate] {point} done", file=sys.stderr, flush=True)
+    runs = simulate_sweep(make_cluster, spec, points, args.burstiness, args.ttft_slo / 1e3, args.tpot_slo / 1e3)
     projection = {"gpu": args.gpu, "model": args.model_spec, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
                   "weight_bits": args.weight_bits, "link": args.link} if not args.profile else None
     result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "projection": projection,

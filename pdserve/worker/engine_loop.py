@@ -8,17 +8,23 @@ Lifecycle:
    engine if it has runnable work (else wait briefly for a closure), and hand each output to the
    sink its request registered.
 4. An exception from a step ends every live request with an error, not the worker.
+5. With a step log, every step's shape and the engine thread's time for it (its calls, the step
+   and handing out its outputs) go to the log as a JSON line: `pdserve profile --from-steps`
+   fits the simulator's step model to a worker's steps as it served.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
-from typing import Callable
+from dataclasses import asdict
+from typing import IO, Callable
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.outputs import RequestOutput
 
 log = logging.getLogger("pdserve.worker")
@@ -30,8 +36,13 @@ OutputSink = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, poll: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, engine: LLMEngine, poll: Callable[[], None] = lambda: None,
+                 step_log: IO[str] | None = None) -> None:
         self.engine = engine
+        self.step_log = step_log
+        self._shape: StepShape | None = None
+        if step_log is not None:
+            engine.on_schedule = self._keep_shape
         self.poll = poll  # the role's transfer events and timers, on the engine thread
         self.sinks: dict[str, OutputSink] = {}
         self.step_latency_ewma_s = 0.0
@@ -79,11 +90,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             busy = self.engine.has_runnable_work()
+            t_turn = time.perf_counter()
             self._run_calls(wait=0.0 if busy else IDLE_WAIT_S)
             self.poll()
             if not self.engine.has_runnable_work():
                 continue
             t0 = time.perf_counter()
+            if not busy:  # the turn waited for a call: count from the step's own start
+                t_turn = t0
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -96,8 +110,21 @@ class EngineLoop:
             self.step_latency_ewma_s += a * (dt - self.step_latency_ewma_s)
             for out in outputs:
                 self._deliver(out)
+            if self._shape is not None:
+                self._log_step(time.perf_counter() - t_turn)
             if not outputs and not self.engine.scheduler.running:
                 self._run_calls(wait=IDLE_WAIT_S / 4)  # waiting requests that cannot be admitted yet
+
+    def _keep_shape(self, step) -> None:
+        self._shape = step_shape(step)
+
+    def _log_step(self, seconds: float) -> None:
+        try:
+            self.step_log.write(json.dumps({**asdict(self._shape), "seconds": round(seconds, 6)}) + "\n")
+        except (OSError, ValueError):  # a full disk or a closed log ends the log, not the worker
+            log.exception("the step log failed; no more steps are logged")
+            self.engine.on_schedule, self.step_log = None, None
+        self._shape = None
 
     def _run_calls(self, wait: float) -> None:
         try:

@@ -30,6 +30,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-headroom-tokens", type=int, default=64,
                    help="decode: free KV a reservation must leave for generation")
     g.add_argument("--max-queued", type=int, default=256, help="waiting requests before new ones are refused")
+    g.add_argument("--record-steps", default=None, metavar="PATH",
+                   help="append every engine step's shape and time to this JSONL file (for `pdserve profile "
+                        "--from-steps`)")
     g.add_argument("--router", default=None, help="register with this router and renew the lease by heartbeat")
     g.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""),
                    help="shared secret for the control endpoint and KV connections (env PDSERVE_TOKEN)")
@@ -50,6 +53,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     worker = Worker(
         config, [t.strip() for t in args.transfer.split(",") if t.strip()], args.token, args.host, args.kv_port,
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
+        record_steps=args.record_steps,
     )
     worker.start()
     sock = tcp_listener(args.host, args.port)

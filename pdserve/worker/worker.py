@@ -82,6 +82,7 @@ class Worker:
         kv_transfer_dtype: str = "auto",
         max_queued: int = 256,
         name: str = "worker",
+        record_steps: str | None = None,  # a JSONL file: every step's shape and time (see EngineLoop)
     ) -> None:
         bad = [t for t in transfer if t not in TRANSFER_BACKENDS]
         if bad or not transfer:
@@ -106,7 +107,8 @@ class Worker:
         use_shm = self.decode is not None and "shm" in self.transfer and shm_available() and config.device == "cpu"
         self.engine = LLMEngine(config, hooks, shared_pool if use_shm else None)
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
-        self.loop = EngineLoop(self.engine, self.decode.poll if self.decode else lambda: None)
+        self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
+        self.loop = EngineLoop(self.engine, self.decode.poll if self.decode else lambda: None, self._step_log)
         self.receiver: KVReceiver | None = None
         self.offers: dict[str, dict] = {}
         if self.decode is not None:
@@ -136,6 +138,8 @@ class Worker:
             release_agent(self.engine.runner.kv_cache)
         if self._pool is not None:
             self._pool.close()
+        if self._step_log is not None:
+            self._step_log.close()
 
     # -- requests (any thread) -----------------------------------------------------------------
 

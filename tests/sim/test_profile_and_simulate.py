@@ -29,6 +29,32 @@ def test_the_fit_recovers_a_known_model():
     assert all(v >= 0 for v in coef.values())
 
 
+def test_a_profile_from_steps_logged_while_serving(tmp_path):
+    from dataclasses import asdict
+
+    from pdserve.sim.profile import main as profile_main
+
+    rng = random.Random(1)
+    shapes = [StepShape(rng.choice([0, 128, 512]), rng.randrange(0, 1024), rng.randrange(1, 9),
+                        rng.randrange(100, 4000)) for _ in range(60)]
+    log = tmp_path / "decode-1.jsonl"
+    log.write_text("".join(json.dumps({**asdict(s), "seconds": TRUE.step_time(s)}) + "\n" for s in shapes))
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps({"model": "m", "kv_bytes_per_token": 1000,
+                                   "links": {"shm": {"latency_s": 1e-4, "bytes_per_s": 1e10}}}))
+    out = tmp_path / "serving.json"
+    assert profile_main(["--from-steps", str(log), "--links-from", str(machine), "--out", str(out)]) == 0
+    model = perf_model(json.loads(out.read_text()))
+    assert model.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=1e-3)
+    assert model.kv_bytes_per_token == 1000 and model.link_bytes_per_s == 1e10
+    log.write_text("not json\n")
+    with pytest.raises(SystemExit) as e:
+        profile_main(["--from-steps", str(log), "--links-from", str(machine)])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        profile_main(["--from-steps", str(log)])  # the KV size and links must come from somewhere
+
+
 def test_the_fit_keeps_coefficients_non_negative():
     # times that fall with decode context would want a negative coefficient: it is dropped instead
     samples = [(StepShape(decode_seqs=1, decode_context=c), 0.01 - c * 1e-7) for c in range(0, 10000, 500)]
