@@ -4,7 +4,7 @@
 #    2P+4D (TP1 each), at 32, 64 and 128 concurrent requests.
 # 2. DeepSeek-style MoE (8-bit weights) on H200, ISL 16k / OSL 2k: the best prefill:decode split
 #    on a GPU budget against a fixed 1:1.
-# Results: results/claims/*.json and the tables printed here.
+# 3. A day's traffic trace: P:D per hour. Results: results/claims/*.json, plots, and the tables printed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -24,3 +24,10 @@ echo "== DeepSeek-style MoE 8-bit on H200 (TP8 instances), ISL 16k / OSL 2k, 32 
 "$PY" -m pdserve.cli plan --hardware H200 --model deepseek-v3 --weight-bits 8 --link IB-NDR --tp 8 --batch 64,256 \
     --isl 16384 --osl 2048 --qps 1 --ttft-slo 5000 --tpot-slo 100 --max-gpus 32 --budget 32 --num-requests 200 \
     --json "$OUT/deepseek_rate_matching.json" --plot-dir "$OUT"
+echo "== the same with TPOT <= 40 ms =="
+"$PY" -m pdserve.cli plan --hardware H200 --model deepseek-v3 --weight-bits 8 --link IB-NDR --tp 8 --batch 64,256 \
+    --isl 16384 --osl 2048 --qps 1 --ttft-slo 5000 --tpot-slo 40 --max-gpus 32 --budget 32 --num-requests 200 \
+    --json "$OUT/deepseek_rate_matching_tpot40.json"
+echo "== dynamic rate matching over a day's trace (Llama-3-8B, H100) =="
+"$PY" -m pdserve.cli plan --trace examples/trace_day.csv --hardware H100-SXM --model llama-3-8b --tp 1,2 \
+    --batch 64,256 --ttft-slo 2000 --tpot-slo 50 --json "$OUT/trace_day.json" --plot-dir "$OUT"

@@ -263,10 +263,11 @@ class Planner:
                                batch) for p, d in pairs if p * tp_p + d * tp_d <= self.max_gpus]
         return out
 
-    def pareto(self) -> list[Config]:
-        """For each GPU count, the configuration with the most goodput, where that beats every cheaper one."""
+    def pareto(self, mode: str | None = None) -> list[Config]:
+        """For each GPU count, the configuration (of `mode`, or either) with the most goodput, where
+        that beats every cheaper one."""
         front: list[Config] = []
-        for c in sorted(self.configs(), key=lambda c: (c.num_gpus, -c.goodput)):
+        for c in sorted((c for c in self.configs() if mode in (None, c.mode)), key=lambda c: (c.num_gpus, -c.goodput)):
             if not front or c.goodput > front[-1].goodput * (1 + 1e-9):
                 if front and front[-1].num_gpus == c.num_gpus:
                     continue

@@ -114,6 +114,7 @@ def report(planner: Planner, budget: int | None) -> tuple[dict, list[str], int]:
                                    for c in caps]}
     front = planner.pareto()
     result["pareto"] = [c.to_json() for c in front]
+    result["fronts"] = {mode: [c.to_json() for c in planner.pareto(mode)] for mode in ("colocated", "disaggregated")}
     per_mode = {mode: planner.best(mode) for mode in ("colocated", "disaggregated")}
     found = [v for v in per_mode.values() if v]
     lines.append("")
