@@ -49,6 +49,10 @@ class LengthDist:
             return rng.randint(int(self.a), int(self.b))
         return max(1, round(rng.gauss(self.a, self.b)))
 
+    @property
+    def mean(self) -> float:
+        return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
+
     def __str__(self) -> str:
         return {"fixed": f"{self.a:g}", "uniform": f"{self.a:g}-{self.b:g}", "normal": f"{self.a:g}+-{self.b:g}"}[self.kind]
 

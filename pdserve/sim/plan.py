@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -221,7 +222,7 @@ class Planner:
 
     def _first_guess(self, kind: str, spec: InstanceSpec, batch: int) -> float:
         """Requests/s of a perfectly batched instance: an optimistic start for the search."""
-        isl, osl = max(1, round(_mean(self.traffic.isl))), max(1, round(_mean(self.traffic.osl)))
+        isl, osl = max(1, round(self.traffic.isl.mean)), max(1, round(self.traffic.osl.mean))
         prefill = spec.perf.step_time(StepShape(prefill_tokens=isl, prefill_context=isl // 2))
         b = batch or 1
         decode = spec.perf.step_time(StepShape(decode_seqs=b, decode_context=b * (isl + osl // 2))) / b
@@ -285,18 +286,17 @@ class Planner:
     def best(self, mode: str | None = None, max_tries: int = 32) -> tuple[Config, Outcome] | None:
         """The cheapest configuration (of `mode`, or either) whose whole-cluster simulation meets the
         SLA at the demanded rate."""
-        sized = [c for c in self.configs(self.traffic.qps) if mode in (None, c.mode)]
-        line = [(c.num_gpus, -c.goodput, i, c) for i, c in enumerate(sized)]
+        order = itertools.count()  # ties go in the order candidates joined the line
+        line = [(c.num_gpus, -c.goodput, next(order), c) for c in self.configs(self.traffic.qps)
+                if mode in (None, c.mode)]
         heapq.heapify(line)
-        seen: set[tuple] = set()
-        for i in range(max_tries):
-            if not line:
-                return None
+        tried: set[tuple] = set()
+        while line and len(tried) < max_tries:
             *_, config = heapq.heappop(line)
-            key = dataclasses.astuple(config)[2:]
-            if key in seen:
+            shape = dataclasses.astuple(config)[2:]  # the same cluster, whatever its estimate
+            if shape in tried:
                 continue
-            seen.add(key)
+            tried.add(shape)
             outcome = self.verify(config)
             missed = outcome.misses(self.sla)
             self.progress(f"verify {config.describe()}: " + (f"misses {', '.join(missed)}" if missed else "meets the SLA"))
@@ -304,7 +304,7 @@ class Planner:
                 return config, outcome
             bigger = self._grow(config, missed)
             if bigger.num_gpus <= self.max_gpus:
-                heapq.heappush(line, (bigger.num_gpus, -bigger.goodput, len(seen) + 1000 * (i + 1), bigger))
+                heapq.heappush(line, (bigger.num_gpus, -bigger.goodput, next(order), bigger))
         return None
 
     @staticmethod
@@ -326,10 +326,6 @@ class Planner:
             else:
                 lo = mid
         return lo
-
-
-def _mean(d: LengthDist) -> float:
-    return (d.a + d.b) / 2 if d.kind == "uniform" else d.a
 
 
 def within_budget(configs: list[Config], gpus: int, one_to_one: bool = False) -> Config | None:
