@@ -154,7 +154,11 @@ def _verdict(per_mode: dict) -> str:
         only = "colocated" if col else "disaggregated"
         return f"Only {only} serving meets the SLA within the GPU budget."
     c, d = col[0], dis[0]
-    if c.num_gpus < d.num_gpus or (c.num_gpus == d.num_gpus and c.goodput >= d.goodput):
+    if c.num_gpus == d.num_gpus:
+        better, other = (("Colocated", c), d) if c.goodput >= d.goodput else (("Disaggregated", d), c)
+        return (f"{better[0]} is better here: both need {c.num_gpus} GPUs, and {better[1].describe()} has more "
+                f"headroom ({better[1].goodput:.3g} against {other.goodput:.3g} req/s, from the capacities).")
+    if c.num_gpus < d.num_gpus:
         return f"Colocated is better here: {c.describe()} needs {c.num_gpus} GPUs, disaggregated {d.num_gpus}."
     return f"Disaggregated is better here: {d.num_gpus} GPUs against {c.num_gpus} for {c.describe()}."
 
