@@ -196,13 +196,14 @@ class Planner:
         output_len = LengthDist("fixed", 1) if kind == "prefill" else None  # TTFT is all a prefill pool sets
         sla = self.sla if kind != "prefill" else dataclasses.replace(self.sla, tpot_s=math.inf)
 
-        def ok(rate: float, concurrency: int | None = None) -> Outcome:
+        def ok(rate: float) -> Outcome:
             # enough requests to fill the batch three times over: an overload must show within the run
-            n = max(self.run_length(rate if concurrency is None else 0.0), 3 * batch)
-            cluster = self._instance_cluster(kind, spec, batch, n, rate if concurrency is None else 0.0)
-            return self.run(cluster, rate, concurrency, n=n, output_len=output_len)
+            n = max(self.run_length(rate), 3 * batch)
+            return self.run(self._instance_cluster(kind, spec, batch, n, rate), rate, n=n, output_len=output_len)
 
-        lone = ok(math.inf, 1)
+        # one request at a time: the batch limit plays no part, the base run length will do
+        lone = self.run(self._instance_cluster(kind, spec, batch, self.num_requests, 0.0), math.inf, 1,
+                        output_len=output_len)
         if lone.misses(sla):
             return Capacity(kind, tp, batch, 0.0, lone)
         lo, hi = 0.0, self._first_guess(kind, spec, batch)
@@ -239,11 +240,15 @@ class Planner:
                               f"{cap.rate:.3g} req/s")
         return self.capacities
 
+    def rates(self) -> dict[tuple[str, int, int], float]:
+        """(kind, tp, batch) -> the measured capacity, req/s."""
+        return {(c.kind, c.tp, c.batch): c.rate for c in self.capacities}
+
     # -- 2. sizing and the Pareto front ------------------------------------------------------------
 
     def configs(self, qps: float | None = None) -> list[Config]:
         """Every configuration within the GPU budget: sized for `qps`, or every count if None."""
-        cap = {(c.kind, c.tp, c.batch): c.rate for c in self.capacities}
+        cap = self.rates()
         out: list[Config] = []
         for (kind, tp, batch), rate in cap.items():
             if kind != "colocated" or not rate:

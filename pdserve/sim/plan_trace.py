@@ -85,7 +85,7 @@ def run_trace(args: argparse.Namespace) -> int:
         return 1
     rows = []
     for w, duration in zip(windows, _durations(windows)):
-        caps = {(c.kind, c.tp, c.batch): c.rate for c in planners[(w.isl, w.osl)].capacities}
+        caps = planners[(w.isl, w.osl)].rates()
         p_rate, d_rate = caps[("prefill", shape.tp_prefill, 0)], caps[("decode", shape.tp_decode, shape.batch)]
         if not (p_rate and d_rate):
             print(f"No instance meets the SLA at ISL {w.isl}, OSL {w.osl} (window at {w.time_s:g} s).", file=sys.stderr)

@@ -28,12 +28,14 @@ METRICS = (("TTFT mean ms", lambda r: r["ttft"]["mean"]), ("TPOT mean ms", lambd
 
 
 def layout(argv: list[str]) -> dict[str, int]:
-    """--prefill/--decode/--colocated counts from a configuration's `pdserve serve` flags."""
-    out = {"prefill": 1, "decode": 1, "colocated": 0}
-    for flag, value in zip(argv, argv[1:]):
-        if flag.lstrip("-") in out:
-            out[flag.lstrip("-")] = int(value)
-    return out
+    """--prefill/--decode/--colocated counts from a configuration's `pdserve serve` flags, read
+    by `pdserve serve`'s own argument definitions."""
+    from pdserve.launcher import add_serve_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_args(parser)
+    args, _ = parser.parse_known_args(argv)
+    return {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}
 
 
 def simulate_config(measured: dict, name: str, models: list[str], backend: str | None, vocab_size: int) -> list[dict]:
