@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The simulator against this machine (about 45 minutes; run it on an otherwise idle machine):
+# The simulator against this machine (about 75 minutes; run it on an otherwise idle machine):
 # 0. offline step profiles, 1 and 2 threads (kept if present);
 # 1. in-serving step profiles: each layout of `pdserve bench compare` serves calibration workloads
 #    of its own while its workers log every step;
 # 2. those logs fitted into step models, per worker role;
-# 3. the validation workload measured: `pdserve bench compare` with its defaults;
+# 3. the validation workload measured: `pdserve bench compare` with its defaults, twice;
 # 4. the same workload simulated with either set of step models, side by side with the measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +33,22 @@ calibrate() {  # NAME, then the workload flags
 }
 calibrate serving --input-len 64-2048 --output-len 32 --request-rate inf --concurrency 1,2,4 --num-requests 12 --seed 100
 calibrate loaded --input-len 512-1536 --output-len 48 --request-rate 0.1,0.2,0.3,0.4 --num-requests 12 --seed 200
-[ -f "$OUT/measured.json" ] || "$PY" -m pdserve.cli bench compare --result-json "$OUT/measured.json" --plot-dir "$OUT/plots"
+# The validation workload, measured RUNS times (each point's `host_cpu` says whether the machine was
+# quiet; the validation takes the quiet runs' mean, and shows each run)
+RUNS=${RUNS:-2}
+measured=()
+for i in $(seq 1 "$RUNS"); do
+  m="$OUT/measured-$i.json"
+  [ -f "$m" ] || "$PY" -m pdserve.cli bench compare --result-json "$m" --plot-dir "$OUT/plots-$i"
+  measured+=("$m")
+done
 echo "== offline profiles =="
-"$PY" -m pdserve.sim.validate --measured "$OUT/measured.json" --out "$OUT/validation_offline.json" \
+"$PY" -m pdserve.sim.validate --measured "${measured[@]}" --out "$OUT/validation_offline.json" \
     --profile colocated="$OUT/profile_2thread.json" --profile disaggregated="$OUT/profile_1thread.json" \
     --profile replicas="$OUT/profile_1thread.json"
 for name in serving loaded; do
   echo "== in-serving profiles: $name =="
-  "$PY" -m pdserve.sim.validate --measured "$OUT/measured.json" --out "$OUT/validation_$name.json" \
+  "$PY" -m pdserve.sim.validate --measured "${measured[@]}" --out "$OUT/validation_$name.json" \
       --profile colocated="$OUT/${name}_colocated.json" \
       --profile disaggregated="$OUT/${name}_prefill.json,$OUT/${name}_decode.json" \
       --profile replicas="$OUT/${name}_replicas.json"

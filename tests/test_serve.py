@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -51,7 +52,9 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
         assert set(logged) == {"prefill-0.jsonl", "decode-1.jsonl"}
         assert sum(s["prefill_tokens"] for s in logged["decode-1.jsonl"]) == r.usage.prompt_tokens
         assert sum(s["decode_seqs"] for s in logged["decode-1.jsonl"]) == 4
-        assert all(s["seconds"] > 0 for rows in logged.values() for s in rows)
+        assert all(s["seconds"] > 0 and 0 <= s["cpu_seconds"] for rows in logged.values() for s in rows)
+        starts = [s["at"] for s in logged["decode-1.jsonl"]]  # the wall clock, in step order
+        assert starts == sorted(starts) and abs(starts[0] - time.time()) < 600
     finally:
         if proc.poll() is None:
             proc.kill()

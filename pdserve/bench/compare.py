@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.bench.host_cpu import NOISY_OTHERS_CORES, noisy
 from pdserve.bench.procmem import memory_mib
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
@@ -82,7 +83,8 @@ def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple
     try:
         info = server_info(cluster.url)
         spec = spec_from_args(args, args.vocab_size or int(info.get("vocab_size") or 256))
-        runs, records = sweep(cluster.url, info["id"], spec, points, args, label=f"{name}: ")
+        runs, records = sweep(cluster.url, info["id"], spec, points, args, label=f"{name}: ",
+                              server_pids=[cluster.proc.pid, *cluster.pids])
     finally:
         done.set()
         sampler.join()
@@ -102,9 +104,14 @@ def table(results: dict[str, dict]) -> str:
             if base is not None and base["runs"][i]["goodput"] > 0:
                 ratio = f"{s['goodput'] / base['runs'][i]['goodput']:.2f}x"
             f = lambda d: "-" if d["mean"] is None else f"{d['mean']:.0f} / {d['p99']:.0f}"  # noqa: E731
-            lines.append(f"| {name} | {load} | {s['completed']}/{s['num_requests']} | {s['output_throughput']:.1f} "
+            mark = " (noisy)" if noisy(s.get("host_cpu")) else ""
+            lines.append(f"| {name} | {load}{mark} | {s['completed']}/{s['num_requests']} "
+                         f"| {s['output_throughput']:.1f} "
                          f"| {f(s['ttft'])} | {f(s['tpot'])} | {s['goodput']:.3f} | {s['sla_attainment_pct']:.0f} "
                          f"| {ratio} | {res['memory_mib_peak']:.0f} |")
+    if any(noisy(s.get("host_cpu")) for res in results.values() for s in res["runs"]):
+        lines.append(f"\n(noisy): other processes on this machine took more than {NOISY_OTHERS_CORES} cores while "
+                     "that point ran (`host_cpu` in the JSON); measure it again on a quiet machine.")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.bench.host_cpu import HostCpu, noisy
 from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.results import write_json
@@ -164,21 +166,29 @@ def load_points(rates: str, concurrencies: str | None) -> list[dict]:
 
 
 def sweep(url: str, model: str, spec: WorkloadSpec, points: list[dict], args: argparse.Namespace,
-          label: str = "") -> tuple[list[dict], dict[str, list[RequestRecord]]]:
+          label: str = "", server_pids: list[int] | None = None) -> tuple[list[dict], dict[str, list[RequestRecord]]]:
     """Run every load point; (summaries, records by point label). Each point draws prompts of its
     own (seed + its index), so no point finds the last one's prompts in a prefix cache; the same
-    seed gives every server the same prompts at each point."""
+    seed gives every server the same prompts at each point. With the server's `server_pids` (on
+    this machine), each summary says how many cores the rest of the machine took meanwhile."""
     summaries, records_by_point = [], {}
     for i, point in enumerate(points):
         requests = build_requests(dataclasses.replace(spec, seed=spec.seed + i))
         name = _point_label(point)
         before = scrape_phases(url)
+        meter = HostCpu([os.getpid(), *server_pids]) if server_pids else None
         records = asyncio.run(run_load(url, model, requests, point["request_rate"], point["concurrency"],
                                        args.burstiness, spec.seed, args.api_key, args.temperature,
                                        f"{label}{name}"))
         summary = {"load": {k: (None if v == math.inf else v) for k, v in point.items()},
                    **summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3)}
         summary["phases_ms"] = phase_means_ms(before, scrape_phases(url))
+        if meter is not None:
+            summary["host_cpu"] = meter.cores()
+            if noisy(summary["host_cpu"]):
+                print(f"[bench] {label}{name}: other processes took {summary['host_cpu']['others']:.2f} cores "
+                      f"(steal {summary['host_cpu']['steal']:.2f}) meanwhile; its latencies include their noise",
+                      file=sys.stderr, flush=True)
         summaries.append(summary)
         records_by_point[name] = records
     return summaries, records_by_point

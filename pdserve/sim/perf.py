@@ -6,7 +6,13 @@ and the roofline projection produces for hardware we cannot run:
 
     step = base + prefill_token * prefill tokens + prefill_attention * prefill tokens * their mean
            context + decode_seq * decode sequences + decode_context * KV tokens the decodes read
+           + expert_read * (1 - (1 - expert_share)^tokens)
     transfer = latency + KV bytes / link bandwidth
+
+The one term that is not linear is a mixture of experts' weight reads: each token routes to a share
+`expert_share` of a layer's experts (k of E), so a step of n tokens (prefill tokens plus decodes)
+reads the weights of 1 - (1 - k/E)^n of them in expectation: a few experts for one decode, nearly
+all for a batch of hundreds. Dense models leave it at zero.
 """
 
 from __future__ import annotations
@@ -28,13 +34,18 @@ class LinearPerfModel:
     kv_bytes_per_token: int = 0
     link_bytes_per_s: float = float("inf")
     link_latency_s: float = 0.0
+    expert_read_s: float = 0.0  # reading every routed expert's weights once
+    expert_share: float = 0.0  # experts a token routes to, over experts per layer (k / E)
 
     def step_time(self, s: StepShape) -> float:
         if not (s.prefill_tokens or s.decode_seqs):
             return 0.0
-        return (self.base_s + self.prefill_token_s * s.prefill_tokens
-                + self.prefill_attention_s * s.prefill_tokens * s.prefill_context
-                + self.decode_seq_s * s.decode_seqs + self.decode_context_s * s.decode_context)
+        t = (self.base_s + self.prefill_token_s * s.prefill_tokens
+             + self.prefill_attention_s * s.prefill_tokens * s.prefill_context
+             + self.decode_seq_s * s.decode_seqs + self.decode_context_s * s.decode_context)
+        if self.expert_read_s:
+            t += self.expert_read_s * (1.0 - (1.0 - self.expert_share) ** (s.prefill_tokens + s.decode_seqs))
+        return t
 
     def transfer_time(self, num_tokens: int) -> float:
         if num_tokens <= 0:

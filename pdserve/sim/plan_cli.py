@@ -49,6 +49,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="H100-SXM", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--model", default="llama-3-8b", help=f"{', '.join(MODELS)}")
     p.add_argument("--weight-bits", type=int, default=16, choices=[4, 8, 16])
+    p.add_argument("--fp8-compute", action="store_true",
+                   help="matmuls at the GPU's FP8 peak (8- or 4-bit weights; not on A100)")
     p.add_argument("--link", default="IB-NDR", help=f"KV link between instances: {', '.join(LINKS)}")
     p.add_argument("--profile", default=None, help="a `pdserve profile` JSON instead of the catalogue (TP 1 only)")
     p.add_argument("--tp", type=_ints, default=[1, 2, 4, 8], help="tensor-parallel sizes to try (default 1,2,4,8)")
@@ -69,10 +71,12 @@ def instance_factory(args: argparse.Namespace):
         gpu, model, link = GPUS[args.hardware], MODELS[args.model], LINKS[args.link]
     except KeyError as e:
         raise ValueError(f"unknown {e}; see --help for the catalogue") from None
+    roofline(model, gpu, 1, args.weight_bits, link, fp8_compute=args.fp8_compute)  # a bad combination fails here
 
     def make(tp: int) -> InstanceSpec | None:
         kv = fits(model, gpu, tp, args.weight_bits)
-        return InstanceSpec(roofline(model, gpu, tp, args.weight_bits, link), kv) if kv > 0 else None
+        perf = roofline(model, gpu, tp, args.weight_bits, link, fp8_compute=args.fp8_compute)
+        return InstanceSpec(perf, kv) if kv > 0 else None
     return make
 
 

@@ -160,12 +160,14 @@ def run(args: argparse.Namespace) -> dict:
 def from_steps(paths: list[str], links_from: dict) -> dict:
     """A profile fitted to steps workers logged while serving (`--record-steps`); the KV size and
     the links are `links_from`'s, a profile measured on the same machine."""
-    samples = []
+    samples, cpu_s = [], []
     for path in paths:
         for i, line in enumerate(Path(path).read_text().splitlines()):
             try:
                 row = json.loads(line)
-                samples.append((StepShape(*(int(row[k]) for k in StepShape.__dataclass_fields__)), float(row["seconds"])))
+                shape = StepShape(*(int(row[k]) for k in StepShape.__dataclass_fields__))
+                samples.append((shape, float(row["seconds"])))
+                cpu_s.append(row.get("cpu_seconds"))
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}:{i + 1}: not a step line (shape fields and seconds)") from None
     if len(samples) < len(STEP_TERMS):
@@ -174,10 +176,20 @@ def from_steps(paths: list[str], links_from: dict) -> dict:
     return {
         "model": links_from.get("model"), "dtype": links_from.get("dtype"), "threads": None, "from_steps": paths,
         "kv_bytes_per_token": links_from["kv_bytes_per_token"], "step": coef, "step_fit_median_rel_error": error,
-        "links": links_from.get("links", {}),
+        "engine_cpu_share": _cpu_share(samples, cpu_s), "links": links_from.get("links", {}),
         "points": {"steps": [[*asdict(s).values(), t] for s, t in samples],
                    "step_columns": [*StepShape.__dataclass_fields__, "seconds"]},
     }
+
+
+def _cpu_share(samples: list[tuple[StepShape, float]], cpu_s: list[float | None]) -> float | None:
+    """Of the logged steps' wall time, the share the engine thread spent on a core: below 1, it
+    waited for the GIL, for its core, or (with several torch threads) for its helpers. None for
+    logs written before the CPU time was kept."""
+    if any(c is None for c in cpu_s):
+        return None
+    wall = sum(t for _, t in samples)
+    return round(sum(cpu_s) / wall, 3) if wall > 0 else None
 
 
 def perf_model(profile: dict, backend: str | None = None) -> LinearPerfModel:
@@ -220,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
           f"+ {step['prefill_attention_s'] * 1e9:.2f} ns/(prefill token x context) + {step['decode_seq_s'] * 1e3:.2f} "
           f"ms/decode + {step['decode_context_s'] * 1e6:.2f} us/decode context token "
           f"(median error {result['step_fit_median_rel_error'] * 100:.1f}%)")
+    if result.get("engine_cpu_share") is not None:
+        print(f"the engine thread was on a core for {result['engine_cpu_share'] * 100:.0f}% of its steps' time")
     for backend, link in result["links"].items():
         print(f"{backend}: {link['latency_s'] * 1e3:.2f} ms + bytes / {link['bytes_per_s'] / 1e9:.2f} GB/s")
     print(f"wrote {out}", file=sys.stderr)

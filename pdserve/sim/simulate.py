@@ -100,8 +100,8 @@ def _models(args: argparse.Namespace) -> tuple[LinearPerfModel, LinearPerfModel]
         gpu, model, link = GPUS[args.gpu], MODELS[args.model_spec], LINKS[args.link]
     except KeyError as e:
         raise ValueError(f"unknown {e}; see --help for the catalogue") from None
-    return (roofline(model, gpu, args.tp_prefill, args.weight_bits, link),
-            roofline(model, gpu, args.tp_decode, args.weight_bits, link))
+    return (roofline(model, gpu, args.tp_prefill, args.weight_bits, link, fp8_compute=args.fp8_compute),
+            roofline(model, gpu, args.tp_decode, args.weight_bits, link, fp8_compute=args.fp8_compute))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-prefill", type=int, default=1)
     p.add_argument("--tp-decode", type=int, default=1)
     p.add_argument("--weight-bits", type=int, default=16, choices=[4, 8, 16])
+    p.add_argument("--fp8-compute", action="store_true", help="matmuls at the FP8 peak (8- or 4-bit weights)")
     p.add_argument("--link", default="IB-NDR", help=f"the projected KV link: {', '.join(LINKS)}")
     p.add_argument("--decode-profile", default=None, help="the decode and colocated workers' (default: --profile)")
     p.add_argument("--backend", default=None, help="the profile's link to use (default: its first)")
@@ -150,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                           prefill_worker_args=prefill_args)
 
     runs = simulate_sweep(make_cluster, spec, points, args.burstiness, args.ttft_slo / 1e3, args.tpot_slo / 1e3)
-    projection = {"gpu": args.gpu, "model": args.model_spec, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
-                  "weight_bits": args.weight_bits, "link": args.link} if not args.profile else None
+    projection = None if args.profile else {
+        "gpu": args.gpu, "model": args.model_spec, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
+        "weight_bits": args.weight_bits, "fp8_compute": args.fp8_compute, "link": args.link}
     result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "projection": projection,
                            "prefill": args.prefill,
                            "decode": args.decode, "colocated": args.colocated, **spec.describe()},

@@ -7,6 +7,8 @@ For every configuration and load point of the measured runs, the same workload (
 arrival times: `--vocab-size` must be the served model's, as the draws share one random stream)
 runs through the simulated cluster of the same layout, with the given step models. The table puts
 mean TTFT, mean TPOT and goodput side by side with the mean of the measured runs, and the error.
+A measured run during which other processes took CPU (`host_cpu` in `bench compare`'s JSON)
+counts only when no quiet run of that point exists, and is marked (noisy).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from pdserve.bench.host_cpu import noisy
 from pdserve.bench.loadgen import LengthDist, WorkloadSpec
 from pdserve.bench.results import write_json
 from pdserve.router.policy import DisaggregationPolicy
@@ -64,15 +67,16 @@ def compare(measured_runs: list[dict], simulated: dict[str, list[dict]]) -> tupl
     for name, sim_runs in simulated.items():
         for i, sim in enumerate(sim_runs):
             real = [m["results"][name]["runs"][i] for m in measured_runs]
-            row = {"config": name, "load": sim["load"]}
+            quiet = [r for r in real if not noisy(r.get("host_cpu"))]
+            row = {"config": name, "load": sim["load"], "runs": len(real), "noisy_runs": len(real) - len(quiet)}
             cells = []
             for metric, get in METRICS:
-                values = [get(r) for r in real if get(r) is not None]
+                values = [get(r) for r in (quiet or real) if get(r) is not None]
                 mean = sum(values) / len(values) if values else None
                 s = get(sim)
                 error = (s - mean) / mean if mean and s is not None else None
                 row[metric] = {"measured": values, "measured_mean": mean, "simulated": s, "error": error}
-                shown = " / ".join(f"{v:.3g}" for v in values)
+                shown = " / ".join(f"{v:.3g}" for v in values) + ("" if quiet else " (noisy)")
                 cells.append(f"{shown} | {s:.3g} | {error * 100:+.0f}%" if error is not None else f"{shown} | - | -")
             rate = sim["load"]["request_rate"]
             lines.append(f"| {name} | {rate if rate is not None else 'inf'} | " + " | ".join(cells) + " |")

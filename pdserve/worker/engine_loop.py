@@ -90,14 +90,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             busy = self.engine.has_runnable_work()
-            t_turn = time.perf_counter()
+            t_turn, cpu_turn = time.perf_counter(), time.thread_time()
             self._run_calls(wait=0.0 if busy else IDLE_WAIT_S)
             self.poll()
             if not self.engine.has_runnable_work():
                 continue
             t0 = time.perf_counter()
             if not busy:  # the turn waited for a call: count from the step's own start
-                t_turn = t0
+                t_turn, cpu_turn = t0, time.thread_time()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -111,16 +111,22 @@ class EngineLoop:
             for out in outputs:
                 self._deliver(out)
             if self._shape is not None:
-                self._log_step(time.perf_counter() - t_turn)
+                self._log_step(t_turn, time.perf_counter() - t_turn, time.thread_time() - cpu_turn)
             if not outputs and not self.engine.scheduler.running:
                 self._run_calls(wait=IDLE_WAIT_S / 4)  # waiting requests that cannot be admitted yet
 
     def _keep_shape(self, step) -> None:
         self._shape = step_shape(step)
 
-    def _log_step(self, seconds: float) -> None:
+    def _log_step(self, t_start: float, seconds: float, cpu_seconds: float) -> None:
+        # `at`: the wall clock (shared by every process on the host) when the turn began, so the
+        # logs of one cluster line up; `cpu_seconds`: what the engine thread itself ran of it
+        # (the rest it waited: for the GIL, for its core, or for its own torch threads)
+        at = time.time() - (time.perf_counter() - t_start)
+        row = {**asdict(self._shape), "seconds": round(seconds, 6), "cpu_seconds": round(cpu_seconds, 6),
+               "at": round(at, 6)}
         try:
-            self.step_log.write(json.dumps({**asdict(self._shape), "seconds": round(seconds, 6)}) + "\n")
+            self.step_log.write(json.dumps(row) + "\n")
         except (OSError, ValueError):  # a full disk or a closed log ends the log, not the worker
             log.exception("the step log failed; no more steps are logged")
             self.engine.on_schedule, self.step_log = None, None

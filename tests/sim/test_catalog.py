@@ -39,3 +39,31 @@ def test_links_set_the_transfer_time():
     assert m.transfer_time(8000) == pytest.approx(5e-6 + 8000 * 320 * 1024 / 50e9)
     with pytest.raises(ValueError):
         roofline(MODELS["llama-3-8b"], GPUS["H100-SXM"], 0)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_route_to():
+    eff = Efficiency(step_overhead_s=0.0, allreduce_latency_s=0.0)
+    spec, gpu = MODELS["deepseek-v3"], GPUS["H200"]
+    m = roofline(spec, gpu, 8, weight_bits=8, eff=eff)
+    mem = 8 * gpu.mem_bytes_per_s * eff.mbu
+    dense = (spec.params - spec.expert_params) / mem  # 8-bit: a byte a parameter
+    one = m.step_time(StepShape(decode_seqs=1)) - m.decode_seq_s
+    assert one == pytest.approx(dense + spec.expert_params * 8 / 256 / mem)
+    assert one * mem == pytest.approx(spec.active_params, rel=0.02)  # one token reads its active parameters
+    many = m.step_time(StepShape(decode_seqs=512)) - 512 * m.decode_seq_s
+    assert many == pytest.approx(dense + spec.expert_params * (1 - (1 - 8 / 256) ** 512) / mem)
+    assert many * mem > 0.99 * spec.params  # a large batch reads nearly every expert
+    assert roofline(MODELS["llama-3-70b"], gpu).expert_read_s == 0.0  # dense: no such term
+
+
+def test_fp8_compute_runs_matmuls_at_the_fp8_peak_where_there_is_one():
+    eff = Efficiency(step_overhead_s=0.0, allreduce_latency_s=0.0)
+    model, h100 = MODELS["llama-3-70b"], GPUS["H100-SXM"]
+    bf16 = roofline(model, h100, 1, weight_bits=8, eff=eff)
+    fp8 = roofline(model, h100, 1, weight_bits=8, eff=eff, fp8_compute=True)
+    assert fp8.prefill_token_s == pytest.approx(bf16.prefill_token_s * 989 / 1979)
+    assert fp8.base_s == bf16.base_s  # the same bytes to read
+    with pytest.raises(ValueError, match="no FP8"):
+        roofline(model, GPUS["A100-80G"], 4, weight_bits=8, fp8_compute=True)
+    with pytest.raises(ValueError, match="8 bits or fewer"):
+        roofline(model, h100, 4, weight_bits=16, fp8_compute=True)

@@ -106,7 +106,8 @@ def test_plan_rejects_impossible_slas(tmp_path, capsys, flags, message):
 
 
 def test_plan_refuses_bad_arguments(capsys):
-    for bad in (["--qps", "0"], ["--tp", "0"], ["--isl", "x"], ["--hardware", "TPU"], ["--percentile", "120"]):
+    for bad in (["--qps", "0"], ["--tp", "0"], ["--isl", "x"], ["--hardware", "TPU"], ["--percentile", "120"],
+                ["--hardware", "A100-80G", "--weight-bits", "8", "--fp8-compute"]):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2

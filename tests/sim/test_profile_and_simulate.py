@@ -38,13 +38,17 @@ def test_a_profile_from_steps_logged_while_serving(tmp_path):
     shapes = [StepShape(rng.choice([0, 128, 512]), rng.randrange(0, 1024), rng.randrange(1, 9),
                         rng.randrange(100, 4000)) for _ in range(60)]
     log = tmp_path / "decode-1.jsonl"
-    log.write_text("".join(json.dumps({**asdict(s), "seconds": TRUE.step_time(s)}) + "\n" for s in shapes))
+    rows = [{**asdict(s), "seconds": TRUE.step_time(s), "cpu_seconds": 0.8 * TRUE.step_time(s), "at": 1e9 + i}
+            for i, s in enumerate(shapes)]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
     machine = tmp_path / "machine.json"
     machine.write_text(json.dumps({"model": "m", "kv_bytes_per_token": 1000,
                                    "links": {"shm": {"latency_s": 1e-4, "bytes_per_s": 1e10}}}))
     out = tmp_path / "serving.json"
     assert profile_main(["--from-steps", str(log), "--links-from", str(machine), "--out", str(out)]) == 0
-    model = perf_model(json.loads(out.read_text()))
+    profile = json.loads(out.read_text())
+    assert profile["engine_cpu_share"] == pytest.approx(0.8)  # the engine thread waited a fifth of its steps
+    model = perf_model(profile)
     assert model.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=1e-3)
     assert model.kv_bytes_per_token == 1000 and model.link_bytes_per_s == 1e10
     log.write_text("not json\n")
