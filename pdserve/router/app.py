@@ -41,6 +41,8 @@ from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
 
+HEARTBEAT_S = 1.0  # how often workers report their load (and renew their lease), at most
+
 
 @dataclass
 class RouterConfig:
@@ -86,15 +88,17 @@ class Router:
             prefills = {}
         if not decodes:
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
-        d = decodes[choose_decode({k: w.load for k, w in decodes.items()}, self.config.decode_weights)]
+        d = decodes[choose_decode({k: w.current_load() for k, w in decodes.items()}, self.config.decode_weights)]
         hashes = self.index.hashes(prompt_ids)
         uncached = len(prompt_ids) - self.index.cached_tokens(d.worker_id, hashes)
-        loads = {k: w.load for k, w in prefills.items()}
+        loads = {k: w.current_load() for k, w in prefills.items()}
         p = None
         if prefill_remotely(uncached, loads, self.config.disaggregation):
             p = prefills[choose_prefill(loads, self.index, hashes, len(prompt_ids))]
+            self.registry.note_routed(p.worker_id, len(prompt_ids) - self.index.cached_tokens(p.worker_id, hashes))
             self.index.record(p.worker_id, hashes)
             self.metrics.disaggregated.inc()
+        self.registry.note_routed(d.worker_id, 0 if p else uncached, remote=p is not None)
         self.index.record(d.worker_id, hashes)
         return d, p
 
@@ -293,7 +297,8 @@ def create_app(router: Router) -> FastAPI:
             raise APIError(400, "registration needs url, role and model_hash") from None
         except RegistrationError as e:
             raise APIError(409 if "mismatch" in str(e) else 400, str(e)) from None
-        return {"worker_id": entry.worker_id, "lease_s": router.registry.lease_s}
+        return {"worker_id": entry.worker_id, "lease_s": router.registry.lease_s,
+                "heartbeat_s": min(HEARTBEAT_S, router.registry.lease_s / 3)}
 
     @app.post("/internal/heartbeat")
     async def heartbeat(request: Request):

@@ -4,12 +4,16 @@ Lifecycle of a worker in the registry:
 1. `register`: the token is checked (constant time) and the model must be the cluster's; the
    worker gets an id and a lease of `lease_s` seconds.
 2. `heartbeat`: renews the lease and stores the worker's stats (its load, for the policies).
+   Between two heartbeats the router counts what it sends each worker (`note_routed`), and the
+   policies see the last heartbeat's load plus that (`current_load`): a burst of requests spreads
+   over the workers instead of piling onto the one that looked idlest a heartbeat ago.
 3. `expire`: a worker whose lease ran out is removed and returned, so that its requests can be
    handled as failures; a later heartbeat from it is refused (it must register again).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import threading
@@ -36,6 +40,18 @@ class WorkerEntry:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     stats: dict = field(default_factory=dict)
     heartbeats: int = 0  # received since registration
+    routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
+
+    def current_load(self) -> WorkerLoad:
+        """The last heartbeat's load, plus the requests routed here since: a prompt to compute
+        waits with its tokens queued; a request whose KV another worker computes is a session
+        waiting for it."""
+        if not self.routed:
+            return self.load
+        local = [n for how, n in self.routed if how != "remote"]
+        return dataclasses.replace(self.load, waiting=self.load.waiting + len(local),
+                                   queued_prefill_tokens=self.load.queued_prefill_tokens + sum(local),
+                                   waiting_for_kv=self.load.waiting_for_kv + len(self.routed) - len(local))
 
     @property
     def decodes(self) -> bool:
@@ -85,7 +101,16 @@ class Registry:
             entry.stats = stats
             entry.heartbeats += 1
             entry.load = WorkerLoad.from_stats(stats)
+            entry.routed.clear()  # the worker has them by now: its load includes them
             return entry
+
+    def note_routed(self, worker_id: str, prompt_tokens: int, remote: bool = False) -> None:
+        """A request went to this worker: to compute `prompt_tokens` of its prompt, or (`remote`)
+        to decode once another worker has sent its KV."""
+        with self._lock:
+            entry = self._workers.get(worker_id)
+            if entry is not None:
+                entry.routed.append(("remote" if remote else "local", prompt_tokens))
 
     def expire(self) -> list[WorkerEntry]:
         now = self.clock()

@@ -55,7 +55,8 @@ class RouterMembership:
             if r.status_code != 200:
                 raise ValueError(f"registration refused: {r.json()['error']['message']}")
             answer = r.json()
-            self.worker_id, self.interval = answer["worker_id"], max(0.05, answer["lease_s"] / 3)
+            every = answer.get("heartbeat_s") or answer["lease_s"] / 3  # loads fresh enough to route by
+            self.worker_id, self.interval = answer["worker_id"], max(0.05, float(every))
             log.info("registered with %s as %s", self.router_url, self.worker_id)
         r = http.post(self.router_url + "/internal/heartbeat", json={"worker_id": self.worker_id, "stats": self.stats()})
         if r.status_code == 404:

@@ -49,3 +49,31 @@ def test_a_restarted_worker_replaces_its_entry():
     first = reg.register("http://127.0.0.1:1", "decode", "m")
     second = reg.register("http://127.0.0.1:1", "decode", "m")
     assert [e.worker_id for e in reg.workers()] == [second.worker_id] and first.worker_id != second.worker_id
+
+
+def test_requests_routed_between_heartbeats_count_in_the_load():
+    from pdserve.router.policy import choose_decode, choose_prefill, PrefixIndex
+
+    reg = Registry("m" * 64, token="t")
+    a, b = (reg.register(f"http://127.0.0.1:{i}", "both", "m" * 64, "t") for i in (1, 2))
+    for w in (a, b):
+        reg.heartbeat(w.worker_id, {"running": 1, "kv_blocks_total": 100}, "t")
+    # a burst before the next heartbeat: each request goes where the last one did not
+    chosen = []
+    for _ in range(4):
+        w = choose_decode({e.worker_id: e.current_load() for e in reg.workers("decode")})
+        chosen.append(w)
+        reg.note_routed(w, 500)
+    assert sorted(chosen) == sorted([a.worker_id, b.worker_id] * 2)
+    load = reg.get(a.worker_id).current_load()
+    assert (load.running, load.waiting, load.queued_prefill_tokens) == (1, 2, 1000)
+    reg.note_routed(a.worker_id, 0, remote=True)  # decodes once another worker sends the KV
+    assert reg.get(a.worker_id).current_load().sessions == 2
+    reg.heartbeat(a.worker_id, {"running": 3, "waiting": 1, "kv_blocks_total": 100}, "t")
+    assert reg.get(a.worker_id).current_load() == reg.get(a.worker_id).load  # the worker reports them now
+    # prefill workers: queued prompt tokens steer the next prompt elsewhere
+    p1, p2 = (reg.register(f"http://127.0.0.1:{i}", "prefill", "m" * 64, "t") for i in (3, 4))
+    reg.note_routed(p1.worker_id, 4000)
+    loads = {e.worker_id: e.current_load() for e in reg.workers("prefill") if e.role == "prefill"}
+    assert choose_prefill(loads, PrefixIndex(), [], 1000) == p2.worker_id
+    reg.note_routed("gone", 10)  # a worker that left: nothing to count
