@@ -6,6 +6,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
@@ -29,10 +31,24 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(directory: Path, variant: str = "llama", seed: int = 0) -> Path:
+def make_tiny_model(directory: Path, variant: str = "llama", seed: int = 0, layout: str = "installed") -> Path:
+    """A tiny checkpoint. `layout` is how its config.json is written: "installed" as the installed
+    transformers saves it (so a field the next release moves fails our tests first), "legacy" as
+    `write_model` writes it (transformers 4: top-level `rope_theta` / `rope_scaling`)."""
+    if layout not in ("installed", "legacy"):
+        raise ValueError(f"unknown config layout {layout!r}")
     spec = dict(TINY_VARIANTS[variant])
     arch = spec.pop("architecture")
-    return write_model(directory, "tiny", arch, seed=seed, **spec)
+    path = write_model(directory, "tiny", arch, seed=seed, **spec)
+    if layout == "installed":
+        resave_config_with_transformers(path)
+    return path
+
+
+def resave_config_with_transformers(model_dir: Path) -> None:
+    from transformers import AutoConfig  # slow to import; the model-free tests never need it
+
+    AutoConfig.from_pretrained(model_dir).save_pretrained(model_dir)
 
 
 def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
@@ -92,3 +108,23 @@ def assert_engine_idle(llm: LLM) -> None:
     assert not engine.scheduler.has_unfinished()
     assert not engine.has_unfinished_requests()
     assert_no_leaks(engine.block_manager)
+
+
+def paged_logits(llm: LLM, prompt: list[int], num_decode_steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits at the prompt's last position and after each greedy decode step."""
+    engine = llm.engine
+    sched, runner = engine.scheduler, engine.runner
+    req = Request("parity", prompt, SamplingParams(temperature=0, max_tokens=num_decode_steps + 1,
+                                                   ignore_eos=True), len(prompt) + num_decode_steps + 1)
+    sched.add(req)
+    rows = []
+    while sched.has_unfinished():
+        step = sched.schedule()
+        logits, sample_rows = runner.forward(step)
+        sampled = [None] * len(step.requests)
+        if logits is not None:
+            rows.append(logits[0])
+            sampled[sample_rows[0]] = int(logits[0].argmax())
+        sched.update(step, sampled)
+    assert_no_leaks(engine.block_manager)
+    return rows, req.output_token_ids

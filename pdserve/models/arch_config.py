@@ -1,6 +1,10 @@
 """Architecture hyper-parameters of a Llama-family model, read from a Hugging Face config.json.
 
 Llama, Mistral, Qwen2 and Qwen3 share one forward pass; they differ only by the flags below.
+A config.json means what transformers' class for its architecture makes of it: a field left out
+takes that class's default, and the layouts of transformers 4 and 5 are both read (the rotary
+fields in `rope_config`, the sliding window here). What transformers would honour and we cannot
+is refused, never dropped.
 """
 
 from __future__ import annotations
@@ -8,24 +12,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Hugging Face architecture name -> flags that differ from plain Llama.
-_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-}
-
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+from pdserve.models.rope_config import RopeScaling, read_rope
 
 
 @dataclass(slots=True, frozen=True)
-class RopeScaling:
-    kind: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+class _Family:
+    """What transformers' class for one architecture fixes, or assumes when config.json is silent."""
+
+    qk_norm: bool = False
+    qkv_bias: bool = False  # hard-coded by the class: Qwen2 biases q/k/v (not o_proj) whatever the config says
+    # Flags the class honours that need weights we do not implement (Llama's attention_bias biases o_proj too).
+    unsupported_flags: tuple[str, ...] = ()
+    sliding: str = "never"  # "never" | "always" (every layer, when a window is set) | "opt_in" (Qwen's flags)
+    defaults: dict[str, Any] = field(default_factory=dict)  # the class's values for fields left out
+
+
+_QWEN_DEFAULTS = dict(num_key_value_heads=32, max_position_embeddings=32768, use_sliding_window=False,
+                      sliding_window=4096, max_window_layers=28)
+
+# Hugging Face architecture name -> how it differs from plain Llama.
+_ARCHITECTURES: dict[str, _Family] = {
+    "LlamaForCausalLM": _Family(unsupported_flags=("attention_bias", "mlp_bias"),
+                                defaults=dict(max_position_embeddings=2048)),
+    "MistralForCausalLM": _Family(sliding="always", defaults=dict(
+        num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096)),
+    "Qwen2ForCausalLM": _Family(qkv_bias=True, sliding="opt_in", defaults=_QWEN_DEFAULTS),
+    "Qwen3ForCausalLM": _Family(qk_norm=True, unsupported_flags=("attention_bias",), sliding="opt_in",
+                                defaults=_QWEN_DEFAULTS | dict(head_dim=128)),
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +61,7 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # window of the layers that slide; None when none does
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -82,64 +98,75 @@ class ArchConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = _ARCHITECTURES[arch]
+        cfg = family.defaults | cfg
+        _refuse_unsupported(cfg, arch, family)
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            head_dim = cfg.get("head_dim") or hidden // num_heads
-            eos = cfg.get("eos_token_id")
+            num_layers = int(cfg["num_hidden_layers"])
+            rope_theta, rope_scaling = read_rope(cfg)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
+                # null means "as many as query heads" in every transformers version
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_dim=int(head_dim),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(cfg["max_position_embeddings"]),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(cfg)),
-                rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=bool(cfg.get("attention_bias", _ARCHITECTURES[arch].get("qkv_bias", False))),
-                qk_norm=_ARCHITECTURES[arch].get("qk_norm", False),
-                sliding_window=_sliding_window(cfg),
+                qkv_bias=family.qkv_bias,
+                qk_norm=family.qk_norm,
+                sliding_window=_sliding_window(cfg, family, num_layers),
                 bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=_as_tuple(eos),
+                eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+def _refuse_unsupported(cfg: dict[str, Any], arch: str, family: _Family) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # the same function under two names
+        raise ValueError(f"hidden_act {act!r} is not supported; pdserve's MLP is SiLU-gated")
+    for flag in family.unsupported_flags:
+        if cfg.get(flag):
+            raise ValueError(f"{flag}=true is not supported for {arch}: pdserve has no weights for those biases")
 
 
-def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
-    if not raw:
-        return RopeScaling()
-    kind = raw.get("rope_type") or raw.get("type") or "default"
-    if kind == "default":
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(raw["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3",
-            factor=float(raw["factor"]),
-            low_freq_factor=float(raw["low_freq_factor"]),
-            high_freq_factor=float(raw["high_freq_factor"]),
-            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-        )
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("use_sliding_window") is False:
+def _sliding_window(cfg: dict[str, Any], family: _Family, num_layers: int) -> int | None:
+    if family.sliding == "never":  # transformers' Llama ignores any window a config names
         return None
-    window = cfg.get("sliding_window")
-    return int(window) if window else None
+    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    if family.sliding == "always":  # Mistral: every layer slides (it ignores layer_types too)
+        return window
+    # Qwen2/Qwen3: only with use_sliding_window, and only the layers marked in layer_types
+    # (transformers 5 writes it; the window is then saved as null when the flag is off), or in
+    # older configs every layer from max_window_layers on.
+    if not cfg.get("use_sliding_window"):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        return window if num_layers > int(cfg["max_window_layers"]) else None
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"layer_types {layer_types} is not supported: pdserve needs one entry per layer "
+            f"({num_layers}), each full_attention or sliding_attention"
+        )
+    if "sliding_attention" not in layer_types:
+        return None
+    if window is None:
+        raise ValueError(
+            "layer_types marks sliding_attention layers but no window is in force "
+            f"(use_sliding_window={cfg.get('use_sliding_window')}, sliding_window={cfg.get('sliding_window')})"
+        )
+    return window
 
 
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -102,6 +102,7 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
     }
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    # transformers 4's layout, as `synthetic` writes it: every transformers release reads it alike.
     if (scaling := _rope_scaling(meta, arch, tensors.get(_ROPE_FREQS), head_dim)) is not None:
         cfg["rope_scaling"] = scaling
     for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):

@@ -85,12 +85,16 @@ def make_model(preset: str = "tiny", architecture: str = "llama", seed: int = 0,
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    # transformers 4's layout (top-level rope_theta / rope_scaling, torch_dtype): transformers 5 reads
+    # it as well, while releases before 5 know nothing of its `rope_parameters` and would drop a scaling.
     cfg: dict[str, Any] = {
         **PRESETS[preset], **ARCHITECTURES[architecture],
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32",
         "initializer_range": 0.02,
     }
     cfg.update(overrides)
+    # Stated even when it is hidden / heads: left out, Qwen3 means 128.
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     tokenizer = build_tokenizer(cfg["vocab_size"])
     eos = tokenizer.token_to_id("<|im_end|>")
     cfg.update(bos_token_id=None, eos_token_id=eos, pad_token_id=tokenizer.token_to_id("<|endoftext|>"))
@@ -110,7 +114,7 @@ def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     std = cfg["initializer_range"]
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // heads
+    hd = cfg["head_dim"]
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std

@@ -476,7 +476,13 @@ def test_llama_unpermutes_qk_and_reads_rope_factors(tmp_path):
     scaling = ckpt.hf_config["rope_scaling"]
     assert scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}
-    assert ArchConfig.from_hf_config(ckpt.hf_config).rope_scaling.kind == "llama3"
+    arch = ArchConfig.from_hf_config(ckpt.hf_config)
+    assert arch.rope_scaling.kind == "llama3" and arch.rope_theta == 500000.0
+    # Written out (as `pdserve export` and the conversion cache do), it reads back the same, and
+    # transformers finds the same scaling in it.
+    ckpt.save(tmp_path / "hf")
+    assert ArchConfig.from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text())) == arch
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").rope_parameters == scaling | {"rope_theta": 500000.0}
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

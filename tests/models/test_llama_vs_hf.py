@@ -4,33 +4,11 @@ through the real paged-KV path: a whole prefill, a chunked prefill, then decode 
 import pytest
 import torch
 
-from pdserve.engine.request import Request
-from pdserve.sampling_params import SamplingParams
-from tests.factories import TINY_VARIANTS, assert_no_leaks, make_llm
+from tests.factories import TINY_VARIANTS, make_llm, paged_logits
 
 # float32 on both sides; differences come from summation order only.
 ATOL = 1e-4
 RTOL = 1e-4
-
-
-def paged_logits(llm, prompt: list[int], num_decode_steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Logits at the prompt's last position and after each greedy decode step."""
-    engine = llm.engine
-    sched, runner = engine.scheduler, engine.runner
-    req = Request("parity", prompt, SamplingParams(temperature=0, max_tokens=num_decode_steps + 1,
-                                                   ignore_eos=True), len(prompt) + num_decode_steps + 1)
-    sched.add(req)
-    rows = []
-    while sched.has_unfinished():
-        step = sched.schedule()
-        logits, sample_rows = runner.forward(step)
-        sampled = [None] * len(step.requests)
-        if logits is not None:
-            rows.append(logits[0])
-            sampled[sample_rows[0]] = int(logits[0].argmax())
-        sched.update(step, sampled)
-    assert_no_leaks(engine.block_manager)
-    return rows, req.output_token_ids
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
