@@ -1,10 +1,25 @@
-"""Per-request sampling settings, validated on construction (same names as vLLM's)."""
+"""Per-request sampling settings, validated on construction (same names as vLLM's).
+
+Every field has a documented bound, checked here for the library and the worker's control API
+alike, so that no value one request carries can fail the batch it runs in (a top_k too large for a
+tensor, a seed the generator cannot take, a stop "string" that is a number).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+SEED_LIMIT = 1 << 63  # seeds are in [0, SEED_LIMIT); the n completions of one request use seed + i
+MAX_N = 128  # completions per request (the OpenAI router allows fewer)
+MAX_TOKENS_LIMIT = 1 << 24  # max_tokens and min_tokens; the model's length is the real limit
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20  # above any vocabulary; values at or past the vocabulary size cut nothing
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(slots=True)
@@ -26,26 +41,40 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop must be a string or a list of strings")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               "stop_token_ids must be a list of integers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and -1 <= self.top_k <= MAX_TOP_K,
+               f"top_k must be -1 (disable) or in [0, {MAX_TOP_K}], got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            f"max_tokens must be at least 1, got {self.max_tokens}",
-        )
-        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, SEED_LIMIT - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        _check(all(isinstance(s, str) for s in self.stop), "stop must be a string or a list of strings")
         _check(all(s for s in self.stop), "stop strings must not be empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers")
+        for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
+                           ("include_stop_str_in_output", self.include_stop_str_in_output)):
+            _check(isinstance(flag, bool), f"{name} must be true or false")
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +87,24 @@ class SamplingParams:
         values["stop_token_ids"] = list(values["stop_token_ids"])
         return SamplingParams(**values)
 
+    def child_seed(self, index: int) -> int | None:
+        """The seed of completion `index` of n: consecutive seeds, wrapping within the range."""
+        return None if self.seed is None else (self.seed + index) % SEED_LIMIT
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+    _check(ok, f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_float(name: str, value: object, lo: float, hi: float) -> None:
+    _check(_is_number(value) and lo <= value <= hi, f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")

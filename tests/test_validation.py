@@ -35,14 +35,28 @@ def test_bad_prompt_in_a_batch_leaves_no_request_behind(llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
-    (dict(temperature=-0.5), "temperature must be non-negative"),
+    (dict(max_tokens=0), r"max_tokens must be an integer in \[1, "),
+    (dict(temperature=-0.5), r"temperature must be a number in \[0, 100\]"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k"),
     (dict(min_p=2.0), "min_p"),
-    (dict(n=0), "n must be at least 1"),
+    (dict(n=0), r"n must be an integer in \[1, "),
+    (dict(n=True), "n must be an integer"),
     (dict(stop=[""]), "stop strings must not be empty"),
+    (dict(stop=[1, 2]), "stop must be a string or a list of strings"),
+    (dict(stop={"a": 1}), "stop must be a string or a list of strings"),
+    (dict(stop=["x"] * 17), "at most 16 stop strings"),
+    (dict(stop=["x" * 257]), "at most 256 characters"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids must be non-negative integers"),
+    (dict(stop_token_ids=list(range(65))), "at most 64 stop_token_ids"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 9223372036854775807\]"),
+    (dict(seed=1 << 64), "seed must be an integer"),
+    (dict(top_k=1 << 40), "top_k"),
+    (dict(ignore_eos="yes"), "ignore_eos must be true or false"),
+    (dict(min_tokens=5, max_tokens=2), r"min_tokens \(5\) must not exceed max_tokens \(2\)"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

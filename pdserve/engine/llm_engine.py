@@ -7,6 +7,7 @@ from one thread; `pdserve.LLM` wraps the same calls for offline use.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,13 +17,16 @@ from pdserve.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.isolation import run_isolating
+from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.engine")
 
 PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 
@@ -85,6 +89,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._landed: list[Request] = []  # got their first token from a prefill worker
         self._ids = itertools.count()
+        self.num_aborted = 0  # requests ended by abort() while live, since start
+        self.num_failed = 0  # requests that failed a step on their own, since start
 
     def _max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings
@@ -123,18 +129,23 @@ class LLMEngine:
         `arrival_time` (time.monotonic()) is when a server received it; default: now."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("a request id is a non-empty string")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_ABS_PRIORITY:
+            raise ValueError(f"priority must be an integer in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]")
         text, token_ids = self._tokenize(prompt)
         output_token_ids = list(output_token_ids)
         self._validate_prompt(token_ids, params)
         self._validate_resumed(token_ids, output_token_ids, params)
+        # Every completion is built before any is queued: a request joins whole, or not at all.
         parent = _Parent(request_id, text, token_ids, [])
         for i in range(params.n):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i
-            )
+            child_params = params if params.n == 1 else params.clone(n=1, seed=params.child_seed(i))
             engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if engine_id in self._sequences or engine_id in self.scheduler.requests:
+                raise ValueError(f"request id {engine_id!r} is already in use")
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
                           priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
                           output_token_ids=output_token_ids)
@@ -143,11 +154,11 @@ class LLMEngine:
                 detokenizer.add(token)
             detokenizer.released = len(detokenizer.text)  # the text of resumed tokens went out before
             self._skip_draws(req, len(output_token_ids))
-            seq = _Sequence(req, detokenizer, i, num_tokens_sent=len(output_token_ids))
-            parent.sequences.append(seq)
-            self._sequences[engine_id] = (parent, seq)
-            self.scheduler.add(req)
+            parent.sequences.append(_Sequence(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))
         self._parents[request_id] = parent
+        for seq in parent.sequences:
+            self._sequences[seq.request.request_id] = (parent, seq)
+            self.scheduler.add(seq.request)
         return request_id
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -216,6 +227,7 @@ class LLMEngine:
         parent = self._parents.get(request_id)
         if parent is None:
             return
+        self.num_aborted += 1
         for seq in parent.sequences:
             self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
         self._aborted.append(self._make_output(parent, changed=set()))
@@ -262,34 +274,68 @@ class LLMEngine:
             return outputs
         if self.on_schedule is not None:
             self.on_schedule(step)
+        sampled, failed = run_isolating(step, self._execute)
+        for request_id in failed:  # before update: their tokens are not applied
+            self._fail(request_id)
+        advanced = self.scheduler.update(step, sampled)
+        return outputs + self._postprocess(advanced) + self._take_aborted()
+
+    def _execute(self, step: SchedulerOutput) -> list[int | None]:
         on_layer = self.hooks.before_execute(step)
         try:
-            sampled = self.runner.execute(step, on_layer)
+            return self.runner.execute(step, on_layer)
         finally:
             self.hooks.after_execute(step)
-        advanced = self.scheduler.update(step, sampled)
-        return outputs + self._postprocess(advanced)
+
+    def _fail(self, engine_id: str) -> None:
+        """End the request that owns this sequence (all its completions) with an error."""
+        found = self._sequences.get(engine_id)
+        if found is None:
+            return
+        parent = found[0]
+        self.num_failed += 1
+        for seq in parent.sequences:
+            self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_ERROR)
+        self._aborted.append(self._make_output(parent, changed=set()))
+        self._forget(parent)
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        ended, self._aborted = self._aborted, []
+        return ended
 
     def _postprocess(self, advanced: list[Request]) -> list[RequestOutput]:
         changed: dict[str, set[int]] = {}
         for req in advanced:
-            parent, seq = self._sequences[req.request_id]
-            seq.detokenizer.add(req.output_token_ids[-1])
-            stop = seq.detokenizer.stop_string
-            if stop is not None and not req.status.finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            if req.status.finished:
-                seq.detokenizer.flush()
+            found = self._sequences.get(req.request_id)
+            if found is None:
+                continue  # its request failed earlier in this step
+            parent, seq = found
+            try:
+                self._detokenize(req, seq)
+            except Exception:  # one request's text must not end its batch mates' steps
+                log.exception("detokenizing request %s failed", req.request_id)
+                self._fail(req.request_id)
+                continue
             changed.setdefault(parent.request_id, set()).add(seq.index)
         outputs = []
         for request_id, indices in changed.items():
-            parent = self._parents[request_id]
+            parent = self._parents.get(request_id)
+            if parent is None:
+                continue  # failed after an earlier completion of it advanced
             out = self._make_output(parent, indices)
             outputs.append(out)
             if out.finished:
                 self._forget(parent)
         return outputs
+
+    def _detokenize(self, req: Request, seq: _Sequence) -> None:
+        seq.detokenizer.add(req.output_token_ids[-1])
+        stop = seq.detokenizer.stop_string
+        if stop is not None and not req.status.finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            seq.detokenizer.flush()
 
     def _make_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
         completions = []

@@ -10,6 +10,9 @@ import torch
 from pdserve.sampling_params import SamplingParams
 
 
+MAX_ABS_PRIORITY = 1 << 31  # priorities are integers in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]; lower first
+
+
 class RequestStatus(enum.IntEnum):
     # Live states first; every finished state compares greater than RUNNING.
     WAITING = enum.auto()
