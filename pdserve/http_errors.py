@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hmac
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+log = logging.getLogger("pdserve.http")
 
 
 class APIError(Exception):
@@ -44,11 +48,39 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+        return validation_error(exc.errors())
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):  # a bug: the client hears nothing internal, the log all of it
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return error(500, "internal error", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error(e.status_code, str(e.detail), kind)
+
+
+# Pydantic names the member of a union that failed in an error's location ("str", "list[str]",
+# "function-after[...]"); a client knows only field names and indexes.
+_TYPE_TAGS = {"str", "int", "bool", "float", "list", "dict", "none", "constrained-str", "json-or-python"}
+
+
+def _field_path(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict]) -> JSONResponse:
+    """400 naming the field that failed and why. Of a union's errors, the ones from the member of
+    the value's own type say why (a list of ids with a negative one: not "should be a string")."""
+    if not errors:
+        return error(400, "invalid request body")
+    telling = [e for e in errors if not str(e.get("type", "")).endswith("_type")] or errors
+    where = _field_path(tuple(telling[0].get("loc", ())))
+    reasons: list[str] = []
+    for e in telling:
+        msg = str(e.get("msg", "invalid value"))
+        if _field_path(tuple(e.get("loc", ()))) == where and msg not in reasons:
+            reasons.append(msg)
+    return error(400, f"{where or 'body'}: {'; or '.join(reasons[:3])}", param=where)

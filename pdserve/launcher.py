@@ -24,15 +24,17 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.credentials import API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+
 STOP_GRACE_S = 15.0
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], cpus: list[int] | None) -> None:
+    def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str]) -> None:
         self.name = name
         self.cpus = cpus
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
+            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.ready: dict | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -69,7 +71,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer", default="shm,tcp")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""))
+    add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
+    g.add_argument("--max-tokens-default", type=int, default=1024,
+                   help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
@@ -86,7 +90,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.colocated
     if not roles:
         raise ValueError("a cluster needs at least one worker")
-    token = secrets.token_hex(16)
+    api_key = read_secret(args.api_key_file, API_KEY_ENV)
+    env = {**os.environ, TOKEN_ENV: secrets.token_hex(32), API_KEY_ENV: api_key}  # a fresh token per cluster
     model = ["--model", args.model] if args.model else []
     say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     children: list[Child] = []
@@ -96,25 +101,25 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     code = 0
     try:
         t0 = time.perf_counter()
-        router = Child("router", ["router", *model, "--host", args.host, "--port", str(args.port), "--token", token,
-                                  "--api-key", args.api_key], None)
+        router = Child("router", ["router", *model, "--host", args.host, "--port", str(args.port),
+                                  "--max-tokens-default", str(args.max_tokens_default)], None, env)
         children.append(router)
         url = router.wait_ready(args.ready_timeout)["url"]
         say(f"router ready at {url}")
         shares = _cpu_shares(len(roles))
         for i, role in enumerate(roles):
             argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
-                    "--token", token, "--transfer", args.transfer, "--threads", str(len(shares[i])), *engine_argv]
+                    "--transfer", args.transfer, "--threads", str(len(shares[i])), *engine_argv]
             if args.record_steps:
                 Path(args.record_steps).mkdir(parents=True, exist_ok=True)
                 argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]
-            children.append(Child(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
+            children.append(Child(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None, env))
         for child in children[1:]:
             info = child.wait_ready(args.ready_timeout)
             say(f"{child.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
         _wait_registered(url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
-        model_name = httpx.get(url + "/v1/models", headers=_auth(args.api_key)).json()["data"][0]["id"]
+        model_name = httpx.get(url + "/v1/models", headers=_auth(api_key)).json()["data"][0]["id"]
         members = [{"name": c.name, "url": c.ready["url"], "pid": c.proc.pid, "cpus": c.cpus} for c in children]
         print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "processes": members}),
               flush=True)

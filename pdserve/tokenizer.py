@@ -78,13 +78,16 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_template_error
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        text = self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **extra,
-        )
+        try:
+            text = self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as e:  # the conversation does not fit the model's template
+            raise ValueError(f"chat template error: {e}") from None
         # The template already wrote the special tokens it wants.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -1,10 +1,28 @@
-"""The HTTP listeners: Nagle off on accepted connections, and dead-peer detection inherited."""
+"""The HTTP listeners: Nagle off on accepted connections, dead-peer detection inherited; the servers on
+them: a deadline on request heads, a cap on their size, and a concurrency limit answered 503."""
 
+import asyncio
+import contextlib
+import json
 import socket
+import time
 
+import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
-from pdserve.net import tcp_listener
+from pdserve.kv_transfer.base import model_fingerprint
+from pdserve.models.arch_config import ArchConfig
+from pdserve.net import ServerLimits, tcp_listener
+from pdserve.router.app import Router, RouterConfig
+from pdserve.router.app import create_app as router_app
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker.server import ServerThread
+from pdserve.worker.server import create_app as worker_app
+from pdserve.worker.worker import Worker
+from tests.http_raw import closed_by_server, connect, head, read_response, trickle
+from tests.worker.cluster import engine_config
 
 
 def test_accepted_connections_detect_dead_peers():
@@ -29,3 +47,113 @@ def test_a_taken_port_is_a_clear_error():
             tcp_listener("127.0.0.1", first.getsockname()[1])
     finally:
         first.close()
+
+
+# -- the servers built on them: limits on what any client may hold -----------------------------
+
+
+@pytest.fixture(scope="module", params=["router", "worker"])
+def app(request, tiny_llama):
+    """The real apps, each with a path any client may GET."""
+    if request.param == "router":
+        arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+        router = Router(RouterConfig(model_name="tiny", max_model_len=64), Tokenizer.from_dir(tiny_llama),
+                        model_fingerprint(arch), arch.vocab_size)
+        yield router_app(router), "/v1/models"
+        return
+    worker = Worker(engine_config(tiny_llama, "both"), ["tcp"])
+    worker.start()
+    yield worker_app(worker), "/stats"
+    worker.stop()
+
+
+@contextlib.contextmanager
+def serving(app, **limits):
+    http = ServerThread(app, limits=ServerLimits(**limits)).start()
+    try:
+        yield http
+    finally:
+        http.stop()
+
+
+SLOW_HEAD = head("GET", "/health", "X-Padding: " + "y" * 60)
+
+
+def test_a_request_head_sent_too_slowly_is_cut_off(app):
+    app, path = app
+    with serving(app, head_timeout_s=0.5) as http:
+        with connect(http.url) as sock:
+            assert trickle(sock, SLOW_HEAD, pause_s=0.1) < len(SLOW_HEAD)
+            assert closed_by_server(sock)  # closed, with no answer
+        with connect(http.url) as sock:  # the same on a kept-alive connection after its first response
+            sock.sendall(head("GET", path))
+            assert read_response(sock)[0] == 200
+            assert trickle(sock, SLOW_HEAD, pause_s=0.1) < len(SLOW_HEAD)
+            assert closed_by_server(sock)
+        assert httpx.get(http.url + path).status_code == 200
+
+
+def test_past_the_concurrency_limit_requests_get_503(app):
+    app, path = app
+    with serving(app, max_concurrency=2, head_timeout_s=60) as http:
+        connections = http.server.server_state.connections
+        idle = [connect(http.url) for _ in range(2)]
+        wait_for(lambda: len(connections) == 2)
+        with connect(http.url) as sock:
+            sock.sendall(head("GET", path))
+            status, headers, body = read_response(sock)
+            err = json.loads(body)["error"]
+            assert status == 503 and err["type"] == "service_unavailable" and err["code"] == 503
+            assert headers["retry-after"] == "1" and headers["connection"] == "close"
+            assert closed_by_server(sock)
+        for sock in idle:
+            sock.close()
+        wait_for(lambda: not connections)
+        assert httpx.get(http.url + path).status_code == 200
+
+
+def test_a_head_past_its_size_cap_is_refused(app):
+    app, path = app
+    with serving(app, max_head_bytes=2048) as http:
+        with connect(http.url) as sock:  # a head that never ends, however slowly or quickly it comes
+            sock.sendall(head("GET", path, "X-Padding: " + "y" * 4096)[:-2])
+            assert read_response(sock)[0] == 400
+        assert httpx.get(http.url + path, headers={"X-Padding": "y" * 1024}).status_code == 200
+
+
+def test_the_head_deadline_spares_requests_in_progress():
+    """A response slower than the head deadline, streamed or not, is not cut, and the connection
+    serves the next request."""
+    app = FastAPI()
+
+    @app.get("/slow")
+    async def slow():
+        await asyncio.sleep(1.0)
+        return {"ok": True}
+
+    @app.get("/stream")
+    async def stream():
+        async def lines():
+            for i in range(4):
+                await asyncio.sleep(0.3)
+                yield f"{i}\n".encode()
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    with serving(app, head_timeout_s=0.3) as http, httpx.Client(base_url=http.url) as client:
+        assert client.get("/slow").json() == {"ok": True}
+        assert client.get("/stream").text == "0\n1\n2\n3\n"
+        assert client.get("/slow").json() == {"ok": True}
+
+
+def test_server_limits_are_checked():
+    with pytest.raises(ValueError, match="max_concurrency"):
+        ServerLimits(max_concurrency=0)
+    with pytest.raises(ValueError, match="head_timeout_s"):
+        ServerLimits(head_timeout_s=0)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not get there"
+        time.sleep(0.01)

@@ -29,6 +29,10 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
         ready = json.loads(line[0])
         assert ready["event"] == "ready" and ready["workers"] == ["prefill", "decode"]
         cores = sorted(os.sched_getaffinity(0))
+        for member in ready["processes"]:  # the cluster's token reached every child, but not on its command line
+            argv = open(f"/proc/{member['pid']}/cmdline").read().split("\0")
+            assert not {"--token", "--api-key"} & set(argv)
+            assert b"PDSERVE_TOKEN=" in open(f"/proc/{member['pid']}/environ", "rb").read()
         for member in ready["processes"][1:]:  # each worker runs on its share of the cores
             assert sorted(os.sched_getaffinity(member["pid"])) == member["cpus"]
             assert set(member["cpus"]) <= set(cores) and len(member["cpus"]) == max(1, len(cores) // 2)

@@ -25,16 +25,18 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.responses import Response
 
-from pdserve.http_errors import APIError, error_response, install_error_handlers, require_bearer
+from pdserve.http_errors import APIError, install_error_handlers, require_bearer, validation_error
+from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_decode, choose_migrations,
     choose_prefill, prefill_remotely,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
-from pdserve.router.registry import RegistrationError, Registry
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, HeartbeatBody, RegisterBody, now
+from pdserve.router.registry import RegistrationError, Registry, WorkerEntry
 from pdserve.router.responses import serve
 from pdserve.router.streams import LiveStream, WorkerLost, worker_lines
 from pdserve.tokenizer import Tokenizer
@@ -59,6 +61,9 @@ class RouterConfig:
     tpot_slo_s: float = 0.1
     max_body_bytes: int = 8 << 20
     keepalive_s: float = 5.0  # SSE comment after this long without a token
+    max_tokens_default: int = 1024  # max_tokens of a chat request that sets none (within the context left)
+    worker_silence_s: float = 60.0  # a worker stream with no line (workers send keep-alives) for this long is lost
+    client_stall_s: float = 30.0  # a client that reads nothing for this long, with output waiting, is dropped
     migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
     migrate_hot_spots: bool = True  # move running requests off decode workers past the hot KV use
     relief: HotSpotRelief = field(default_factory=HotSpotRelief)
@@ -110,6 +115,8 @@ class Router:
                                 f"{self.config.model_name!r}", "not_found_error", "model")
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if isinstance(req, CompletionRequest) and req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
         if isinstance(req, ChatCompletionRequest):
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -128,13 +135,11 @@ class Router:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         limit = self.config.max_model_len
-        if max_tokens is None:
-            max_tokens = limit - len(ids)
+        if max_tokens is None:  # never the whole context by default: n of those would hold the pool for minutes
+            max_tokens = max(1, min(self.config.max_tokens_default, limit - len(ids)))
         if max_tokens < 1 or len(ids) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
-        if any(not s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])):
-            raise APIError(400, "stop strings must not be empty", param="stop")
         return ids, req.sampling(max_tokens)
 
     async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: dict, priority: int,
@@ -161,7 +166,8 @@ class Router:
                         "prefill_url": p.url if p is not None else None}
                 moved = False
                 try:
-                    async for item in worker_lines(self.http, d.url, body, self._worker_headers, live):
+                    async for item in worker_lines(self.http, d.url, body, self._worker_headers, live,
+                                                     self.config.worker_silence_s):
                         if live.n == 1:
                             out = item["outputs"][0]
                             if out["finish_reason"] == "abort" and live.move_to is not None:
@@ -175,12 +181,12 @@ class Router:
                     d, p, live.move_to = live.move_to, d, None  # the hot worker now sends its KV
                     self.metrics.migrations.labels("hot_spot").inc()
                 except (httpx.HTTPError, WorkerLost) as e:
+                    log.warning("request %s: decode worker %s failed: %s: %s", request_id, d.url, type(e).__name__, e)
                     migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
-                    if (started or tried) and not migrate:
-                        raise APIError(502, f"the decode worker failed mid-request: {e}", "server_error") from None
+                    if (started or tried) and not migrate:  # the client hears no internal address or detail
+                        raise APIError(502, "the decode worker failed mid-request", "server_error") from None
                     tried.add(d.worker_id)
-                    self.registry.remove(d.worker_id)
-                    self.index.forget(d.worker_id)
+                    self.drop_worker(d.worker_id, "it failed a request")
                     live.move_to = None
                     d, p = self.route(prompt_ids + generated, frozenset(tried))
                     if started:
@@ -197,10 +203,22 @@ class Router:
     def drop_expired_workers(self) -> None:
         """Workers whose lease lapsed leave the registry; streams waiting on them fail now."""
         for entry in self.registry.expire():
-            self.index.forget(entry.worker_id)
-            for live in self.live.values():
-                if live.worker_id == entry.worker_id:
-                    live.inbox.put_nowait(WorkerLost(f"worker {entry.url} missed its lease"))
+            self._forget_worker(entry, "it missed its lease")
+
+    def drop_worker(self, worker_id: str, reason: str) -> None:
+        """Take a failing worker out of the registry: every stream still waiting on it fails now
+        (and retries or migrates as its own rules say), not when its lease would have lapsed."""
+        entry = self.registry.remove(worker_id)
+        if entry is not None:
+            self._forget_worker(entry, reason)
+
+    def _forget_worker(self, entry: WorkerEntry, reason: str) -> None:
+        log.warning("worker %s (%s, %s) dropped: %s", entry.worker_id, entry.role, entry.url, reason)
+        self.metrics.workers_dropped.inc()
+        self.index.forget(entry.worker_id)
+        for live in self.live.values():
+            if live.worker_id == entry.worker_id:
+                live.inbox.put_nowait(WorkerLost(f"worker {entry.url} was dropped: {reason}"))
 
     async def relieve_hot_spots(self) -> None:
         """Move requests off decode workers whose KV use is past the hot threshold, at most one per
@@ -232,7 +250,10 @@ class Router:
 def create_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        router.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None))
+        # No pool cap of its own: admission bounds the streams, and a request waiting for a pooled
+        # connection must never time out and be taken for a failed worker.
+        router.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None, pool=None),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         reaper = asyncio.create_task(_reap(router))
         yield
         reaper.cancel()
@@ -243,15 +264,9 @@ def create_app(router: Router) -> FastAPI:
 
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _body_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if request.method == "POST" and (length is None or not length.isdigit()):
-            if request.headers.get("transfer-encoding", "").lower() == "chunked":
-                return error_response(APIError(411, "send the body with a Content-Length"))
-        elif length is not None and int(length) > cfg.max_body_bytes:
-            return error_response(APIError(413, f"the request body exceeds {cfg.max_body_bytes} bytes"))
-        return await call_next(request)
+    # keys checked and bodies read within their limits before any handler parses a byte
+    app.add_middleware(HTTPGuard, limits=BodyLimits(max_bytes=cfg.max_body_bytes), rules=(
+        BearerRule("/v1", cfg.api_key, "API key"), BearerRule("/internal", cfg.worker_token, "worker token")))
 
     def check_key(request: Request) -> None:
         require_bearer(request, cfg.api_key, "API key")
@@ -279,33 +294,33 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_key(request)
-        return await serve(router, body, chat=False)
+        return await serve(router, body, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_key(request)
-        return await serve(router, body, chat=True)
+        return await serve(router, body, chat=True, request=request)
 
     @app.post("/internal/register")
-    async def register(request: Request):
+    async def register(body: RegisterBody, request: Request):
         check_worker_token(request)
-        body = await request.json()
         try:
-            entry = router.registry.register(str(body["url"]), str(body["role"]), str(body["model_hash"]),
-                                             cfg.worker_token)
-        except (KeyError, TypeError):
-            raise APIError(400, "registration needs url, role and model_hash") from None
+            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token)
         except RegistrationError as e:
             raise APIError(409 if "mismatch" in str(e) else 400, str(e)) from None
+        log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
         return {"worker_id": entry.worker_id, "lease_s": router.registry.lease_s,
                 "heartbeat_s": min(HEARTBEAT_S, router.registry.lease_s / 3)}
 
     @app.post("/internal/heartbeat")
-    async def heartbeat(request: Request):
+    async def heartbeat(body: HeartbeatBody, request: Request):
         check_worker_token(request)
-        body = await request.json()
         try:
-            router.registry.heartbeat(str(body["worker_id"]), dict(body.get("stats") or {}), cfg.worker_token)
+            load = body.load()
+        except ValidationError as e:
+            return validation_error(e.errors())
+        try:
+            router.registry.heartbeat(body.worker_id, body.stats, cfg.worker_token, load.model_dump())
         except KeyError:
             raise APIError(404, "unknown worker: register again", "not_found_error") from None
         return {"ok": True}

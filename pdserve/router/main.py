@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from pdserve.credentials import API_KEY_ENV, TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret
 
 
 def _fraction(text: str) -> float:
@@ -22,8 +23,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""), help="clients must send it as Bearer")
-    p.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""), help="the workers' shared secret")
+    add_secret_args(p, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
+    add_secret_args(p, "token", TOKEN_ENV, "the workers' shared secret (none: one is made and written to a file, "
+                    "on a loopback address only)")
+    p.add_argument("--max-tokens-default", type=int, default=1024,
+                   help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
     p.add_argument("--max-queued-requests", type=int, default=1024)
@@ -37,7 +41,26 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
 
 
-def build_router(args: argparse.Namespace):
+def router_secrets(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(API key, worker token, file a new token was written to). The internal routes never run open:
+    without a token one is made, on a loopback address; any other address needs one given."""
+    api_key = read_secret(args.api_key_file, API_KEY_ENV)
+    token = read_secret(args.token_file, TOKEN_ENV)
+    if not is_loopback(args.host):
+        if not token:
+            raise ValueError(f"a router on {args.host} needs the workers' token given: --token-file or {TOKEN_ENV}")
+        if not api_key:
+            print(f"pdserve router: warning: listening on {args.host} with no API key: anyone who reaches it "
+                  f"is served (--api-key-file or {API_KEY_ENV})", file=sys.stderr)
+    if token:
+        return api_key, token, None
+    token, path = new_token_file(f"router-{os.getpid()}")
+    print(f"pdserve router: workers' token written to {path} (start workers with --token-file {path})",
+          file=sys.stderr)
+    return api_key, token, str(path)
+
+
+def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     from pdserve.kv_transfer.base import model_fingerprint
     from pdserve.models.arch_config import ArchConfig
     from pdserve.models.loader import load_checkpoint
@@ -50,8 +73,8 @@ def build_router(args: argparse.Namespace):
     arch = ArchConfig.from_hf_config(ckpt.hf_config)
     limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
     name = args.served_model_name or (args.model or "default")
-    config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=args.api_key,
-                          worker_token=args.token, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
+    config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=api_key,
+                          worker_token=token, max_tokens_default=args.max_tokens_default, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
                           migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
                           decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage))
@@ -59,17 +82,17 @@ def build_router(args: argparse.Namespace):
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from pdserve.net import tcp_listener
+    from pdserve.net import ROUTER_LIMITS, http_server, tcp_listener
 
     from pdserve.router.app import create_app
 
-    router = build_router(args)
+    api_key, token, token_file = router_secrets(args)
+    router = build_router(args, api_key, token)
     sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
-    print(json.dumps({"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}), flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning"))
+    ready = {"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}
+    print(json.dumps({**ready, **({"token_file": token_file} if token_file else {})}), flush=True)
+    server = http_server(create_app(router), ROUTER_LIMITS)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises them after draining
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])

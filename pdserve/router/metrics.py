@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_WORKER_GAUGES = {
+    "kv_blocks_used": "KV blocks in use on the worker",
+    "kv_blocks_total": "KV blocks of the worker",
+    "kv_usage": "fraction of the worker's KV blocks in use",
+    "running": "requests in the worker's running batch",
+    "waiting": "requests queued on the worker",
+    "waiting_for_kv": "requests on the worker waiting for their prompt's KV",
+    "step_latency_ewma_ms": "moving average of the worker's step time",
+    "heartbeat_age_seconds": "time since the worker's last heartbeat",
+}
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -39,6 +49,13 @@ class RouterMetrics:
         self.workers = Gauge("pdserve_workers", "registered workers", ["role"], registry=r)
         self.kv_bytes = Gauge("pdserve_kv_bytes_received", "KV bytes decode workers received (last heartbeats)",
                               registry=r)
+        self.workers_dropped = Counter("pdserve_workers_dropped", "workers taken out of the registry (lease lapsed, "
+                                       "or a request failed on them)", registry=r)
+        # One series per registered worker, from its last heartbeat: one scrape of the router shows the pools.
+        self.worker_gauges = {
+            key: Gauge(f"pdserve_worker_{key}", help_text, ["worker", "role"], registry=r)
+            for key, help_text in _WORKER_GAUGES.items()
+        }
         self.sla_targets = Gauge("pdserve_sla_target_seconds", "SLA targets", ["metric"], registry=r)
         self.sla_targets.labels("ttft").set(ttft_slo_s)
         self.sla_targets.labels("tpot").set(tpot_slo_s)
@@ -49,6 +66,16 @@ class RouterMetrics:
         for role in ("prefill", "decode", "both"):
             self.workers.labels(role).set(sum(1 for w in workers if w.role == role))
         self.kv_bytes.set(sum(w.stats.get("kv_bytes_received", 0) for w in workers))
+        for gauge in self.worker_gauges.values():
+            gauge.clear()  # workers that left have no series
+        for w in workers:
+            load = w.load
+            values = {"kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
+                      "kv_usage": load.kv_usage, "running": load.running, "waiting": load.waiting,
+                      "waiting_for_kv": load.waiting_for_kv, "step_latency_ewma_ms": load.step_latency_ewma_ms,
+                      "heartbeat_age_seconds": max(0.0, time.monotonic() - w.last_heartbeat)}
+            for key, value in values.items():
+                self.worker_gauges[key].labels(w.worker_id, w.role).set(value)
         return generate_latest(self.registry)
 
 

@@ -40,6 +40,7 @@ class WorkerEntry:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     stats: dict = field(default_factory=dict)
     heartbeats: int = 0  # received since registration
+    last_heartbeat: float = 0.0  # time.monotonic() of the last one (or of registration)
     routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
 
     def current_load(self) -> WorkerLoad:
@@ -86,11 +87,13 @@ class Registry:
                 if entry.url == url:  # a restarted worker at the same address replaces its old entry
                     del self._workers[entry.worker_id]
                     break
-            entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s)
+            entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s,
+                                last_heartbeat=time.monotonic())
             self._workers[entry.worker_id] = entry
         return entry
 
-    def heartbeat(self, worker_id: str, stats: dict, token: str = "") -> WorkerEntry:
+    def heartbeat(self, worker_id: str, stats: dict, token: str = "", load: dict | None = None) -> WorkerEntry:
+        """Renew the lease; `load` is the routing fields of `stats`, validated (default: read from it)."""
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistrationError("bad token")
         with self._lock:
@@ -98,9 +101,10 @@ class Registry:
             if entry is None:
                 raise KeyError(worker_id)
             entry.lease_expires = self.clock() + self.lease_s
+            entry.last_heartbeat = time.monotonic()
             entry.stats = stats
             entry.heartbeats += 1
-            entry.load = WorkerLoad.from_stats(stats)
+            entry.load = WorkerLoad.from_stats(stats if load is None else load)
             entry.routed.clear()  # the worker has them by now: its load includes them
             return entry
 

@@ -9,14 +9,19 @@ import contextlib
 import json
 from typing import TYPE_CHECKING, AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
 from pdserve.router.metrics import RequestClock
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+
+OUTBOX_ITEMS = 64  # output lines a streamed response holds for its client before the worker waits
 
 if TYPE_CHECKING:
     from pdserve.router.app import Router
@@ -53,7 +58,7 @@ class Detokenizers:
         return bool(self.by_index) and all(d.stop_string is not None for d in self.by_index.values())
 
 
-async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
@@ -69,13 +74,15 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         detok = Detokenizers(router.tokenizer, ids, sampling)
-        return StreamingResponse(_sse(router, request_id, req, stream, clock, detok, chat, include_usage),
-                                 media_type="text/event-stream")
+        return StallGuardedStreamingResponse(
+            _sse(router, request_id, req, stream, clock, detok, chat, include_usage),
+            stall_s=router.config.client_stall_s, media_type="text/event-stream")
     outcome = "error"
     detok = Detokenizers(router.tokenizer, ids, sampling)
-    try:
-        texts: dict[int, list[str]] = {}
-        reasons: dict[int, str | None] = {}
+    texts: dict[int, list[str]] = {}
+    reasons: dict[int, str | None] = {}
+
+    async def collect() -> None:
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
                 clock.output_line(item)
@@ -84,7 +91,12 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
                     texts.setdefault(out["index"], []).append(text)
                 if detok.finished:
                     break
+    try:
+        await unless_disconnected(request, collect())  # a client that left stops its request
         outcome = "ok"
+    except ClientGone:
+        outcome = "cancelled"
+        return Response(status_code=499)  # nobody reads it
     finally:
         router.admission.release(request_id)
         clock.finish(outcome)
@@ -148,7 +160,7 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
 async def _with_keepalive(stream: AsyncIterator[dict], interval: float) -> AsyncIterator[dict | None]:
     """The stream's items, and None whenever `interval` seconds pass without one. The stream is
     read by a task of its own, so waiting never cancels it; closing this closes the stream."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=OUTBOX_ITEMS)  # full: the worker's stream waits
     done = object()
 
     async def pump() -> None:
@@ -162,9 +174,8 @@ async def _with_keepalive(stream: AsyncIterator[dict], interval: float) -> Async
     task = asyncio.create_task(pump())
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), interval)
-            except asyncio.TimeoutError:
+            item = await get_within(queue, interval)
+            if item is None:
                 yield None
                 continue
             if item is done:

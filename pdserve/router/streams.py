@@ -19,6 +19,8 @@ from pdserve.http_errors import APIError
 from pdserve.router.policy import RunningStream
 
 _END = object()
+_ALIVE = object()  # a worker's keep-alive line
+INBOX_LINES = 256  # output lines held per request before the worker is made to wait (slow clients)
 
 
 class WorkerLost(Exception):
@@ -45,11 +47,14 @@ class LiveStream:
 
 
 async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: dict,
-                       live: LiveStream) -> AsyncIterator[dict]:
+                       live: LiveStream, silence_s: float = 60.0) -> AsyncIterator[dict]:
     """The output lines of one `/v1/generate` call. Raises what the call raised, `WorkerLost`
-    when the reaper says so, and APIError for a worker's refusal or error line. Leaving early
-    closes the call, which aborts the request on the worker."""
-    inbox = live.inbox = asyncio.Queue()
+    when the reaper says so or the worker says nothing (workers send an empty line every few
+    seconds while a request waits) for `silence_s`, and APIError for a worker's refusal, its
+    error line, or a request the worker's engine failed. Leaving early closes the call, which
+    aborts the request on the worker."""
+    inbox = live.inbox = asyncio.Queue()  # lines, and the reaper's WorkerLost, which never waits
+    room = asyncio.Semaphore(INBOX_LINES)  # lines not yet read: a slow client makes the worker wait
 
     async def pump() -> None:
         try:
@@ -57,8 +62,8 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
                 if r.status_code != 200:
                     raise worker_error(r.status_code, await r.aread())
                 async for line in r.aiter_lines():
-                    if line:
-                        inbox.put_nowait(json.loads(line))
+                    await room.acquire()
+                    inbox.put_nowait(_parse(line))
             inbox.put_nowait(_END)
         except BaseException as e:  # handed over to the reader
             inbox.put_nowait(e)
@@ -66,13 +71,21 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
     task = asyncio.create_task(pump())
     try:
         while True:
-            item = await inbox.get()
+            item = await get_within(inbox, silence_s)
+            if item is None:
+                raise WorkerLost(f"no word from the worker for {silence_s:.0f}s")
+            if item is _ALIVE or isinstance(item, dict):
+                room.release()
             if item is _END:
                 return
+            if item is _ALIVE:
+                continue
             if isinstance(item, BaseException):
                 raise item
             if "error" in item:
-                raise APIError(500, item["error"]["message"], "server_error")
+                raise APIError(500, "the worker failed while running this request", "server_error")
+            if any(out.get("finish_reason") == "error" for out in item.get("outputs", ())):
+                raise APIError(500, "the engine failed on this request", "server_error")
             yield item
     finally:
         task.cancel()
@@ -80,9 +93,37 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
             await task
 
 
+def _parse(line: str) -> dict | object:
+    if not line.strip():
+        return _ALIVE
+    try:
+        item = json.loads(line)
+    except ValueError:
+        item = None
+    if not isinstance(item, dict):
+        raise WorkerLost("the worker sent a line that is not an output")
+    return item
+
+
+async def get_within(queue: asyncio.Queue, timeout: float):
+    """The queue's next item, or None if none comes within `timeout` seconds."""
+    if not queue.empty():  # the common case while tokens flow: no timer
+        return queue.get_nowait()
+    try:
+        async with asyncio.timeout(timeout):
+            return await queue.get()
+    except TimeoutError:
+        return None
+
+
 def worker_error(status: int, raw: bytes) -> APIError:
+    """A worker's refusal as the client should see it: its own words for a request it found bad
+    (4xx), and nothing internal (addresses, exception text) for a failure of its own."""
+    if status >= 500:
+        return APIError(503 if status == 503 else 502, "the worker could not take the request; retry",
+                        "server_error", headers={"Retry-After": "1"} if status == 503 else None)
     try:
         err = json.loads(raw)["error"]
-        return APIError(status if status < 500 else 502, err["message"], err.get("type", "server_error"))
+        return APIError(status, str(err["message"]), str(err.get("type", "invalid_request_error")))
     except (ValueError, KeyError, TypeError):
         return APIError(502, f"the worker answered HTTP {status}", "server_error")

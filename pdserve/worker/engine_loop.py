@@ -7,7 +7,10 @@ Lifecycle:
 3. Each turn: run queued closures, let the role poll its transfer events and timers, step the
    engine if it has runnable work (else wait briefly for a closure), and hand each output to the
    sink its request registered.
-4. An exception from a step ends every live request with an error, not the worker.
+4. A request that breaks a step fails alone (the engine runs its batch mates without it). An
+   exception from anything else (the role's poll, a sink, a step outside any one request's
+   fault) is logged and survived: the thread never dies while the worker lives; a step that
+   fails as a whole ends the requests it held with an error, and the loop goes on.
 5. With a step log, every step's shape and the engine thread's time for it (its calls, the step
    and handing out its outputs) go to the log as a JSON line: `pdserve profile --from-steps`
    fits the simulator's step model to a worker's steps as it served.
@@ -30,6 +33,7 @@ from pdserve.outputs import RequestOutput
 log = logging.getLogger("pdserve.worker")
 
 IDLE_WAIT_S = 0.02
+FAILURE_LOG_S = 10.0
 EWMA_ALPHA = 0.1
 
 OutputSink = Callable[[RequestOutput | BaseException], None]
@@ -47,12 +51,19 @@ class EngineLoop:
         self.sinks: dict[str, OutputSink] = {}
         self.step_latency_ewma_s = 0.0
         self.num_steps = 0
+        self.num_failures = 0  # exceptions the loop survived
+        self._failures: dict[str, tuple[int, float]] = {}  # kind -> (count since logged, when logged)
         self._calls: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (False before start, after stop, or if it died)."""
+        return self._thread.is_alive() and not self._stopped.is_set()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
@@ -89,31 +100,41 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            busy = self.engine.has_runnable_work()
-            t_turn, cpu_turn = time.perf_counter(), time.thread_time()
-            self._run_calls(wait=0.0 if busy else IDLE_WAIT_S)
-            self.poll()
-            if not self.engine.has_runnable_work():
-                continue
-            t0 = time.perf_counter()
-            if not busy:  # the turn waited for a call: count from the step's own start
-                t_turn, cpu_turn = t0, time.thread_time()
             try:
-                outputs = self.engine.step()
-            except Exception as e:
-                log.exception("engine step failed; ending every live request with an error")
-                self._fail_all(e)
-                continue
-            dt = time.perf_counter() - t0
-            self.num_steps += 1
-            a = EWMA_ALPHA if self.num_steps > 1 else 1.0
-            self.step_latency_ewma_s += a * (dt - self.step_latency_ewma_s)
-            for out in outputs:
-                self._deliver(out)
-            if self._shape is not None:
-                self._log_step(t_turn, time.perf_counter() - t_turn, time.thread_time() - cpu_turn)
-            if not outputs and not self.engine.scheduler.running:
-                self._run_calls(wait=IDLE_WAIT_S / 4)  # waiting requests that cannot be admitted yet
+                self._turn()
+            except Exception:  # a bug in a turn must not end the thread the whole worker runs on
+                self._log_failure("an engine turn")
+                time.sleep(IDLE_WAIT_S)
+
+    def _turn(self) -> None:
+        busy = self.engine.has_runnable_work()
+        t_turn, cpu_turn = time.perf_counter(), time.thread_time()
+        self._run_calls(wait=0.0 if busy else IDLE_WAIT_S)
+        try:
+            self.poll()
+        except Exception:
+            self._log_failure("the role's poll")
+        if not self.engine.has_runnable_work():
+            return
+        t0 = time.perf_counter()
+        if not busy:  # the turn waited for a call: count from the step's own start
+            t_turn, cpu_turn = t0, time.thread_time()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._log_failure("an engine step")
+            self._fail_all(e)
+            return
+        dt = time.perf_counter() - t0
+        self.num_steps += 1
+        a = EWMA_ALPHA if self.num_steps > 1 else 1.0
+        self.step_latency_ewma_s += a * (dt - self.step_latency_ewma_s)
+        for out in outputs:
+            self._deliver(out)
+        if self._shape is not None:
+            self._log_step(t_turn, time.perf_counter() - t_turn, time.thread_time() - cpu_turn)
+        if not outputs and not self.engine.scheduler.running:
+            self._run_calls(wait=IDLE_WAIT_S / 4)  # waiting requests that cannot be admitted yet
 
     def _keep_shape(self, step) -> None:
         self._shape = step_shape(step)
@@ -141,7 +162,7 @@ class EngineLoop:
             try:
                 fn()
             except Exception:
-                log.exception("engine call failed")
+                self._log_failure("an engine call")
             try:
                 fn = self._calls.get_nowait()
             except queue.Empty:
@@ -152,15 +173,32 @@ class EngineLoop:
         if out.finished:
             self.sinks.pop(out.request_id, None)
         if sink is not None:
-            sink(out)
+            try:
+                sink(out)
+            except Exception:
+                self._log_failure("an output sink")
+
+    def _log_failure(self, what: str) -> None:
+        """Log with the traceback, at most once every FAILURE_LOG_S per kind (the loop turns every
+        few milliseconds: a failure that repeats must not flood the log), with the count since."""
+        now = time.monotonic()
+        count, last = self._failures.get(what, (0, -FAILURE_LOG_S))
+        self._failures[what] = (count + 1, last)
+        self.num_failures += 1
+        if now - last >= FAILURE_LOG_S:
+            log.exception("%s failed (%d times since the last report); the engine goes on", what, count + 1)
+            self._failures[what] = (0, now)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in self.engine.request_ids():
             self.engine.abort(request_id)
             sink = self.sinks.pop(request_id, None)
             if sink is not None:
-                sink(error)
+                try:
+                    sink(error)
+                except Exception:
+                    self._log_failure("an output sink")
         try:
             self.engine.step()  # drains the aborted outputs; their sinks are gone
         except Exception:
-            log.exception("engine step failed again while ending requests")
+            self._log_failure("an engine step while ending requests")

@@ -12,7 +12,8 @@ import sys
 import time
 
 from pdserve.config import EngineConfig
-from pdserve.net import tcp_listener
+from pdserve.credentials import TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret
+from pdserve.net import WORKER_LIMITS, http_server, tcp_listener
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -34,13 +35,25 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="append every engine step's shape and time to this JSONL file (for `pdserve profile "
                         "--from-steps`)")
     g.add_argument("--router", default=None, help="register with this router and renew the lease by heartbeat")
-    g.add_argument("--token", default=os.environ.get("PDSERVE_TOKEN", ""),
-                   help="shared secret for the control endpoint and KV connections (env PDSERVE_TOKEN)")
+    add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared secret for the control endpoint and KV connections "
+                    "(none: one is made and written to a file, on a loopback address without --router only)")
+
+
+def worker_token(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(token, file a new one was written to). The control endpoint and KV port never run open."""
+    token = read_secret(args.token_file, TOKEN_ENV)
+    if token:
+        return token, None
+    if args.router:
+        raise ValueError(f"--router needs the cluster's token (the router's token file): --token-file or {TOKEN_ENV}")
+    if not is_loopback(args.host):
+        raise ValueError(f"a worker on {args.host} needs the cluster's token given: --token-file or {TOKEN_ENV}")
+    token, path = new_token_file(f"worker-{os.getpid()}")
+    print(f"pdserve worker: token written to {path}", file=sys.stderr)
+    return token, str(path)
 
 
 def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    import uvicorn
-
     from pdserve.models.registry import resolve_model
     from pdserve.worker.server import create_app
     from pdserve.worker.worker import Worker
@@ -48,10 +61,11 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a prefill worker
     t0 = time.perf_counter()
+    token, token_file = worker_token(args)
     config = EngineConfig(model=resolve_model(args.model), role=args.role,
                           decode_headroom_tokens=args.decode_headroom_tokens, **engine_kwargs)
     worker = Worker(
-        config, [t.strip() for t in args.transfer.split(",") if t.strip()], args.token, args.host, args.kv_port,
+        config, [t.strip() for t in args.transfer.split(",") if t.strip()], token, args.host, args.kv_port,
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
         record_steps=args.record_steps,
     )
@@ -59,14 +73,16 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     ready = {"event": "ready", "url": url, "role": args.role, "kv": worker.offers,
-             "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
+             "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid(),
+             **({"token_file": token_file} if token_file else {})}
     print(json.dumps(ready), flush=True)
     membership = None
     if args.router:
         from pdserve.worker.registration import RouterMembership
         membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
-                                      args.token).start()
-    server = uvicorn.Server(uvicorn.Config(create_app(worker, args.token), log_level="warning"))
+                                      token).start()
+        worker.router_status = lambda: membership.status
+    server = http_server(create_app(worker, token), WORKER_LIMITS)
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: let that land here, so the
     # worker still stops cleanly (connections closed, shared KV pool removed) and exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

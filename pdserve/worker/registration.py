@@ -5,18 +5,25 @@ Lifecycle:
    lease length, or refuses (wrong token, another model), which is logged and retried.
 2. Every third of the lease, send `/stats` as a heartbeat; a router that no longer knows the id
    (it restarted, or the lease lapsed) is registered with again.
-3. `stop()` ends the thread; the router drops the worker when its lease runs out.
+3. Nothing ends the thread but `stop()`: a router that is down, refuses, or answers garbage, and
+   a stats call that fails, are logged (the first of a streak at once, then every
+   `REPORT_EVERY_S`) and retried; `status` says how the last attempt went (the worker's
+   /health shows it).
+4. `stop()` ends the thread; the router drops the worker when its lease runs out.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import httpx
 
 log = logging.getLogger("pdserve.worker.registration")
+
+REPORT_EVERY_S = 30.0
 
 
 class RouterMembership:
@@ -27,7 +34,10 @@ class RouterMembership:
         self.stats = stats
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.worker_id: str | None = None
+        self.status = "registering"
         self.interval = 1.0
+        self._failing_since: float | None = None
+        self._last_report = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-heartbeat", daemon=True)
 
@@ -44,10 +54,26 @@ class RouterMembership:
             while not self._stop.is_set():
                 try:
                     self._beat(http)
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    log.warning("router %s: %s", self.router_url, e)
+                    self._recovered()
+                except Exception as e:  # whatever failed, the next beat tries again
                     self.worker_id = None
+                    self._failed(e)
                 self._stop.wait(self.interval)
+
+    def _failed(self, e: Exception) -> None:
+        now = time.monotonic()
+        self.status = f"unregistered: {type(e).__name__}: {e}"
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - self._last_report >= REPORT_EVERY_S or self._last_report < self._failing_since:
+            log.warning("router %s: %s (retrying every %.1fs)", self.router_url, self.status, self.interval)
+            self._last_report = now
+
+    def _recovered(self) -> None:
+        if self._failing_since is not None:
+            log.info("router %s: registered again after %.0fs", self.router_url, time.monotonic() - self._failing_since)
+            self._failing_since = None
+        self.status = "registered"
 
     def _beat(self, http: httpx.Client) -> None:
         if self.worker_id is None:
@@ -59,7 +85,8 @@ class RouterMembership:
             self.worker_id, self.interval = answer["worker_id"], max(0.05, float(every))
             log.info("registered with %s as %s", self.router_url, self.worker_id)
         r = http.post(self.router_url + "/internal/heartbeat", json={"worker_id": self.worker_id, "stats": self.stats()})
-        if r.status_code == 404:
+        if r.status_code == 404:  # the router forgot us (restarted, or the lease lapsed): register again now
             self.worker_id = None
-        elif r.status_code != 200:
+            raise ValueError("the router no longer knows this worker")
+        if r.status_code != 200:
             raise ValueError(f"heartbeat refused: HTTP {r.status_code}")

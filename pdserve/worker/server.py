@@ -15,79 +15,33 @@ set, every route but /health wants `Authorization: Bearer <token>`, compared in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from pdserve.http_clients import ClientGone, unless_disconnected
 from pdserve.http_errors import error, install_error_handlers, require_bearer
+from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.kv_transfer.base import TransferError
-from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.net import WORKER_LIMITS, ServerLimits, http_server, tcp_listener
 from pdserve.worker.metrics import render_metrics
-from pdserve.worker.worker import QueueFullError, RoleNotServedError, Worker
+from pdserve.worker.output_stream import KEEPALIVE_S, OutputStream
+from pdserve.worker.protocol import AbortBody, GenerateBody, PrefillBody, sampling_params
+from pdserve.worker.worker import EngineBusyError, QueueFullError, RoleNotServedError, Worker
 
 _ids = itertools.count()
 
 
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str | None = Field(default=None, max_length=256)
-    prompt_token_ids: list[StrictInt] = Field(min_length=1)
-    output_token_ids: list[StrictInt] = Field(default_factory=list)  # resume: generated elsewhere so far
-    sampling: dict[str, Any] = Field(default_factory=dict)
-    priority: int = 0
-    prefill_url: str | None = None
-    stream: bool = True
-
-
-class PrefillBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str = Field(max_length=256)
-    fence: StrictInt = Field(ge=0)
-    prompt_token_ids: list[StrictInt] = Field(min_length=1)
-    output_token_ids: list[StrictInt] = Field(default_factory=list)
-    sampling: dict[str, Any]
-    start: StrictInt = Field(ge=0)
-    block_table: list[StrictInt]
-    block_size: StrictInt = Field(ge=1)
-    model_hash: str
-    kv_transfer_dtype: str = "auto"
-    decode: dict[str, dict[str, Any]]
-
-
-class AbortBody(BaseModel):
-    request_id: str
-    fence: int | None = None
-
-
-def sampling_params(raw: dict[str, Any]) -> SamplingParams:
-    try:
-        return SamplingParams(**raw)
-    except TypeError as e:
-        raise ValueError(f"bad sampling parameters: {e}") from None
-
-
-def output_line(out: RequestOutput) -> bytes:
-    return json.dumps({
-        "request_id": out.request_id,
-        "outputs": [
-            {"index": c.index, "token_ids": c.delta_token_ids, "text": c.delta_text, "finish_reason": c.finish_reason}
-            for c in out.outputs
-        ],
-        "finished": out.finished,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "num_cached_tokens": out.num_cached_tokens,
-        **({"phase_times": out.phase_times} if out.phase_times else {}),
-    }).encode() + b"\n"
-
-
-def create_app(worker: Worker, token: str = "") -> FastAPI:
+def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLimits(max_bytes=16 << 20)) -> FastAPI:
+    """`body_limits`: prompts come as token-id lists, about 7 bytes a token in JSON, so 16 MiB holds
+    a prompt and its resumed output past two million tokens, with a prefill lease's block table."""
     app = FastAPI(title="pdserve worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    # the token checked and the body read within its limits before any handler parses a byte
+    app.add_middleware(HTTPGuard, limits=body_limits, rules=(BearerRule("/health", ""), BearerRule("/", token)))
 
     async def authorized(request: Request) -> None:
         require_bearer(request, token)
@@ -95,44 +49,31 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
     guarded = [Depends(authorized)]
 
     @app.post("/v1/generate", dependencies=guarded)
-    async def generate(body: GenerateBody):
+    async def generate(body: GenerateBody, request: Request):
         request_id = body.request_id or f"gen-{next(_ids)}"
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-
-        def sink(item) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
+        stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
             params = sampling_params(body.sampling)
-            await asyncio.to_thread(worker.generate, request_id, body.prompt_token_ids, params, sink,
+            await asyncio.to_thread(worker.generate, request_id, body.prompt_token_ids, params, stream.sink,
                                     body.priority, body.prefill_url, body.output_token_ids)
         except ValueError as e:
             return error(400, str(e))
-        except QueueFullError as e:
+        except (QueueFullError, EngineBusyError) as e:
             return error(503, str(e), "overloaded")
         except RoleNotServedError as e:
             return error(404, str(e))
 
-        async def lines():
-            finished = False
-            try:
-                while not finished:
-                    item = await outputs.get()
-                    if isinstance(item, BaseException):
-                        yield json.dumps({"error": {"message": f"engine error: {item}", "type": "server_error",
-                                                    "param": None, "code": 500}}).encode() + b"\n"
-                        return
-                    finished = item.finished
-                    yield output_line(item)
-            finally:
-                if not finished:  # the client went away: abort
-                    worker.abort(request_id)
-
+        lines = stream.lines(KEEPALIVE_S, lambda: worker.healthy)
         if body.stream:
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
-        merged = [json.loads(line) async for line in lines()]
-        return JSONResponse(merged)
+            return StreamingResponse(lines, media_type="application/x-ndjson")
+
+        async def collect() -> list[dict]:
+            async with contextlib.aclosing(lines) as items:  # leaving early aborts the request
+                return [json.loads(line) async for line in items if line.strip()]
+        try:
+            return JSONResponse(await unless_disconnected(request, collect()))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the request was aborted
 
     @app.post("/v1/abort", dependencies=guarded)
     async def abort(body: AbortBody):
@@ -168,7 +109,7 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "role": worker.config.role}
+        return JSONResponse(worker.health(), 200 if worker.healthy else 503)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics():
@@ -179,18 +120,16 @@ def create_app(worker: Worker, token: str = "") -> FastAPI:
 
 
 class ServerThread:
-    """A uvicorn server on a thread (for `bench-transfer` and tests): `url` once started."""
+    """A uvicorn server on a thread (for `bench-transfer` and tests), built as `pdserve worker` builds
+    its own unless told other `limits`: `url` once started."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off",
+                 limits: ServerLimits = WORKER_LIMITS) -> None:
         import threading
-
-        import uvicorn
-
-        from pdserve.net import tcp_listener
 
         self._sock = tcp_listener(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
+        self.server = http_server(app, limits, lifespan)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def start(self, timeout: float = 30.0) -> ServerThread:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import asdict
+from typing import Callable
+
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
@@ -37,6 +39,13 @@ class QueueFullError(RuntimeError):
 
 class RoleNotServedError(RuntimeError):
     """The request needs a role this worker does not have."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine thread did not take the request in time (a long step, or it stopped)."""
+
+
+STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
 
 
 def sender_types() -> dict[str, type[TcpSender]]:
@@ -124,6 +133,8 @@ class Worker:
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.call_and_wait)
         self.started_at = time.time()
+        self._last_stats: dict = {"role": config.role, "model_hash": self.layout.model_hash}
+        self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
 
     def start(self) -> None:
         self.loop.start()
@@ -175,7 +186,11 @@ class Worker:
                 raise
             self.loop.sinks[request_id] = sink
 
-        self.loop.call_and_wait(add)
+        try:
+            self.loop.call_and_wait(add)
+        except TimeoutError:
+            self.abort(request_id)  # in case it was added after all
+            raise EngineBusyError("the engine did not take the request in time; retry") from None
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self.engine.abort(request_id))
@@ -191,8 +206,26 @@ class Worker:
             raise RoleNotServedError(f"a {self.config.role} worker receives no KV")
         return {"layout": asdict(self.layout), "backends": self.offers}
 
+    @property
+    def healthy(self) -> bool:
+        return self.loop.alive
+
+    def health(self) -> dict:
+        """For /health: the engine's state, and how the last exchange with the router went."""
+        out = {"status": "ok" if self.healthy else "engine stopped", "role": self.config.role}
+        if self.router_status is not None:
+            out["router"] = self.router_status()
+        return out
+
     def stats(self) -> dict:
-        return self.loop.call_and_wait(self._stats, timeout=10.0)
+        """The worker's load and counters, read on the engine thread. A reader never waits long for
+        a busy (or stopped) engine: it then gets the last snapshot, marked stale, so heartbeats
+        keep the worker registered through a long step."""
+        try:
+            self._last_stats = self.loop.call_and_wait(self._stats, timeout=STATS_TIMEOUT_S)
+            return self._last_stats
+        except TimeoutError:
+            return {**self._last_stats, "stale": True, "engine_alive": self.loop.alive}
 
     def _stats(self) -> dict:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
@@ -210,6 +243,10 @@ class Worker:
             "num_steps": self.loop.num_steps,
             "num_preemptions": sched.num_preemptions,
             "uptime_s": time.time() - self.started_at,
+            "requests_aborted": self.engine.num_aborted,
+            "requests_failed": self.engine.num_failed,
+            "engine_alive": True,  # this ran on the engine thread
+            "engine_failures": self.loop.num_failures,
         }
         for part in (self.decode, self.prefill):
             if part is not None:

@@ -128,7 +128,19 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "include_usage"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [-1]}, 400, "prompt token ids"),
+    ({"model": MODEL, "prompt": [-1]}, 400, "prompt.0"),
+    # every numeric field is bounded at the edge; a value a worker could not take never reaches one
+    ({"model": MODEL, "prompt": "x", "n": 2, "seed": 18446744073709551615}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "priority": -5}, 400, "priority"),
+    ({"model": MODEL, "prompt": "x", "priority": 10**6}, 400, "priority"),
+    ({"model": MODEL, "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": "s" * 257}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "logprobs": {"top": 5}}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": MODEL * 100, "prompt": "x"}, 400, "model"),
     ([1, 2, 3], 400, "body"),
     ("just a string", 400, "body"),
     (None, 400, "body"),
@@ -140,11 +152,24 @@ def test_bad_requests(cluster, body, status, fragment):
     assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"]
 
 
+@pytest.mark.parametrize("raw, fragment", [
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', "top_p"),
+    (b'{"model": "tiny", "prompt": "x", "min_p": -Infinity}', "min_p"),
+    (b'{"model": "tiny", "prompt": "\\ud800 a lone surrogate"}', "surrogate"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
+])
+def test_json_that_python_reads_but_no_tokenizer_takes(cluster, raw, fragment):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    r = httpx.post(cluster["url"] + path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("path, body, status, fragment", [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "text content"),
+     400, "content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),

@@ -17,14 +17,15 @@ from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker.server import ServerThread
-from tests.worker.test_worker_process import spawn
+from tests.worker.test_worker_process import AUTH, TOKEN, spawn
 
 
 @contextlib.contextmanager
 def cluster_of_processes(model, roles: list[str], **config):
     """An in-process router and worker processes registered with it; everything stopped after."""
     arch = ArchConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, **config),
+    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, worker_token=TOKEN,
+                                 **config),
                     Tokenizer.from_dir(model), model_fingerprint(arch), arch.vocab_size)
     http = ServerThread(create_app(router), lifespan="on").start()
     workers = []
@@ -96,7 +97,7 @@ def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama, failu
                 texts.append(chunk["choices"][0]["text"])
                 if len(texts) == 10 and killed is None:
                     for proc, ready in workers:  # kill the one serving it, mid-stream
-                        if httpx.get(ready["url"] + "/stats").json()["running"]:
+                        if httpx.get(ready["url"] + "/stats", headers=AUTH).json()["running"]:
                             proc.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
                             killed = ready["url"]
                             break

@@ -31,6 +31,22 @@ def gen(**body):
     (gen(sampling={"bogus": 1}), 400, "bogus"),
     (gen(unknown_field=1), 400, "unknown_field"),
     (gen(prompt_token_ids=[5] * 5000), 400, "maximum length"),
+    # every field bounded at the edge, whoever holds the token
+    (gen(request_id="x#1"), 400, "request_id"),
+    (gen(request_id="x" * 300), 400, "request_id"),
+    (gen(request_id="line\nbreak"), 400, "request_id"),
+    (gen(priority=10**6), 400, "priority"),
+    (gen(priority=1.5), 400, "priority"),
+    (gen(prompt_token_ids=[-3]), 400, "prompt_token_ids"),
+    (gen(output_token_ids=[2**40]), 400, "output_token_ids"),
+    (gen(prefill_url="file:///etc/passwd"), 400, "prefill_url"),
+    (gen(sampling={"seed": 2**64 - 1, "n": 2}), 400, "seed"),
+    (gen(sampling={"top_k": 2**40}), 400, "top_k"),
+    (gen(sampling={"stop": [1, 2]}), 400, "stop"),
+    (gen(sampling={"stop": ["s"] * 17}), 400, "stop"),
+    (gen(sampling={"n": True}), 400, "n must be an integer"),
+    (gen(sampling={f"k{i}": 1 for i in range(40)}), 400, "sampling"),
+    (b'{"prompt_token_ids": [1], "sampling": {"temperature": NaN}}', 400, "temperature"),
 ])
 def test_bad_generate_requests(decode, payload, status, fragment):
     kw = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
@@ -71,3 +87,31 @@ def test_stats_and_metrics(decode):
     assert "# TYPE pdserve_worker_kv_blocks_total gauge" in text
     info = httpx.get(decode.url + "/v1/kv_info").json()
     assert info["backends"]["tcp"]["host"] == "127.0.0.1" and info["layout"]["num_layers"] >= 1
+
+
+def lease(**changes):
+    body = {"request_id": "x", "fence": 1, "prompt_token_ids": [1, 2, 3, 4, 5], "sampling": {}, "start": 0,
+            "block_table": [0, 1], "block_size": 4, "model_hash": "h", "decode": {}}
+    return {**body, **changes}
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (lease(block_table=[0, -1]), "block_table.1"),
+    (lease(block_size=1 << 20), "block_size"),
+    (lease(fence=-1), "fence"),
+    (lease(fence=2**63), "fence"),
+    (lease(request_id="a@b"), "request_id"),
+    (lease(kv_transfer_dtype="int3"), "kv_transfer_dtype"),
+    (lease(decode={"carrier-pigeon": {}}), "decode"),
+    (lease(model_hash="h" * 200), "model_hash"),
+])
+def test_bad_leases(decode, body, fragment):
+    r = httpx.post(decode.url + "/v1/prefill", json=body)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    assert httpx.get(decode.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("body", [{"request_id": "a b"}, {"request_id": "x", "fence": -2}, {"request_id": 5}, {}])
+def test_bad_aborts(decode, body):
+    for path in ("/v1/abort", "/v1/prefill/abort"):
+        assert httpx.post(decode.url + path, json=body).status_code == 400

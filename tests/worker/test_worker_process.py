@@ -19,10 +19,15 @@ from tests.factories import make_llm
 from tests.worker.cluster import BACKENDS, prompt
 
 
+TOKEN = "worker-process-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 def spawn(model, role, *extra):
     cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--model", str(model), "--role", role, "--port", "0",
            "--dtype", "float32", "--kv-cache-memory", "8MiB", "--block-size", "4", "--threads", "1", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PDSERVE_TOKEN": TOKEN}  # prefill and decode share it; never on the command line
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
     reader.start()
@@ -42,7 +47,7 @@ def test_workers_as_processes(tiny_llama):
     try:
         body = {"prompt_token_ids": tokens, "prefill_url": p_ready["url"], "stream": False,
                 "sampling": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}}
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, headers=AUTH) as http:
             got = http.post(d_ready["url"] + "/v1/generate", json=body).json()
             assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
             assert http.get(d_ready["url"] + "/stats").json()["kv_landed"] == 1
@@ -71,7 +76,7 @@ def poll(url: str, predicate, timeout: float = 30.0, interval: float = 0.003) ->
 
     deadline = time.monotonic() + timeout
     while True:
-        stats = httpx.get(url + "/stats", timeout=5).json()
+        stats = httpx.get(url + "/stats", timeout=5, headers=AUTH).json()
         if predicate(stats):
             return stats
         assert time.monotonic() < deadline, f"not reached: {stats}"
@@ -94,11 +99,12 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
         body = {"prompt_token_ids": tokens, "prefill_url": p_ready["url"], "stream": False,
                 "sampling": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
         box: dict = {}
-        t = threading.Thread(target=lambda: box.update(r=httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120)))
+        t = threading.Thread(target=lambda: box.update(
+            r=httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120, headers=AUTH)))
         t.start()
         poll(d_ready["url"], lambda s: s["kv_bytes_received"] > 0 and s["waiting_for_kv"] == 1)
         p.send_signal(signal.SIGSTOP)  # frozen mid-transfer: check that it is, then kill it
-        assert httpx.get(d_ready["url"] + "/stats").json()["kv_landed"] == 0, "prefill finished too soon"
+        assert httpx.get(d_ready["url"] + "/stats", headers=AUTH).json()["kv_landed"] == 0, "prefill finished too soon"
         p.kill()
         t.join(60)
         got = box["r"].json()
@@ -112,7 +118,7 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
         body["prompt_token_ids"] = prompt(600, seed=13)  # not in decode's prefix cache
         def doomed() -> None:  # its decode worker is about to be killed
             try:
-                httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120)
+                httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120, headers=AUTH)
             except httpx.HTTPError:
                 pass
         threading.Thread(target=doomed, daemon=True).start()

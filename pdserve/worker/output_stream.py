@@ -1,0 +1,89 @@
+"""One request's outputs on their way from the engine thread to its HTTP response.
+
+- The engine thread hands outputs over without ever waiting (`sink`).
+- The response reads them as NDJSON lines; while none comes it sends an empty line every
+  `keepalive_s`, so the router can tell a silent worker from a queued request, and ends with an
+  error line if the engine stopped.
+- A reader that falls `max_pending` outputs behind (a client that stopped reading) is cut off:
+  the request is aborted and its buffered outputs dropped, so one slow reader never holds the
+  worker's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, Callable
+
+from pdserve.outputs import RequestOutput
+
+MAX_PENDING_OUTPUTS = 1024
+KEEPALIVE_S = 5.0
+
+
+def output_line(out: RequestOutput) -> bytes:
+    return json.dumps({
+        "request_id": out.request_id,
+        "outputs": [
+            {"index": c.index, "token_ids": c.delta_token_ids, "text": c.delta_text, "finish_reason": c.finish_reason}
+            for c in out.outputs
+        ],
+        "finished": out.finished,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+        **({"phase_times": out.phase_times} if out.phase_times else {}),
+    }).encode() + b"\n"
+
+
+def error_line(message: str, code: int = 500, kind: str = "server_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode() + b"\n"
+
+
+class OutputStream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, abort: Callable[[], None],
+                 max_pending: int = MAX_PENDING_OUTPUTS) -> None:
+        self._loop = loop
+        self._abort = abort  # ends the request on the engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.max_pending = max_pending
+        self.overflowed = False
+
+    def sink(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: never blocks."""
+        self._loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if self.overflowed:
+            return
+        if self._queue.qsize() >= self.max_pending:
+            self.overflowed = True
+            self._abort()
+            while not self._queue.empty():
+                self._queue.get_nowait()
+        self._queue.put_nowait(item)
+
+    async def lines(self, keepalive_s: float, engine_alive: Callable[[], bool]) -> AsyncIterator[bytes]:
+        """The request's NDJSON lines until it finishes; leaving early aborts it."""
+        finished = False
+        try:
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    if not engine_alive():
+                        yield error_line("the worker's engine stopped")
+                        return
+                    yield b"\n"  # still here: the request waits its turn
+                    continue
+                if self.overflowed:
+                    yield error_line(f"the reader fell {self.max_pending} outputs behind; request aborted",
+                                     429, "rate_limit_error")
+                    return
+                if isinstance(item, BaseException):
+                    yield error_line("the engine failed while running this request")
+                    return
+                finished = item.finished
+                yield output_line(item)
+        finally:
+            if not finished:  # the client went away, or fell behind: abort
+                self._abort()

@@ -1,0 +1,210 @@
+"""One request never hurts another at the router: bad values stop at the edge, a request the
+client abandoned stops everywhere, a silent or failed worker ends the streams it held, and the
+router's metrics show every worker's pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from pdserve.http_clients import StallGuardedStreamingResponse
+from pdserve.kv_transfer.base import model_fingerprint
+from pdserve.models.arch_config import ArchConfig
+from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.streams import LiveStream, WorkerLost
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker.registration import RouterMembership
+from pdserve.worker.server import ServerThread
+from tests.http_raw import connect, head
+from tests.worker.cluster import WorkerServer
+
+MODEL = "tiny"
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached"
+        time.sleep(0.02)
+
+
+def make_router(model, **config) -> Router:
+    arch = ArchConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    return Router(RouterConfig(model_name=MODEL, max_model_len=arch.max_position_embeddings, lease_s=2.0, **config),
+                  Tokenizer.from_dir(model), model_fingerprint(arch), arch.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    router = make_router(tiny_llama)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    member = RouterMembership(http.url, d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
+    wait_for(lambda: len(router.registry.workers()) == 1, what="registration")
+    yield {"url": http.url, "router": router, "d": d}
+    member.stop()
+    http.stop()
+    d.stop()
+
+
+def completion(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+def test_the_request_that_broke_the_engine_fails_alone(cluster):
+    bad = completion(cluster["url"], prompt="hello", n=2, seed=18446744073709551615, max_tokens=3000,
+                     ignore_eos=True)
+    assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]
+    good = completion(cluster["url"], prompt="hello", max_tokens=4, temperature=0, ignore_eos=True)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
+    wait_for(cluster["d"].is_idle, what="idle decode worker")
+
+
+def test_chat_without_max_tokens_gets_the_default_cap(cluster):
+    router = cluster["router"]
+    saved, router.config.max_tokens_default = router.config.max_tokens_default, 7
+    try:
+        r = httpx.post(cluster["url"] + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "n": 3})
+    finally:
+        router.config.max_tokens_default = saved
+    assert r.status_code == 200
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 3
+    assert r.json()["usage"]["completion_tokens"] == 3 * 7
+
+
+def test_a_non_streaming_client_that_leaves_stops_its_request(cluster):
+    router, d = cluster["router"], cluster["d"]
+    aborted = d.worker.stats()["requests_aborted"]
+    gate = threading.Event()
+    d.worker.loop.call(lambda: gate.wait(30))  # the engine waits: the request cannot finish before the client leaves
+    body = json.dumps({"model": MODEL, "prompt": "a long answer", "max_tokens": 900, "ignore_eos": True}).encode()
+    sock = connect(cluster["url"])
+    try:
+        sock.sendall(head("POST", "/v1/completions", "Content-Type: application/json",
+                          f"Content-Length: {len(body)}") + body)
+        wait_for(lambda: len(router.live) == 1, what="the request reaching the decode worker")
+    finally:
+        sock.close()
+    wait_for(lambda: not router.live and router.admission.requests == 0, what="the router letting go")
+    gate.set()
+    wait_for(lambda: d.worker.stats()["requests_aborted"] == aborted + 1, what="the worker's abort")
+    wait_for(d.is_idle, what="idle decode worker")
+
+
+class SilentWorker:
+    """Answers /v1/generate with a 200 and then never another byte, like a worker whose host froze."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_silent_worker_is_dropped_and_its_request_ends(tiny_llama):
+    router = make_router(tiny_llama, worker_silence_s=0.5)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    silent = SilentWorker()
+    try:
+        router.registry.register(silent.url, "decode", router.registry.model_hash)
+        r = completion(http.url, prompt="hello", max_tokens=4)
+        assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]  # retried, none left
+        assert router.registry.workers() == []
+        assert "pdserve_workers_dropped_total 1.0" in httpx.get(http.url + "/metrics").text
+    finally:
+        silent.close()
+        http.stop()
+
+
+def test_dropping_a_worker_ends_every_stream_it_held(tiny_llama):
+    router = make_router(tiny_llama)
+    a = router.registry.register("http://127.0.0.1:1", "decode", router.registry.model_hash)
+    b = router.registry.register("http://127.0.0.1:2", "decode", router.registry.model_hash)
+
+    async def scenario() -> list:
+        streams = [LiveStream(f"r{i}", 1, 4, 4, worker_id=w.worker_id) for i, w in enumerate((a, a, b))]
+        router.live = {s.request_id: s for s in streams}
+        router.drop_worker(a.worker_id, "it failed a request")
+        return [s.inbox.get_nowait() if not s.inbox.empty() else None for s in streams]
+
+    lost = asyncio.run(scenario())
+    assert isinstance(lost[0], WorkerLost) and isinstance(lost[1], WorkerLost) and lost[2] is None
+    assert [w.worker_id for w in router.registry.workers()] == [b.worker_id]
+
+
+def test_metrics_show_each_workers_pool(cluster):
+    d = cluster["d"]
+    total = d.worker.stats()["kv_blocks_total"]
+    wait_for(lambda: cluster["router"].registry.workers()[0].heartbeats > 0, what="a heartbeat")
+    text = httpx.get(cluster["url"] + "/metrics").text
+    wid = cluster["router"].registry.workers()[0].worker_id
+    assert f'pdserve_worker_kv_blocks_total{{role="decode",worker="{wid}"}} {float(total)}' in text
+    for name in ("kv_blocks_used", "kv_usage", "running", "waiting", "heartbeat_age_seconds"):
+        assert f"pdserve_worker_{name}{{" in text
+
+
+@pytest.mark.parametrize("stats", [{"running": "many"}, {"kv_blocks_total": 0}, {"running": -1},
+                                   {"step_latency_ewma_ms": 1e300}, {"x" * 100: 1}, {"nested": {"a": 1}}])
+def test_a_heartbeat_with_bad_stats_is_refused(cluster, stats):
+    router = cluster["router"]
+    entry = router.registry.register("http://127.0.0.1:3", "prefill", router.registry.model_hash)
+    try:
+        r = httpx.post(cluster["url"] + "/internal/heartbeat", json={"worker_id": entry.worker_id, "stats": stats})
+        assert r.status_code == 400, r.text
+        assert router.registry.get(entry.worker_id).load.running == 0
+        ok = completion(cluster["url"], prompt="still served", max_tokens=2)
+        assert ok.status_code == 200
+    finally:
+        router.registry.remove(entry.worker_id)
+
+
+def test_a_client_that_stops_reading_is_dropped():
+    """A streamed response whose client reads nothing gives up after `stall_s`: its generator is
+    closed (what the request held is released) and the connection closed."""
+    closed = threading.Event()
+
+    async def endless():
+        try:
+            while True:
+                yield b"x" * 65536
+        finally:
+            closed.set()
+
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream():
+        return StallGuardedStreamingResponse(endless(), stall_s=0.3, media_type="text/plain")
+
+    server = ServerThread(app).start()
+    sock = connect(server.url)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(head("GET", "/stream"))
+        assert closed.wait(30), "the stalled stream was not closed"
+    finally:
+        sock.close()
+        server.stop()

@@ -1,0 +1,141 @@
+"""A worker survives what goes wrong around it: a reader that stops reading, a client that leaves a
+non-streamed request, a failing transfer poll, a stalled engine under its heartbeats; and its
+/health tells the truth when its engine is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.router.app import create_app
+from pdserve.worker.output_stream import OutputStream
+from pdserve.worker.registration import RouterMembership
+from pdserve.worker.server import ServerThread
+from tests.http_raw import connect, head
+from tests.router.test_router_limits import make_router, wait_for
+from tests.worker.cluster import WorkerServer, prompt
+
+
+def output(i: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", None, [1], [CompletionOutput(0, "", [i], "length" if finished else None,
+                                                           delta_token_ids=[i])], finished)
+
+
+def test_a_reader_that_falls_behind_is_cut_off():
+    async def scenario():
+        aborts = []
+        stream = OutputStream(asyncio.get_running_loop(), lambda: aborts.append(1), max_pending=8)
+        for i in range(50):  # the engine thread keeps producing; nobody reads
+            stream.sink(output(i))
+        await asyncio.sleep(0)
+        lines = [line async for line in stream.lines(5.0, lambda: True)]
+        return aborts, lines, stream._queue.qsize()
+
+    aborts, lines, left = asyncio.run(scenario())
+    assert len(aborts) == 2  # at the overflow, and again (idempotent) as the stream ends unfinished
+    assert len(lines) == 1 and json.loads(lines[0])["error"]["code"] == 429
+    assert left == 0
+
+
+def test_keepalive_lines_while_waiting_and_an_error_when_the_engine_stops():
+    async def scenario(alive: bool):
+        stream = OutputStream(asyncio.get_running_loop(), lambda: None)
+        got = []
+        async for line in stream.lines(0.01, lambda: alive):
+            got.append(line)
+            if len(got) == 3:
+                stream.sink(output(1, finished=True))
+        return got
+
+    alive = asyncio.run(scenario(True))
+    assert alive[:3] == [b"\n"] * 3 and json.loads(alive[3])["finished"]
+    dead = asyncio.run(scenario(False))
+    assert len(dead) == 1 and "engine stopped" in json.loads(dead[0])["error"]["message"]
+
+
+@pytest.fixture
+def worker(tiny_llama):
+    w = WorkerServer(tiny_llama, "both", ["tcp"])
+    yield w
+    w.stop()
+
+
+def generate(url: str, **sampling) -> httpx.Response:
+    body = {"prompt_token_ids": prompt(12), "stream": False,
+            "sampling": {"temperature": 0, "max_tokens": 4, "ignore_eos": True, **sampling}}
+    return httpx.post(url + "/v1/generate", json=body, timeout=60)
+
+
+def test_a_failing_poll_does_not_stop_the_engine(worker, monkeypatch):
+    calls = []
+
+    def broken_poll() -> None:
+        calls.append(1)
+        raise RuntimeError("the transfer poll is broken")
+    monkeypatch.setattr(worker.worker.loop, "poll", broken_poll)
+    r = generate(worker.url)
+    assert r.status_code == 200 and sum(len(line["outputs"][0]["token_ids"]) for line in r.json()) == 4
+    assert calls and worker.worker.loop.alive
+    assert worker.worker.stats()["engine_failures"] > 0
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
+    w = worker.worker
+    gate = threading.Event()
+    w.loop.call(lambda: gate.wait(30))
+    body = json.dumps({"prompt_token_ids": prompt(12), "stream": False,
+                       "sampling": {"max_tokens": 500, "ignore_eos": True}}).encode()
+    sock = connect(worker.url)
+    sock.sendall(head("POST", "/v1/generate", "Content-Type: application/json", f"Content-Length: {len(body)}") + body)
+    time.sleep(0.2)  # the request is in, waiting for the engine
+    sock.close()
+    gate.set()
+    wait_for(lambda: w.stats()["requests_aborted"] == 1, what="the abort")
+    wait_for(worker.is_idle, what="an idle worker")
+    assert w.stats()["num_steps"] < 500  # it never ran to its max_tokens
+
+
+def test_stats_do_not_wait_for_a_stalled_engine(worker):
+    w = worker.worker
+    fresh = w.stats()
+    assert fresh["engine_alive"] and "stale" not in fresh
+    gate = threading.Event()
+    w.loop.call(lambda: gate.wait(30))
+    try:
+        stale = w.stats()  # answers from the last snapshot instead of waiting
+        assert stale["stale"] and stale["kv_blocks_total"] == fresh["kv_blocks_total"]
+    finally:
+        gate.set()
+    assert "stale" not in w.stats()
+
+
+def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):
+    router = make_router(tiny_llama)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    failures = [TimeoutError("the engine did not answer in time"), RuntimeError("boom")]
+
+    def stats() -> dict:
+        if failures:
+            raise failures.pop(0)
+        return {"running": 0, "kv_blocks_total": 8}
+    member = RouterMembership(http.url, "http://127.0.0.1:5", "decode", router.registry.model_hash, stats).start()
+    try:
+        wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0,
+                 what="a heartbeat after the failures")
+        assert member.status == "registered" and not failures
+    finally:
+        member.stop()
+        http.stop()
+
+
+def test_health_says_when_the_engine_is_gone(worker):
+    assert httpx.get(worker.url + "/health").status_code == 200
+    worker.worker.loop.stop()
+    r = httpx.get(worker.url + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "engine stopped"
