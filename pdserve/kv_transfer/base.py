@@ -99,13 +99,16 @@ class Lease:
 
 
 def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:
-    """Positions [start, end) as runs (first slot, count) of consecutive slots in a paged cache."""
+    """Positions [start, end) as runs (first slot, count) of consecutive slots in a paged cache.
+    A table may come from a peer: a negative block id is refused, not counted from the end."""
     runs: list[tuple[int, int]] = []
     pos = start
     while pos < end:
         block = pos // block_size
         if block >= len(block_table):
             raise TransferError(f"position {pos} is past the {len(block_table)} blocks of the table")
+        if block_table[block] < 0:
+            raise TransferError(f"block id {block_table[block]} (entry {block} of the table) is negative")
         slot = block_table[block] * block_size + pos % block_size
         n = min(end, (block + 1) * block_size) - pos
         if runs and runs[-1][0] + runs[-1][1] == slot:

@@ -3,7 +3,8 @@
 This is the path GPU clusters take (RDMA, NVLink through UCX); on CPU hosts UCX moves DRAM over
 shared memory or TCP. Each worker process has one NIXL agent with its whole KV cache registered.
 A decode worker offers its agent's metadata (NIXL's own binary format, base64 in JSON) and the
-pool's base address on its control endpoint; a prefill worker adds it as a remote agent and,
+pool's base address on its control endpoint; a prefill worker adds it as a remote agent (a
+bounded set, `RemoteAgents`, shared by its senders: decode workers come and go) and,
 after CLAIMing a lease over the frame socket, WRITEs each layer's slot runs straight into the
 decode pool, reporting each write with a "direct" frame (see `InPlaceSender`).
 """
@@ -18,13 +19,17 @@ import secrets
 import sys
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pdserve.kv_transfer.base import TransferError
-from pdserve.kv_transfer.tcp import InPlaceSender
+from pdserve.kv_transfer.in_place import InPlaceSender
 
 XFER_TIMEOUT_S = 30.0
+MAX_REMOTE_AGENTS = 64
 _agents: dict[int, _Agent] = {}
 _agents_lock = threading.Lock()
 
@@ -80,6 +85,74 @@ def nixl_available() -> bool:
     return True
 
 
+class RemoteAgentAPI(Protocol):
+    """The part of a NIXL agent that adds and removes remote agents."""
+
+    def add_remote_agent(self, metadata: bytes) -> bytes | str: ...
+
+    def remove_remote_agent(self, name: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Remote:
+    name: str
+    users: int = 0  # senders holding it
+
+
+class RemoteAgents:
+    """The remote agents a local agent knows, by their metadata, each with the number of senders
+    using it. At most `capacity`: adding one past it removes the least recently used agent that
+    no sender uses, and if every one is in use the new one is refused (TransferError), so the
+    prefill worker falls back to its next backend. Thread-safe."""
+
+    def __init__(self, agent: RemoteAgentAPI, capacity: int = MAX_REMOTE_AGENTS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.agent = agent
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Remote] = OrderedDict()  # by metadata, least recently used first
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def acquire(self, metadata: bytes) -> str:
+        """The remote agent's name, added if new; pair with one `release(metadata)`."""
+        with self._lock:
+            entry = self._entries.get(metadata)
+            if entry is None:
+                if len(self._entries) >= self.capacity:
+                    self._evict_one()
+                name = self.agent.add_remote_agent(metadata)  # bytes from the binding
+                entry = self._entries[metadata] = _Remote(name.decode() if isinstance(name, bytes) else name)
+            self._entries.move_to_end(metadata)
+            entry.users += 1
+            return entry.name
+
+    def release(self, metadata: bytes) -> None:
+        with self._lock:
+            entry = self._entries.get(metadata)
+            if entry is not None and entry.users > 0:
+                entry.users -= 1
+                self._entries.move_to_end(metadata)  # its last use ended now
+
+    def clear(self) -> None:
+        with self._lock:
+            for entry in self._entries.values():
+                self.agent.remove_remote_agent(entry.name)
+            self._entries.clear()
+
+    def _evict_one(self) -> None:
+        """Called under the lock."""
+        for metadata, entry in self._entries.items():
+            if entry.users == 0:
+                del self._entries[metadata]
+                self.agent.remove_remote_agent(entry.name)
+                return
+        raise TransferError(f"NIXL already talks to {self.capacity} decode workers, all with transfers in use")
+
+
 class _Agent:
     """This process's NIXL agent, with the KV cache registered once."""
 
@@ -94,7 +167,7 @@ class _Agent:
         self.mem = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = kv_cache.device.index or 0
         self.registration = self.agent.register_memory(self.agent.get_reg_descs([kv_cache]))
-        self.remotes: dict[bytes, str] = {}
+        self.remotes = RemoteAgents(self.agent)
         self.lock = threading.Lock()
 
     def offer(self) -> dict:
@@ -109,20 +182,9 @@ class _Agent:
     def close(self) -> None:
         """Tear the agent down now, on this thread (left to interpreter exit, UCX aborts)."""
         with self.lock:
-            for name in self.remotes.values():
-                self.agent.remove_remote_agent(name)
             self.remotes.clear()
             self.agent.deregister_memory(self.registration)
             self.agent.agent = None  # the binding's destructor joins NIXL's threads here
-
-    def remote(self, metadata: bytes) -> str:
-        with self.lock:
-            name = self.remotes.get(metadata)
-            if name is None:
-                name = self.agent.add_remote_agent(metadata)
-                name = name.decode() if isinstance(name, bytes) else name
-                self.remotes[metadata] = name
-            return name
 
 
 def local_agent(kv_cache: torch.Tensor) -> _Agent:
@@ -168,15 +230,21 @@ class NixlSender(InPlaceSender):
             self.peer_slots = int(peer["num_slots"])
             self.peer_mem = str(peer.get("mem", "DRAM"))
             self.peer_device = int(peer.get("device_id", 0))
-        except (KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError, OverflowError) as e:  # OverflowError: int(inf)
             raise TransferError(f"bad NIXL offer from the decode worker: {e}") from None
         if self.peer_mem not in ("DRAM", "VRAM"):
             raise TransferError(f"bad NIXL memory type {self.peer_mem!r}")
         self.nixl = local_agent(self.kv_cache)
         try:
-            self.peer_agent = self.nixl.remote(metadata)
+            self.peer_agent = self.nixl.remotes.acquire(metadata)
+        except TransferError:
+            raise
         except Exception as e:  # NIXL raises its own error types
             raise TransferError(f"NIXL could not add the decode worker's agent: {e}") from None
+        self._peer_metadata = metadata
+
+    def _teardown(self) -> None:
+        self.nixl.remotes.release(self._peer_metadata)
 
     def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
         slot_bytes = self.layout.slot_bytes

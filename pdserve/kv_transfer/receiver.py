@@ -1,65 +1,40 @@
-"""The decode side of KV transfer: leases, the listening socket, and what prefill peers send.
+"""The decode side of KV transfer: the listening socket, and what prefill peers send on it.
 
-Lifecycle of a lease:
-1. `open_lease` (engine thread): the request's reserved blocks may now be written under its fence.
-2. A peer connects (HELLO: token and KV layout checked) and WRITEs layers of position ranges. A
-   tcp WRITE lands straight in the blocks; a CLAIM binds the lease to a peer that writes in place
-   (shared memory, NIXL) and then only reports its "direct" WRITEs.
-3. NOTIFY with the first token: if every layer is complete the lease ends and LANDED is emitted.
-4. Any other end (peer ABORT, peer lost, `close_lease` on abort or timeout) emits FAILED for a live
-   lease, and RELEASABLE once no write can touch its blocks any more: at once for receiver-written
-   leases with no write in flight, after the in-place writer acknowledged the abort, or when that
-   peer's connection is gone.
+Lifecycle of a connection from a prefill peer:
+1. The listener accepts it (at most `PeerLimits.max_connections` at once) and a reader thread
+   takes it; the HELLO frame (token and KV layout, checked) must be complete within
+   `PeerLimits.hello_timeout_s` of the accept, and is answered with an ACK or a refusal.
+2. Frames follow, in any number, with idle time between them allowed: a tcp WRITE lands straight
+   in the leased blocks, a CLAIM binds a lease to an in-place writer, NOTIFY ends a lease, ABORT
+   and ACK end a peer's part in one. What each does to a lease is decided by the `LeaseTable`
+   (leases.py), which emits the events (`EventKind`, `ReceiverEvent`) the decode worker consumes.
+3. A malformed or oversized frame, a frame stalled past `FrameLimits.frame_timeout_s`, a dead
+   peer, or `reclaim` cutting off a peer that pins a closed lease: the connection is dropped, and
+   every lease bound to it fails and is released.
 Writes with an unknown, closed or mismatched fence are dropped (`StaleWrite`), never written.
 """
 
 from __future__ import annotations
 
-import enum
 import hmac
+import logging
 import queue
 import socket
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, kv_bytes_view
 from pdserve.kv_transfer.codec import (
-    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite,
+    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, Header, HelloHeader, NotifyHeader, StaleWrite,
     WriteHeader, encode_frame, read_frame,
 )
-from pdserve.kv_transfer.quant import dequantize_into, encoded_size
+from pdserve.kv_transfer.leases import EventKind, LeaseTable, ReceiverEvent
+from pdserve.kv_transfer.listener import Listener, PeerLimits
+from pdserve.kv_transfer.quant import ENCODINGS, dequantize_into, encoded_size
 
-HELLO_TIMEOUT_S = 10.0
-
-
-class EventKind(enum.IntEnum):
-    FAILED = 1  # the lease ended without the KV: recompute the prompt
-    LANDED = 2  # all KV is in the blocks; first_token is set
-    RELEASABLE = 3  # no write can reach the lease's blocks any more
-
-
-@dataclass(slots=True, frozen=True)
-class ReceiverEvent:
-    kind: EventKind
-    request_id: str
-    fence: int
-    first_token: int = -1
-    reason: str = ""
-    prefill_times: tuple[float, float] = (0.0, 0.0)  # LANDED: queue and compute seconds on the prefill worker
-
-
-class _LeaseState:
-    __slots__ = ("lease", "conn", "direct", "inflight", "closed", "released")
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-        self.conn: _Connection | None = None  # the peer writing it, once one did
-        self.direct = False  # that peer writes in place
-        self.inflight = 0  # WRITE payloads being received into its blocks right now
-        self.closed = False
-        self.released = False
+__all__ = ["EventKind", "KVReceiver", "ReceiverEvent"]
+log = logging.getLogger("pdserve.kv_transfer")
 
 
 class KVReceiver:
@@ -72,6 +47,7 @@ class KVReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         limits: FrameLimits = FrameLimits(),
+        peers: PeerLimits = PeerLimits(),
     ) -> None:
         self.layout = layout
         self.kv_cache = kv_cache
@@ -79,117 +55,80 @@ class KVReceiver:
         self.events = events
         self._token = token.encode()
         self.limits = limits
+        self.peers = peers
+        self.leases = LeaseTable(events, peers.release_grace_s)
         self._lock = threading.Lock()
-        self._leases: dict[int, _LeaseState] = {}  # by fence
         self._conns: set[_Connection] = set()
+        self._closing = False
         self.num_stale_writes = 0
         self.bytes_received = 0
-        self._listener = socket.create_server((host, port))
-        self.address = self._listener.getsockname()[:2]
-        self._closing = False
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
+        self._listener = Listener(host, port, self._serve, peers)
+        self.address = self._listener.address
 
     # -- engine thread -------------------------------------------------------------------------
 
     def open_lease(self, lease: Lease) -> None:
-        lease.received = [lease.start] * self.layout.num_layers  # per layer: high-water position
-        with self._lock:
-            assert lease.fence not in self._leases, f"fence {lease.fence} reused"
-            self._leases[lease.fence] = _LeaseState(lease)
+        self.leases.open(lease, self.layout.num_layers)
 
     def close_lease(self, fence: int, reason: str) -> bool:
         """End a lease that has not landed (abort, timeout); idempotent. True if RELEASABLE is
         yet to come for it; False if the lease is gone (landed or already released)."""
-        with self._lock:
-            state = self._leases.get(fence)
-            if state is None:
-                return False
-            if state.closed:
-                return True
-            state.closed = True
-            conn = state.conn
-            ready = self._release_ready(state)
-        if conn is not None:
-            conn.send(encode_frame(AbortHeader(state.lease.request_id, fence, reason)))
-        if ready:
-            self._release(state)
-        return True
+        return self.leases.close(fence, reason)
 
     @property
     def num_open_leases(self) -> int:
-        with self._lock:
-            return sum(1 for s in self._leases.values() if not s.closed)
+        return self.leases.num_open
 
     def expired(self, now: float) -> list[Lease]:
-        with self._lock:
-            return [s.lease for s in self._leases.values() if not s.closed and s.lease.deadline < now]
+        return self.leases.expired(now)
+
+    def reclaim(self, now: float) -> int:
+        """Cut off peers that pin closed leases past the grace period; see `LeaseTable.reclaim`."""
+        return self.leases.reclaim(now)
+
+    @property
+    def num_connections(self) -> int:
+        return self._listener.num_connections
+
+    @property
+    def num_refused_connections(self) -> int:
+        return self._listener.num_refused_connections
+
+    @property
+    def num_forced_disconnects(self) -> int:
+        return self.leases.num_forced_disconnects
 
     def close(self) -> None:
-        self._closing = True
+        with self._lock:
+            self._closing = True
+            conns = list(self._conns)
         self._listener.close()
-        for conn in list(self._conns):
-            conn.shutdown()
+        for conn in conns:
+            conn.drop()
 
-    # -- lease bookkeeping (any thread, under the lock) -----------------------------------------
+    # -- connections (a reader thread each) ----------------------------------------------------
 
-    def _release_ready(self, state: _LeaseState) -> bool:
-        # An in-place writer may still be copying until it acknowledged the abort.
-        return state.closed and state.inflight == 0 and not (state.direct and state.conn is not None)
-
-    def _release(self, state: _LeaseState) -> None:
+    def _serve(self, sock: socket.socket, accepted_at: float) -> None:
+        conn = _Connection(self, sock)
         with self._lock:
-            if state.released:
-                return
-            state.released = True
-            self._leases.pop(state.lease.fence, None)
-        self.events.put(ReceiverEvent(EventKind.RELEASABLE, state.lease.request_id, state.lease.fence))
-
-    def _fail(self, state: _LeaseState, reason: str) -> None:
-        """The peer ended a live lease: decode recomputes. Caller holds no lock."""
-        with self._lock:
-            if state.closed:
-                return
-            state.closed = True
-        self.events.put(ReceiverEvent(EventKind.FAILED, state.lease.request_id, state.lease.fence, reason=reason))
-
-    def _live_state(self, request_id: str, fence: int, conn: _Connection) -> _LeaseState:
-        state = self._leases.get(fence)
-        if state is None or state.closed or state.lease.request_id != request_id:
-            raise StaleWrite(f"no open lease {fence} for request {request_id!r}")
-        if state.conn is not None and state.conn is not conn:
-            raise StaleWrite(f"lease {fence} is bound to another peer")
-        return state
-
-    # -- connections ---------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        while not self._closing:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks and aborts are small
-            conn = _Connection(self, sock)
-            with self._lock:
+            closing = self._closing
+            if not closing:
                 self._conns.add(conn)
-            threading.Thread(target=conn.run, name="kv-recv", daemon=True).start()
+        if closing:
+            sock.close()
+            return
+        try:
+            conn.run(accepted_at + self.peers.hello_timeout_s)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            self.leases.disconnect(conn)
 
-    def _handshake(self, conn: _Connection, hello: HelloHeader) -> None:
+    def _handshake(self, hello: HelloHeader) -> None:
         if not hmac.compare_digest(hello.token.encode(), self._token):
             raise TransferError("bad token")
         peer = KVLayout(hello.model_hash, hello.num_layers, hello.num_kv_heads, hello.head_dim, hello.dtype)
         self.layout.check_compatible(peer)
-
-    def _on_disconnect(self, conn: _Connection) -> None:
-        with self._lock:
-            self._conns.discard(conn)
-            bound = [s for s in self._leases.values() if s.conn is conn]
-        for state in bound:
-            self._fail(state, "prefill peer disconnected")
-            with self._lock:
-                state.conn = None
-                state.inflight = 0  # this connection's reader, the only one writing it, has ended
-            self._release(state)
 
 
 class _Connection:
@@ -198,35 +137,48 @@ class _Connection:
     def __init__(self, receiver: KVReceiver, sock: socket.socket) -> None:
         self.rx = receiver
         self.sock = sock
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # also orders shutdown and close: no call on a reused descriptor
+        self._dropped = False
+        self._closed = False
         self._after_payload = None  # staging to apply once a WRITE's payload is in
 
-    def send(self, buffers) -> None:
-        try:
-            with self._send_lock:
-                self.sock.sendmsg(buffers)
-        except OSError:
-            pass  # the reader sees the broken connection and cleans up
+    def send(self, header: Header) -> None:
+        """A control frame, sent without blocking: frames are small and a live peer reads them at
+        once, so one that lets them pile up is dropped rather than allowed to stall the caller
+        (the engine thread, when it aborts a lease)."""
+        frame = encode_frame(header)[0]
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                complete = self.sock.send(frame, socket.MSG_DONTWAIT) == len(frame)
+            except OSError:
+                complete = False
+        if not complete:
+            self.drop()  # the reader sees the broken connection and cleans up
 
-    def shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def drop(self) -> bool:
+        with self._send_lock:
+            if self._dropped or self._closed:
+                return False
+            self._dropped = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return True
 
-    def run(self) -> None:
+    def run(self, hello_deadline: float) -> None:
         try:
-            self.sock.settimeout(HELLO_TIMEOUT_S)
-            hello = read_frame(self.sock, self.rx.limits, self._no_payload)
+            hello = read_frame(self.sock, self.rx.limits, self._no_payload, deadline=hello_deadline)
             if not isinstance(hello, HelloHeader):
                 raise FrameError("a connection must start with HELLO")
             try:
-                self.rx._handshake(self, hello)
+                self.rx._handshake(hello)
             except TransferError as e:
-                self.send(encode_frame(AckHeader("", 0, ok=False, error=str(e))))
+                self.send(AckHeader("", 0, ok=False, error=str(e)))
                 return
-            self.send(encode_frame(AckHeader("", 0, ok=True)))
-            self.sock.settimeout(None)
+            self.send(AckHeader("", 0, ok=True))
             while True:
                 try:
                     header = read_frame(self.sock, self.rx.limits, self._sink)
@@ -236,10 +188,13 @@ class _Connection:
                 self._handle(header)
         except (OSError, FrameError, TransferError):
             pass
+        except Exception:  # a bug must not take the receiver down: this peer alone is dropped
+            log.exception("KV connection from a prefill peer failed")
         finally:
-            self.shutdown()
-            self.sock.close()
-            self.rx._on_disconnect(self)
+            self.drop()
+            with self._send_lock:
+                self._closed = True
+                self.sock.close()
 
     def _no_payload(self, header: WriteHeader, size: int) -> list[memoryview]:
         raise FrameError("WRITE before HELLO")
@@ -247,23 +202,19 @@ class _Connection:
     def _sink(self, h: WriteHeader, size: int) -> list[memoryview]:
         rx, layout = self.rx, self.rx.layout
         layers = range(h.layer, h.layer + h.num_layers)
-        with rx._lock:
-            state = rx._live_state(h.request_id, h.fence, self)
-            lease = state.lease
-            if h.num_layers < 1 or not 0 <= h.layer or layers.stop > layout.num_layers:
-                raise FrameError(f"layers [{layers.start}, {layers.stop}) out of range")
-            if not all(lease.start <= h.start <= lease.received[i] for i in layers) or h.start + h.num_tokens > lease.end:
-                raise FrameError(f"positions [{h.start}, {h.start + h.num_tokens}) outside lease {lease.fence}")
-            if h.encoding == "direct" and not state.direct:
-                raise FrameError("direct WRITE on an unclaimed lease")
-            expected = h.num_layers * encoded_size(layout, h.num_tokens, h.encoding)
-            if size != expected:
-                raise FrameError(f"WRITE of {h.num_layers} x {h.num_tokens} tokens as {h.encoding} must carry "
-                                 f"{expected} bytes, got {size}")
-            state.conn = self
-            state.inflight += 1
+        if h.encoding not in ENCODINGS:
+            raise FrameError(f"unknown KV encoding {h.encoding!r}")
+        if h.num_layers < 1 or h.layer < 0 or layers.stop > layout.num_layers:
+            raise FrameError(f"layers [{layers.start}, {layers.stop}) out of range")
+        if h.num_tokens < 1:
+            raise FrameError(f"WRITE of {h.num_tokens} tokens")
+        expected = h.num_layers * encoded_size(layout, h.num_tokens, h.encoding)
+        if size != expected:
+            raise FrameError(f"WRITE of {h.num_layers} x {h.num_tokens} tokens as {h.encoding} must carry "
+                             f"{expected} bytes, got {size}")
+        state = rx.leases.begin_write(h, self)
         self._after_payload = (state, h)
-        runs = lease.slot_runs(h.start, h.start + h.num_tokens)
+        runs = state.lease.slot_runs(h.start, h.start + h.num_tokens)
         if h.encoding == "raw" and rx._kv_bytes is not None:
             return [rx._kv_bytes[i, s : s + n].numpy().data for i in layers for s, n in runs]
         if h.encoding == "direct":
@@ -272,7 +223,7 @@ class _Connection:
         self._after_payload = (state, h, staging, runs)
         return [staging.numpy().data]
 
-    def _handle(self, header) -> None:
+    def _handle(self, header: Header) -> None:
         rx = self.rx
         if isinstance(header, WriteHeader):
             state, h, *staged = self._after_payload
@@ -285,63 +236,15 @@ class _Connection:
                     dequantize_into(rx.kv_cache, i, runs, staging[k * per_layer : (k + 1) * per_layer], rx.layout, h.encoding)
             direct = h.encoding == "direct"  # written in place: count what landed
             rx.bytes_received += len(layers) * (h.num_tokens * rx.layout.slot_bytes if direct else per_layer)
-            with rx._lock:
-                state.inflight -= 1
-                lease = state.lease
-                for i in layers:
-                    lease.received[i] = max(lease.received[i], h.start + h.num_tokens)
-                ready = rx._release_ready(state)
-            if ready:
-                rx._release(state)
+            rx.leases.end_write(state, layers, h.start + h.num_tokens)
         elif isinstance(header, ClaimHeader):
-            with rx._lock:
-                try:
-                    state = rx._live_state(header.request_id, header.fence, self)
-                    state.conn, state.direct = self, True
-                    ack = AckHeader(header.request_id, header.fence, ok=True)
-                except StaleWrite as e:
-                    ack = AckHeader(header.request_id, header.fence, ok=False, error=str(e))
-            self.send(encode_frame(ack))
+            error = rx.leases.claim(header.request_id, header.fence, self)
+            self.send(AckHeader(header.request_id, header.fence, ok=not error, error=error))
         elif isinstance(header, NotifyHeader):
-            self._on_notify(header)
+            rx.leases.notify(header, self)
         elif isinstance(header, AbortHeader):
-            self._on_peer_end(header.fence, f"prefill aborted: {header.reason}")
+            rx.leases.peer_stopped(header.request_id, header.fence, self, f"prefill aborted: {header.reason}")
         elif isinstance(header, AckHeader):
-            self._on_peer_end(header.fence, "")
+            rx.leases.peer_stopped(header.request_id, header.fence, self)
         else:
             raise FrameError(f"unexpected {type(header).__name__} from a prefill peer")
-
-    def _on_notify(self, h: NotifyHeader) -> None:
-        rx = self.rx
-        with rx._lock:
-            state = rx._leases.get(h.fence)
-            if state is None or state.closed or state.conn not in (None, self) or state.lease.request_id != h.request_id:
-                return  # a late notify for a lease already ended: nothing to do
-            complete = state.lease.complete and state.inflight == 0
-            state.closed = True
-            if complete:
-                state.released = True  # the blocks stay with the request
-                del rx._leases[h.fence]
-        if complete:
-            rx.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token,
-                                        prefill_times=(h.prefill_queue_s, h.prefill_compute_s)))
-        else:
-            rx.events.put(ReceiverEvent(EventKind.FAILED, h.request_id, h.fence, reason="notified before all KV landed"))
-            self._after_peer_stopped(state)
-
-    def _on_peer_end(self, fence: int, reason: str) -> None:
-        """The peer stopped writing this lease: it aborted, or acknowledged our abort."""
-        with self.rx._lock:
-            state = self.rx._leases.get(fence)
-            if state is None or state.conn not in (None, self):
-                return
-        if reason:
-            self.rx._fail(state, reason)
-        self._after_peer_stopped(state)
-
-    def _after_peer_stopped(self, state: _LeaseState) -> None:
-        with self.rx._lock:
-            state.conn = None  # it will not write again: no acknowledgement to wait for
-            ready = self.rx._release_ready(state)
-        if ready:
-            self.rx._release(state)

@@ -18,7 +18,7 @@ import torch
 
 from pdserve.kv_transfer.base import KVLayout, TransferError
 from pdserve.kv_transfer.quant import gather_slots
-from pdserve.kv_transfer.tcp import InPlaceSender
+from pdserve.kv_transfer.in_place import InPlaceSender
 
 SHM_DIR = "/dev/shm"
 _POOL_NAME = re.compile(r"^pdserve-kv-\d+-[0-9a-f]{16}$")
@@ -73,7 +73,10 @@ class SharedKVPool:
 
 def map_peer_pool(path: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
     """The decode worker's pool, mapped here; refuses anything but a pdserve pool of the right size."""
-    real = os.path.realpath(path)
+    try:
+        real = os.path.realpath(path)
+    except (OSError, ValueError):  # ValueError: a NUL byte, or a name the file system cannot encode
+        real = ""
     if os.path.dirname(real) != SHM_DIR or not _POOL_NAME.match(os.path.basename(real)):
         raise TransferError(f"{path!r} is not a pdserve shared KV pool")
     shape = (layout.num_layers, num_slots, 2, layout.num_kv_heads, layout.head_dim)
@@ -92,7 +95,10 @@ class ShmSender(InPlaceSender):
 
     def _setup(self, peer: dict) -> None:
         super()._setup(peer)
-        self.peer_kv = map_peer_pool(str(peer.get("path", "")), self.layout, int(peer.get("num_slots", 0)))
+        path, num_slots = peer.get("path"), peer.get("num_slots")
+        if not isinstance(path, str) or type(num_slots) is not int or num_slots < 1:
+            raise TransferError(f"bad shm offer from the decode worker: path {path!r}, num_slots {num_slots!r}")
+        self.peer_kv = map_peer_pool(path, self.layout, num_slots)
         self.peer_slots = self.peer_kv.shape[1]
 
     def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:

@@ -8,8 +8,9 @@ Lifecycle of a connection to one decode peer:
    `flush()` waits until queued writes no longer need the source memory.
 3. NOTIFY follows a request's writes; an ABORT from the peer stops the request's writes, is
    reported to the prefill worker, and is acknowledged after the last write that was in flight.
-4. A broken connection fails every request that used it.
-Subclasses (shared memory) write the bytes in place and send only the frames.
+4. A broken connection fails every request that used it. A decode host that vanishes is noticed
+   within `DEAD_PEER_S` (TCP keep-alive and user timeout), not the kernel's ~15 minutes.
+Subclasses (in_place.py: shared memory, NIXL) write the bytes in place and send only the frames.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -24,15 +26,16 @@ import torch
 
 from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, TransferStatus, kv_bytes_view
 from pdserve.kv_transfer.codec import (
-    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite, WriteHeader,
+    AbortHeader, AckHeader, FrameError, FrameLimits, HelloHeader, NotifyHeader, StaleWrite, WriteHeader,
     encode_frame, read_frame,
 )
 from pdserve.kv_transfer.quant import encoded_size, gather_slots, quantize
+from pdserve.net import detect_dead_peers
 
 log = logging.getLogger("pdserve.kv_transfer")
 
 CONNECT_TIMEOUT_S = 5.0
-CLAIM_TIMEOUT_S = 10.0
+DEAD_PEER_S = 30.0
 MAX_IOV = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 
 
@@ -47,7 +50,7 @@ class TcpSender:
         token: str = "",
         name: str = "prefill",
         encoding: str = "raw",
-        on_peer_abort: Callable[[str], None] = lambda request_id: None,
+        on_peer_abort: Callable[[str, int | None], None] = lambda request_id, fence: None,
         limits: FrameLimits = FrameLimits(),
     ) -> None:
         self.layout = layout
@@ -64,31 +67,42 @@ class TcpSender:
         self._closed = False
         self.bytes_sent = 0
         self._setup(peer)
-        self.sock = self._connect(peer, token, name)
+        try:
+            self.sock = self._connect(peer, token, name)
+        except TransferError:
+            self._teardown()
+            raise
         threading.Thread(target=self._send_loop, name=f"kv-send-{self.backend}", daemon=True).start()
         threading.Thread(target=self._read_loop, name=f"kv-read-{self.backend}", daemon=True).start()
 
     def _setup(self, peer: dict) -> None:
         """Backend-specific preparation before connecting (e.g. mapping the peer's memory)."""
 
+    def _teardown(self) -> None:
+        """Undo `_setup`, once no write can run any more."""
+
     def _connect(self, peer: dict, token: str, name: str) -> socket.socket:
         try:
-            sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=CONNECT_TIMEOUT_S)
-        except (OSError, KeyError, ValueError) as e:
+            sock = socket.create_connection(peer_address(peer), timeout=CONNECT_TIMEOUT_S)
+        except (OSError, ValueError) as e:  # ValueError: a host name that cannot be encoded
             raise TransferError(f"cannot reach the decode worker's KV port for {self.backend}: {e}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are small and latency-bound
+        # Blocking from here on: the reader and the sender thread share the socket. The handshake
+        # gets a deadline of its own: a peer that answers a byte at a time must not hold it.
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        sock.settimeout(None)
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are small and latency-bound
+            detect_dead_peers(sock, DEAD_PEER_S)
             lay = self.layout
             sock.sendmsg(encode_frame(HelloHeader(
                 token, lay.model_hash, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, self.backend, name)))
-            ack = read_frame(sock, self.limits, _no_payload)
+            ack = read_frame(sock, self.limits, _no_payload, deadline)
         except (OSError, FrameError) as e:
             sock.close()
             raise TransferError(f"KV handshake with the decode worker failed: {e}") from None
         if not isinstance(ack, AckHeader) or not ack.ok:
             sock.close()
             raise TransferError(f"the decode worker refused the KV connection: {getattr(ack, 'error', ack)}")
-        sock.settimeout(None)
         return sock
 
     # -- the non-blocking interface (engine thread) ----------------------------------------------
@@ -102,6 +116,9 @@ class TcpSender:
             last = min(end, first + step)
             runs = src_runs if (first, last) == (start, end) else cut_runs(src_runs, first - start, last - start)
             self._push(("write", lease, range(layer, layer + 1), first, last, runs))
+
+    def check(self, lease: Lease) -> None:
+        """Raise ValueError if the lease names memory this sender cannot write."""
 
     def prepare(self, lease: Lease) -> None:
         """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
@@ -156,6 +173,7 @@ class TcpSender:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
                 if self._closed:
                     self._fail_all()
+                    self._teardown()
                     return
                 job = self._coalesce(self._jobs.popleft())
                 self._busy = True
@@ -246,7 +264,7 @@ class TcpSender:
         for request_id, status in self._status.items():
             if status == TransferStatus.PENDING:
                 self._status[request_id] = TransferStatus.FAILED
-                self.on_peer_abort(request_id)
+                self.on_peer_abort(request_id, None)
 
     # -- reader thread -------------------------------------------------------------------------
 
@@ -263,7 +281,7 @@ class TcpSender:
                 self._aborted_fences.add(header.fence)
             if self._status.get(header.request_id) == TransferStatus.PENDING:
                 self._status[header.request_id] = TransferStatus.ABORTED
-            self.on_peer_abort(header.request_id)
+            self.on_peer_abort(header.request_id, header.fence)
             # after whatever write is in flight: the ack promises no more writes follow
             self._push(("ack", Lease(header.request_id, header.fence, [], 1, 0, 0, 0.0)))
         elif isinstance(header, AckHeader):
@@ -275,65 +293,12 @@ class TcpSender:
         """Acknowledgements of claims (in-place writers); plain tcp sends none."""
 
 
-class InPlaceSender(TcpSender):
-    """Writes the bytes into the decode worker's memory itself (shared memory, NIXL); the socket
-    carries only frames. A lease is CLAIMed before its first write: the decode worker confirms it
-    is open and binds it to this peer, and from then on waits for this peer's acknowledgement
-    before reusing its blocks."""
-
-    def _setup(self, peer: dict) -> None:
-        if self.encoding != "raw":
-            raise TransferError(f"{self.backend} writes the cache's own dtype in place; drop --kv-transfer-dtype")
-        self._claims: dict[int, threading.Event] = {}
-        self._claimed: dict[int, bool] = {}
-
-    peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
-
-    def _max_layers_per_write(self, num_tokens: int) -> int:
-        return self.layout.num_layers  # frames carry no payload: no size limit to respect
-
-    def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
-        """Write these layers' KV from this side's slot runs into the peer's; returns bytes."""
-        raise NotImplementedError
-
-    def _write(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        dst_runs = lease.slot_runs(start, end)
-        if any(s + n > self.peer_slots for s, n in dst_runs):
-            raise TransferError(f"lease {lease.fence} names blocks outside the decode worker's pool")
-        if not self._claim(lease):
-            return
-        self.bytes_sent += self._copy(layers, src_runs, dst_runs)
-        self._send(encode_frame(
-            WriteHeader(lease.request_id, lease.fence, layers.start, start, end - start, "direct", len(layers))))
-
-    def prepare(self, lease: Lease) -> None:
-        self._push(("claim", lease))
-
-    def _claim(self, lease: Lease) -> bool:
-        if lease.fence in self._claimed:
-            return self._claimed[lease.fence]
-        event = self._claims.setdefault(lease.fence, threading.Event())
-        self._send(encode_frame(ClaimHeader(lease.request_id, lease.fence)))
-        if not event.wait(CLAIM_TIMEOUT_S):
-            raise TransferError(f"the decode worker did not answer the claim of lease {lease.fence}")
-        ok = self._claimed.get(lease.fence, False)
-        if not ok:
-            self._aborted_fences.add(lease.fence)
-        return ok
-
-    def _forget_lease(self, lease: Lease) -> None:
-        self._claimed.pop(lease.fence, None)
-
-    def _on_ack(self, ack: AckHeader) -> None:
-        event = self._claims.pop(ack.fence, None)
-        if event is not None:
-            self._claimed[ack.fence] = ack.ok
-            event.set()
-
-    def close(self) -> None:
-        super().close()
-        for event in list(self._claims.values()):
-            event.set()
+def peer_address(offer: dict) -> tuple[str, int]:
+    """The decode worker's KV address in its offer (host, port); TransferError for anything else."""
+    host, port = offer.get("host"), offer.get("port")
+    if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 1 << 16:
+        raise TransferError(f"bad KV address in the decode worker's offer: host {host!r}, port {port!r}")
+    return host, port
 
 
 def cut_runs(runs: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:

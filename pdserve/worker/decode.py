@@ -5,18 +5,23 @@ Lifecycle of a request with a prefill worker, on the decode worker:
 1. `generate(..., prefill_url=...)`: the request waits for admission in the scheduler's queue.
 2. Admission reserves blocks for its prompt (minus this worker's own prefix-cache hit) plus
    headroom -> WAITING_FOR_KV -> `on_reserved`: a lease with a new fence opens in the receiver and
-   the prefill worker is asked, off the engine thread, to fill it.
+   the prefill worker is asked, off the engine thread, to fill it. Fences are random (62 bits),
+   unique among this worker's leases and lease holders: a peer cannot end or write another
+   request's lease by guessing its fence.
 3. LANDED -> `engine.kv_landed`: RUNNING, with the prefill worker's first token.
 4. FAILED (prefill aborted, was lost, or notified early), a refused prefill request, or the lease
    timing out -> the blocks move to a holder `lease-<fence>` until the receiver says RELEASABLE,
    and the request recomputes its prompt here (the colocated path).
 5. Abort while WAITING_FOR_KV: the same hand-over; the lease closes and the prefill worker is told.
+6. Every turn of the engine loop (`poll`): receiver events, timed-out leases, and peers cut off
+   that left a closed lease pinned past the receiver's grace period (its RELEASABLE follows).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -27,7 +32,8 @@ import httpx
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import Lease
-from pdserve.kv_transfer.receiver import EventKind, KVReceiver, ReceiverEvent
+from pdserve.kv_transfer.leases import EventKind, ReceiverEvent
+from pdserve.kv_transfer.receiver import KVReceiver
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
@@ -50,7 +56,7 @@ class DecodeRole(RoleHooks):
         self.targets: dict[str, str] = {}  # request id -> prefill worker URL, until its lease is open
         self.leases: dict[str, Lease] = {}  # live leases by request id
         self._prefill_urls: dict[int, str] = {}  # fence -> the prefill worker filling it
-        self._fences = iter(range(1, 1 << 62))
+        self._fences: set[int] = set()  # of live leases and of lease holders not yet released
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=30.0))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-dispatch")
         self.num_landed = 0
@@ -69,7 +75,7 @@ class DecodeRole(RoleHooks):
     def on_reserved(self, request: Request) -> None:
         url = self.targets.pop(request.request_id)
         lease = Lease(
-            request.request_id, next(self._fences), list(self.engine.block_manager.block_table(request.request_id)),
+            request.request_id, self._new_fence(), list(self.engine.block_manager.block_table(request.request_id)),
             self.engine.block_manager.block_size, request.num_computed_tokens, request.num_tokens,
             time.monotonic() + self.lease_timeout_s,
         )
@@ -91,6 +97,13 @@ class DecodeRole(RoleHooks):
         self._prefill_urls[lease.fence] = url
         self._pool.submit(self._dispatch, url, body, lease.fence)
 
+    def _new_fence(self) -> int:
+        while True:
+            fence = secrets.randbits(62)
+            if fence and fence not in self._fences:
+                self._fences.add(fence)
+                return fence
+
     def on_finished(self, request: Request) -> None:
         self.targets.pop(request.request_id, None)
         lease = self.leases.pop(request.request_id, None)
@@ -109,18 +122,23 @@ class DecodeRole(RoleHooks):
         now = time.monotonic()
         for lease in self.receiver.expired(now):
             self._fall_back(lease.request_id, lease.fence, "KV transfer timed out")
+        self.receiver.reclaim(now)
 
     def _on_event(self, event: ReceiverEvent) -> None:
         if event.kind == EventKind.RELEASABLE:
-            self.engine.block_manager.release(holder_id(event.fence))
+            self._release(event.fence)
             return
         lease = self.leases.get(event.request_id)
         if lease is None or lease.fence != event.fence:
             return  # a lease that already ended here
-        if event.kind == EventKind.LANDED:
+        if event.kind == EventKind.LANDED and 0 <= event.first_token < self.engine.model_config.vocab_size:
             del self.leases[event.request_id]
+            self._prefill_urls.pop(event.fence, None)
+            self._fences.discard(event.fence)  # the blocks stay with the request: no holder
             self.num_landed += 1
             self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times)
+        elif event.kind == EventKind.LANDED:  # the peer's token would index past the embedding table
+            self._fall_back(event.request_id, event.fence, f"prefill worker sent token {event.first_token}")
         else:
             self._fall_back(event.request_id, event.fence, event.reason)
 
@@ -136,13 +154,16 @@ class DecodeRole(RoleHooks):
 
     def _end_lease(self, lease: Lease, reason: str) -> None:
         """The request gives its blocks to a holder, freed once no write can reach them."""
-        blocks = self.engine.block_manager
-        blocks.hand_over(lease.request_id, holder_id(lease.fence))
+        self.engine.block_manager.hand_over(lease.request_id, holder_id(lease.fence))
         if not self.receiver.close_lease(lease.fence, reason):
-            blocks.release(holder_id(lease.fence))  # its KV had landed in full: nothing writes any more
+            self._release(lease.fence)  # landed in full, or already released: nothing writes any more
         url = self._prefill_urls.pop(lease.fence, None)
         if url is not None:
             self._pool.submit(self._post, url, "/v1/prefill/abort", {"request_id": lease.request_id, "fence": lease.fence})
+
+    def _release(self, fence: int) -> None:
+        self.engine.block_manager.release(holder_id(fence))
+        self._fences.discard(fence)
 
     # -- the prefill worker, off the engine thread ---------------------------------------------
 
@@ -173,6 +194,8 @@ class DecodeRole(RoleHooks):
             "kv_recomputed": self.num_recomputed,
             "kv_stale_writes": rx.num_stale_writes if rx else 0,
             "kv_bytes_received": rx.bytes_received if rx else 0,
+            "kv_refused_connections": rx.num_refused_connections if rx else 0,
+            "kv_forced_disconnects": rx.num_forced_disconnects if rx else 0,
         }
 
 

@@ -2,7 +2,8 @@
 worker leased, while the next layer computes; then notify it with the first sampled token.
 
 Lifecycle of a lease on the prefill worker:
-1. `accept` (HTTP thread): the lease is checked (model, sizes), a sender to the decode worker is
+1. `accept` (HTTP thread): the lease is checked (model, sizes, and every block id it names: a bad
+   one would aim an in-place write at other requests' blocks), a sender to the decode worker is
    taken from the pool or connected, trying the backends in this worker's order, and the request
    (one token to sample) is queued in the engine with its `Shipment`.
 2. Each step (`before_execute`): KV this worker already had in its prefix cache beyond what decode
@@ -11,7 +12,8 @@ Lifecycle of a lease on the prefill worker:
    this worker's memory, so blocks freed afterwards can be reused safely.
 3. `on_finished`: a sampled first token -> NOTIFY; any other end -> ABORT to the decode worker
    (unless it was the decode worker that aborted). The prompt's blocks stay in the prefix cache.
-4. A decode worker that aborts or disconnects -> the request is aborted here, freeing its blocks.
+4. A decode worker that aborts (naming the request and the lease's fence) or disconnects -> the
+   request is aborted here, freeing its blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger("pdserve.worker.prefill")
+
+MAX_BLOCK_SIZE = 1024  # tokens per block of a decode worker's cache
+MAX_SPARE_BLOCKS = 64  # blocks a lease's table may name past those of its sequence
+MAX_FENCE = (1 << 63) - 1
 
 
 @dataclass(slots=True)
@@ -67,16 +73,14 @@ class PrefillRole(RoleHooks):
         """Validate a lease and queue its prefill; returns (engine request id, backend used)."""
         if body["model_hash"] != self.layout.model_hash:
             raise TransferError("model mismatch: the decode worker serves another model (config hash differs)")
-        tokens, start = body["prompt_token_ids"], body["start"]
+        tokens = body["prompt_token_ids"]
         resumed = list(body.get("output_token_ids") or [])  # a migrated request's tokens so far
-        end = len(tokens) + len(resumed)
-        if not 0 <= start < end:
-            raise ValueError(f"lease start {start} outside the sequence of {end} tokens")
-        lease = Lease(body["request_id"], body["fence"], body["block_table"], body["block_size"], start, end, 0.0)
-        lease.slot_runs(start, end)  # the table must cover the sequence
+        lease = lease_of(body, len(tokens) + len(resumed))
+        start = lease.start
         params = SamplingParams(**body["sampling"]).clone(
             n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop=[], stop_token_ids=[])
         sender, backend = self._sender_for(body["decode"], body.get("kv_transfer_dtype", "auto"))
+        sender.check(lease)  # an in-place writer: every block inside the decode worker's pool
         engine_id = f"{lease.request_id}@{lease.fence}"
         received = time.monotonic()  # its queue time starts now, not when the engine thread is free
 
@@ -114,17 +118,13 @@ class PrefillRole(RoleHooks):
                 return sender, backend
         raise TransferError("no KV transfer backend reaches the decode worker" + (f" ({'; '.join(errors)})" if errors else ""))
 
-    def _on_peer_abort(self, request_id: str) -> None:
-        """A sender's thread: the decode worker aborted (or was lost); end the prefill here."""
-        def abort() -> None:
-            for engine_id, shipment in list(self.shipments.items()):
-                if shipment.lease.request_id == request_id:
-                    shipment.peer_aborted = True
-                    self.engine.abort(engine_id)
-        self.call(abort)
+    def _on_peer_abort(self, request_id: str, fence: int | None) -> None:
+        """A sender's thread: the decode worker aborted the lease (or was lost: no fence); end the
+        prefill here."""
+        self.call(lambda: self.abort(request_id, fence))
 
     def abort(self, request_id: str, fence: int | None) -> None:
-        """The decode worker's HTTP abort (engine thread)."""
+        """The decode worker's abort of a lease, or of every lease of the request (engine thread)."""
         for engine_id, shipment in list(self.shipments.items()):
             if shipment.lease.request_id == request_id and fence in (None, shipment.lease.fence):
                 shipment.peer_aborted = True
@@ -194,3 +194,22 @@ class PrefillRole(RoleHooks):
             "kv_bytes_sent": sum(s.bytes_sent for s in self._senders.values()),
             "kv_peers": sum(1 for s in self._senders.values() if s.alive),
         }
+
+
+def lease_of(body: dict, end: int) -> Lease:
+    """The lease in a decode worker's /v1/prefill body, for a sequence of `end` tokens; ValueError
+    unless it is one that decode worker could have made."""
+    fence, start, block_size, table = body["fence"], body["start"], body["block_size"], body["block_table"]
+    if not 0 <= fence <= MAX_FENCE:
+        raise ValueError(f"lease fence {fence} outside [0, {MAX_FENCE}]")
+    if not 0 <= start < end:
+        raise ValueError(f"lease start {start} outside the sequence of {end} tokens")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"lease block_size {block_size} is not a power of two in [1, {MAX_BLOCK_SIZE}]")
+    needed = -(-end // block_size)
+    if not needed <= len(table) <= needed + MAX_SPARE_BLOCKS:
+        raise ValueError(f"lease block_table has {len(table)} blocks; a sequence of {end} tokens in blocks of "
+                         f"{block_size} needs {needed} (at most {MAX_SPARE_BLOCKS} more)")
+    if min(table) < 0:
+        raise ValueError(f"lease block_table names block {min(table)}; block ids are >= 0")
+    return Lease(body["request_id"], fence, list(table), block_size, start, end, 0.0)
