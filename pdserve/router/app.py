@@ -320,7 +320,8 @@ def create_app(router: Router) -> FastAPI:
         except ValidationError as e:
             return validation_error(e.errors())
         try:
-            router.registry.heartbeat(body.worker_id, body.stats, cfg.worker_token, load.model_dump())
+            checked = load.model_dump()
+            router.registry.heartbeat(body.worker_id, {**body.stats, **checked}, cfg.worker_token, checked)
         except KeyError:
             raise APIError(404, "unknown worker: register again", "not_found_error") from None
         return {"ok": True}

@@ -104,7 +104,8 @@ class RegisterBody(BaseModel):
 
 
 class LoadReport(BaseModel):
-    """The fields of a heartbeat the routing policies read: counts, and a finite latency."""
+    """The fields of a heartbeat the router reads (routing policies, metrics): counts, and a finite
+    latency. The rest of a heartbeat's stats is kept as sent, for display only."""
     model_config = ConfigDict(extra="ignore")
     running: Count = 0
     waiting: Count = 0
@@ -113,6 +114,7 @@ class LoadReport(BaseModel):
     kv_blocks_used: Count = 0
     kv_blocks_total: Annotated[StrictInt, Field(ge=1, le=1 << 40)] = 1
     step_latency_ewma_ms: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
+    kv_bytes_received: Annotated[StrictInt, Field(ge=0, le=1 << 62)] = 0  # summed over workers in /metrics
 
 
 class HeartbeatBody(BaseModel):

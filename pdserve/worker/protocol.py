@@ -35,6 +35,39 @@ class GenerateBody(BaseModel):
     stream: bool = True
 
 
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+Host = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
+Slots = Annotated[StrictInt, Field(ge=1, le=1 << 40)]
+
+
+class TcpOffer(BaseModel):
+    """Where a decode worker's KV port listens."""
+    model_config = ConfigDict(extra="forbid")
+    host: Host
+    port: Port
+
+
+class ShmOffer(TcpOffer):
+    path: str = Field(max_length=255)
+    num_slots: Slots
+
+
+class NixlOffer(TcpOffer):
+    agent_metadata: str = Field(max_length=1 << 20)  # NIXL's own metadata, base64
+    base_addr: StrictInt = Field(ge=0, lt=1 << 64)
+    num_slots: Slots
+    mem: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: StrictInt = Field(default=0, ge=0, le=1 << 16)
+
+
+class DecodeOffers(BaseModel):
+    """How a prefill worker may reach the decode worker that leased it blocks, per backend."""
+    model_config = ConfigDict(extra="forbid")
+    tcp: TcpOffer | None = None
+    shm: ShmOffer | None = None
+    nixl: NixlOffer | None = None
+
+
 class PrefillBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: RequestId
@@ -47,7 +80,7 @@ class PrefillBody(BaseModel):
     block_size: StrictInt = Field(ge=1, le=MAX_BLOCK_SIZE)
     model_hash: str = Field(max_length=128)
     kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
-    decode: Annotated[dict[Literal["nixl", "tcp", "shm"], dict[str, Any]], Field(max_length=3)]
+    decode: DecodeOffers
 
 
 class AbortBody(BaseModel):

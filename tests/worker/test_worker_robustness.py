@@ -126,9 +126,9 @@ def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):
         return {"running": 0, "kv_blocks_total": 8}
     member = RouterMembership(http.url, "http://127.0.0.1:5", "decode", router.registry.model_hash, stats).start()
     try:
-        wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0,
-                 what="a heartbeat after the failures")
-        assert member.status == "registered" and not failures
+        wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0
+                 and member.status == "registered", what="a heartbeat after the failures")
+        assert not failures
     finally:
         member.stop()
         http.stop()
