@@ -57,6 +57,15 @@ def test_secrets_on_the_command_line_are_refused(argv, capsys):
     assert "command line" in capsys.readouterr().err
 
 
+def test_the_benchmark_client_takes_its_key_from_a_file_or_the_environment_only(capsys):
+    from pdserve.bench.serving import main as bench_main
+
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--api-key", "abc"])
+    assert e.value.code == 2
+    assert "command line" in capsys.readouterr().err
+
+
 def run(argv, env, timeout=60):
     return subprocess.run([sys.executable, "-m", "pdserve.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=timeout)

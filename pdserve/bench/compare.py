@@ -16,16 +16,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 from pdserve.bench.host_cpu import NOISY_OTHERS_CORES, noisy
+from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.procmem import memory_mib
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
@@ -37,46 +35,19 @@ CONFIGS = {
 }
 
 
-class LocalCluster:
-    """`pdserve serve` as a child process, until `stop()`."""
-
-    def __init__(self, model: str, layout: list[str], extra: list[str], timeout_s: float = 900.0) -> None:
-        argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port", "0", "--pin-cpus",
-                *layout, *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not line or not line[0].startswith("{"):
-            self.stop()
-            raise RuntimeError(f"the cluster ({' '.join(layout)}) did not start")
-        self.ready = json.loads(line[0])
-        self.url = self.ready["url"]
-        self.pids = [p["pid"] for p in self.ready["processes"]]
-
-    def total_memory_mib(self) -> float:
-        """The cluster's memory: router and workers, shared pages counted once."""
-        return sum(m for pid in self.pids if (m := memory_mib(pid)) == m)  # NaN: a process that is gone
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def total_memory_mib(cluster: LocalCluster) -> float:
+    """The cluster's memory: router and workers, shared pages counted once."""
+    return sum(m for pid in cluster.pids.values() if (m := memory_mib(pid)) == m)  # NaN: a process that is gone
 
 
 def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
     print(f"[bench compare] starting {name}", file=sys.stderr, flush=True)
-    cluster = LocalCluster(args.model, CONFIGS[name], args.serve_args.split())
+    cluster = LocalCluster(args.model, ["--pin-cpus", *CONFIGS[name], *args.serve_args.split()])
     peak, done = [0.0], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.25):
-            peak[0] = max(peak[0], cluster.total_memory_mib())
+            peak[0] = max(peak[0], total_memory_mib(cluster))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -84,7 +55,7 @@ def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple
         info = server_info(cluster.url)
         spec = spec_from_args(args, args.vocab_size or int(info.get("vocab_size") or 256))
         runs, records = sweep(cluster.url, info["id"], spec, points, args, label=f"{name}: ",
-                              server_pids=[cluster.proc.pid, *cluster.pids])
+                              server_pids=[cluster.proc.pid, *cluster.pids.values()])
     finally:
         done.set()
         sampler.join()

@@ -29,6 +29,7 @@ from pdserve.bench.host_cpu import HostCpu, noisy
 from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.results import write_json
+from pdserve.credentials import API_KEY_ENV, add_secret_args, read_secret
 
 _PHASE = re.compile(r'^pdserve_phase_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$')
 
@@ -245,16 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["compare"]:
         from pdserve.bench.compare import main as compare_main
         return compare_main(argv[1:])
+    if argv[:1] == ["soak"]:
+        from pdserve.bench.soak.run import main as soak_main
+        return soak_main(argv[1:])
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="an OpenAI-compatible server")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
-    p.add_argument("--api-key", default="")
+    add_secret_args(p, "api-key", API_KEY_ENV, "the server's API key")
     add_workload_args(p)
     p.add_argument("--result-json", default="results/bench_serving.json")
     p.add_argument("--plot-dir", default="results/plots")
     args = p.parse_args(argv)
     try:
+        args.api_key = read_secret(args.api_key_file, API_KEY_ENV)
         info = server_info(args.url, args.api_key)
         spec = spec_from_args(args, args.vocab_size or int(info.get("vocab_size") or 256))
         points = load_points(args.request_rate, args.concurrency)

@@ -17,9 +17,12 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
+import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -38,7 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, HeartbeatBody, RegisterBody, now
 from pdserve.router.registry import RegistrationError, Registry, WorkerEntry
 from pdserve.router.responses import serve
-from pdserve.router.streams import LiveStream, WorkerLost, worker_lines
+from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, worker_lines
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -63,6 +66,7 @@ class RouterConfig:
     keepalive_s: float = 5.0  # SSE comment after this long without a token
     max_tokens_default: int = 1024  # max_tokens of a chat request that sets none (within the context left)
     worker_silence_s: float = 60.0  # a worker stream with no line (workers send keep-alives) for this long is lost
+    queue_timeout_s: float = 300.0  # a request admitted here waits at most this long for a worker with room
     client_stall_s: float = 30.0  # a client that reads nothing for this long, with output waiting, is dropped
     migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
     migrate_hot_spots: bool = True  # move running requests off decode workers past the hot KV use
@@ -80,12 +84,21 @@ class Router:
         self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
+        self._room_waiters: collections.deque[asyncio.Future] = collections.deque()  # waiting for a worker with room
         self._relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
 
     # -- choosing workers -----------------------------------------------------------------------
 
-    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> tuple[Any, Any]:
-        """(decode worker, prefill worker or None) for a prompt."""
+    def require_workers(self) -> None:
+        """503 now (not an error inside a 200 stream) when no worker could take a request."""
+        if not self.registry.workers():
+            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1
+              ) -> tuple[Any, Any]:
+        """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
+        `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
+        NoRoom when every decode worker holds as many sequences from here as it said it can."""
         decodes = {w.worker_id: w for w in self.registry.workers("decode") if w.worker_id not in exclude}
         prefills = {w.worker_id: w for w in self.registry.workers("prefill") if w.role == "prefill"}
         if not decodes:  # no decode worker: prefill workers serve colocated
@@ -93,6 +106,9 @@ class Router:
             prefills = {}
         if not decodes:
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+        decodes = {k: w for k, w in decodes.items() if w.has_room(sequences)}
+        if not decodes:
+            raise NoRoom()
         d = decodes[choose_decode({k: w.current_load() for k, w in decodes.items()}, self.config.decode_weights)]
         hashes = self.index.hashes(prompt_ids)
         uncached = len(prompt_ids) - self.index.cached_tokens(d.worker_id, hashes)
@@ -105,6 +121,7 @@ class Router:
             self.metrics.disaggregated.inc()
         self.registry.note_routed(d.worker_id, 0 if p else uncached, remote=p is not None)
         self.index.record(d.worker_id, hashes)
+        d.in_flight += sequences
         return d, p
 
     # -- a request ------------------------------------------------------------------------------
@@ -142,10 +159,14 @@ class Router:
                                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
         return ids, req.sampling(max_tokens)
 
-    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: dict, priority: int,
-                            first_choice: tuple[Any, Any]) -> AsyncIterator[dict]:
+    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: dict, priority: int
+                            ) -> AsyncIterator[dict]:
         """The decode worker's output lines, followed across workers:
         - one that fails before the first token is replaced once by another;
+        - with every decode worker holding as many sequences from here as its heartbeat says it
+          can (running and queued), the request waits in line here (first come, first served), and
+          one whose worker still answers 503 (queue full) asks again after a short backoff, for up
+          to `queue_timeout_s` in all: the router admitted the request, so it waits, not errs;
         - one that fails later ends the stream with an error, or, with `migrate_on_failure`
           (single completions), another continues from the prompt plus the tokens so far;
         - hot-spot relief may move a running request: the hot worker stops it, and the new one
@@ -157,10 +178,18 @@ class Router:
         tried: set[str] = set()
         generated: list[int] = []
         started = False
-        d, p = first_choice
+        deadline, backoff = time.monotonic() + self.config.queue_timeout_s, 0.05
+        d, p = self._route_or_none(prompt_ids, frozenset(), live.n)
         try:
             for attempt in itertools.count():
+                if d is None:  # every worker is full: wait here for room
+                    d, p = await self._route_when_room(prompt_ids + generated, frozenset(tried), live.n, deadline)
                 live.worker_id, live.worker_request_id = d.worker_id, f"{request_id}-{attempt}"
+                held = [d]  # released once: on a retry before waiting, else as the attempt ends
+
+                def let_go() -> None:
+                    if held:
+                        self._release(held.pop(), live.n)
                 body = {"request_id": live.worker_request_id, "prompt_token_ids": prompt_ids,
                         "output_token_ids": list(generated), "sampling": sampling, "priority": priority,
                         "prefill_url": p.url if p is not None else None}
@@ -179,20 +208,83 @@ class Router:
                     if not moved:
                         return
                     d, p, live.move_to = live.move_to, d, None  # the hot worker now sends its KV
+                    d.in_flight += live.n
                     self.metrics.migrations.labels("hot_spot").inc()
+                except APIError as e:
+                    if e.status != 503 or started or time.monotonic() + backoff > deadline:
+                        raise
+                    # the worker's queue is full after all (other clients of it): wait, then ask again
+                    self.metrics.requeued.inc()
+                    let_go()
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(2 * backoff, 1.0)
+                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n)
                 except (httpx.HTTPError, WorkerLost) as e:
                     log.warning("request %s: decode worker %s failed: %s: %s", request_id, d.url, type(e).__name__, e)
                     migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
                     if (started or tried) and not migrate:  # the client hears no internal address or detail
                         raise APIError(502, "the decode worker failed mid-request", "server_error") from None
                     tried.add(d.worker_id)
-                    self.drop_worker(d.worker_id, "it failed a request")
+                    if isinstance(e, WorkerSilent):
+                        self.metrics.silent_streams.inc()
+                    else:  # it cannot be reached: its other streams fail now, not when its lease lapses
+                        self.drop_worker(d.worker_id, "it failed a request")
                     live.move_to = None
-                    d, p = self.route(prompt_ids + generated, frozenset(tried))
+                    let_go()
+                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n)
                     if started:
                         self.metrics.migrations.labels("failure").inc()
+                finally:
+                    let_go()
         finally:
             self.live.pop(request_id, None)
+
+    def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int) -> tuple[Any, Any]:
+        try:
+            return self.route(prompt_ids, exclude, sequences)
+        except NoRoom:
+            return None, None
+
+    async def _route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
+                               deadline: float) -> tuple[Any, Any]:
+        """Wait in line (first come, first served) until a decode worker has room; 503 at `deadline`."""
+        self.metrics.requeued.inc()
+        turn = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(turn)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoRoom()
+                with contextlib.suppress(NoRoom):
+                    return self.route(prompt_ids, exclude, sequences)
+                # woken in turn when a sequence ends; every second anyway (heartbeats bring new workers
+                # and capacities)
+                turn = self._renew_turn(turn)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(turn), min(1.0, remaining))
+        finally:
+            with contextlib.suppress(ValueError):
+                self._room_waiters.remove(turn)
+            self._wake_next()
+
+    def _renew_turn(self, turn: asyncio.Future) -> asyncio.Future:
+        if not turn.done():
+            return turn
+        fresh = asyncio.get_running_loop().create_future()
+        self._room_waiters[self._room_waiters.index(turn)] = fresh
+        return fresh
+
+    def _release(self, worker: Any, sequences: int) -> None:
+        """`sequences` of this router's ended on `worker`: the first request waiting for room may go."""
+        worker.in_flight = max(0, worker.in_flight - sequences)
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        for turn in self._room_waiters:
+            if not turn.done():
+                turn.set_result(None)
+                return
 
     @property
     def _worker_headers(self) -> dict[str, str]:

@@ -18,6 +18,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 86400.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 86400) seconds, got {text}")
+    return value
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model the workers serve (for its tokenizer and limits)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
@@ -30,7 +37,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
-    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests the router holds at once; past it clients get 429")
+    p.add_argument("--queue-timeout", type=_seconds, default=300.0,
+                   help="seconds an admitted request waits for a worker with room in its queue before a 503")
     p.add_argument("--migrate-on-failure", action="store_true",
                    help="a decode worker lost mid-stream: continue on another by recomputing prompt + output")
     p.add_argument("--hot-kv-usage", type=_fraction, default=0.85,
@@ -75,6 +85,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=api_key,
                           worker_token=token, max_tokens_default=args.max_tokens_default, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
+                          queue_timeout_s=args.queue_timeout,
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
                           migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
                           decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage))

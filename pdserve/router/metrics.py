@@ -51,6 +51,10 @@ class RouterMetrics:
                               registry=r)
         self.workers_dropped = Counter("pdserve_workers_dropped", "workers taken out of the registry (lease lapsed, "
                                        "or a request failed on them)", registry=r)
+        self.requeued = Counter("pdserve_requests_requeued", "times a request found every worker's queue full and "
+                                "waited in the router to try again", registry=r)
+        self.silent_streams = Counter("pdserve_silent_streams", "streams given up on after their worker said nothing "
+                                      "for the silence deadline (the worker stays while it heartbeats)", registry=r)
         # One series per registered worker, from its last heartbeat: one scrape of the router shows the pools.
         self.worker_gauges = {
             key: Gauge(f"pdserve_worker_{key}", help_text, ["worker", "role"], registry=r)

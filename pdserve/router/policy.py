@@ -33,6 +33,7 @@ class WorkerLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 1
     step_latency_ewma_ms: float = 0.0
+    capacity: int = 0  # sequences it holds at most, running and queued (0: not said)
 
     @classmethod
     def from_stats(cls, stats: dict) -> WorkerLoad:

@@ -115,6 +115,7 @@ class LoadReport(BaseModel):
     kv_blocks_total: Annotated[StrictInt, Field(ge=1, le=1 << 40)] = 1
     step_latency_ewma_ms: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
     kv_bytes_received: Annotated[StrictInt, Field(ge=0, le=1 << 62)] = 0  # summed over workers in /metrics
+    capacity: Count = 0  # sequences the worker holds at most, running and queued (0: not said)
 
 
 class HeartbeatBody(BaseModel):

@@ -42,6 +42,12 @@ class WorkerEntry:
     heartbeats: int = 0  # received since registration
     last_heartbeat: float = 0.0  # time.monotonic() of the last one (or of registration)
     routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
+    in_flight: int = 0  # sequences this router has sent it that have not ended
+
+    def has_room(self, sequences: int) -> bool:
+        """Whether `sequences` more fit within the capacity its heartbeat reported (unknown: yes)."""
+        capacity = self.load.capacity
+        return not capacity or self.in_flight + sequences <= capacity or not self.in_flight
 
     def current_load(self) -> WorkerLoad:
         """The last heartbeat's load, plus the requests routed here since: a prompt to compute

@@ -65,11 +65,11 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
                        headers={"Retry-After": "1"})
     try:
-        choice = router.route(ids)  # no worker: a 503 now, not an error inside a 200 stream
+        router.require_workers()
     except APIError:
         router.admission.release(request_id)
         raise
-    stream = router.worker_stream(request_id, ids, sampling, req.priority, choice)
+    stream = router.worker_stream(request_id, ids, sampling, req.priority)
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -27,6 +27,20 @@ class WorkerLost(Exception):
     """The worker serving a stream was dropped from the registry (its lease lapsed)."""
 
 
+class NoRoom(APIError):
+    """Every decode worker holds as many sequences from this router as it said it can take."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "every worker is at its capacity; retry shortly", "overloaded",
+                         headers={"Retry-After": "1"})
+
+
+class WorkerSilent(WorkerLost):
+    """One stream heard nothing from its worker for too long. The stream gives up on that worker;
+    the worker itself stays registered while its heartbeats say it lives (the reaper drops it
+    when they stop), so one stuck request never fails the worker's other streams."""
+
+
 @dataclass(eq=False)
 class LiveStream:
     request_id: str
@@ -73,7 +87,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
         while True:
             item = await get_within(inbox, silence_s)
             if item is None:
-                raise WorkerLost(f"no word from the worker for {silence_s:.0f}s")
+                raise WorkerSilent(f"no word from the worker for {silence_s:.0f}s")
             if item is _ALIVE or isinstance(item, dict):
                 room.release()
             if item is _END:

@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from typing import IO, Callable
 
@@ -75,26 +76,32 @@ class EngineLoop:
         """Run `fn` on the engine thread, in order with other calls."""
         self._calls.put(fn)
 
-    def call_and_wait(self, fn: Callable[[], object], timeout: float = 30.0) -> object:
-        """Run `fn` on the engine thread and return its result (or raise its exception)."""
-        done = threading.Event()
-        box: list = []
+    def submit(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread; the future holds its result or exception. A future
+        cancelled before its turn never runs: a caller that stopped waiting leaves nothing behind."""
+        future: Future = Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                box.append((True, fn()))
+                future.set_result(fn())
             except BaseException as e:  # handed to the caller
-                box.append((False, e))
-            finally:
-                done.set()
+                future.set_exception(e)
 
         self.call(run)
-        if not done.wait(timeout):
-            raise TimeoutError("the engine did not answer in time")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        return future
+
+    def call_and_wait(self, fn: Callable[[], object], timeout: float = 30.0) -> object:
+        """Run `fn` on the engine thread and return its result (or raise its exception); TimeoutError
+        if the engine has not run it within `timeout` (then it never will)."""
+        future = self.submit(fn)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.cancel():
+                raise TimeoutError("the engine did not answer in time") from None
+            return future.result()  # it began just now: it ends within the engine's turn
 
     # -- engine thread -------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="decode: seconds to wait for a prompt's KV before computing it here")
     g.add_argument("--decode-headroom-tokens", type=int, default=64,
                    help="decode: free KV a reservation must leave for generation")
-    g.add_argument("--max-queued", type=int, default=256, help="waiting requests before new ones are refused")
+    g.add_argument("--max-queued", type=int, default=256,
+                   help="sequences waiting beyond a full batch (--max-num-seqs) before new requests are refused (503)")
     g.add_argument("--record-steps", default=None, metavar="PATH",
                    help="append every engine step's shape and time to this JSONL file (for `pdserve profile "
                         "--from-steps`)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -58,19 +59,20 @@ class PrefillRole(RoleHooks):
         self.engine: LLMEngine | None = None
         self.layout: KVLayout | None = None
         self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
-        self.call_and_wait: Callable[[Callable[[], object]], object] = lambda fn: fn()
+        self.submit: Callable[[Callable[[], object]], Future] = _run_now
         self.shipments: dict[str, Shipment] = {}  # by engine request id
         self._senders: dict[tuple, TcpSender] = {}
         self._connect_lock = threading.Lock()
         self.num_notified = 0
 
-    def attach(self, engine: LLMEngine, layout: KVLayout, call, call_and_wait) -> None:
-        self.engine, self.layout, self.call, self.call_and_wait = engine, layout, call, call_and_wait
+    def attach(self, engine: LLMEngine, layout: KVLayout, call, submit) -> None:
+        self.engine, self.layout, self.call, self.submit = engine, layout, call, submit
 
     # -- a lease arrives (HTTP thread) ---------------------------------------------------------
 
-    def accept(self, body: dict) -> tuple[str, str]:
-        """Validate a lease and queue its prefill; returns (engine request id, backend used)."""
+    def accept(self, body: dict) -> tuple[str, str, Future]:
+        """Validate a lease and queue its prefill; returns (engine request id, backend used, and
+        the engine's taking it: a prompt the engine refuses is refused to the decode worker)."""
         if body["model_hash"] != self.layout.model_hash:
             raise TransferError("model mismatch: the decode worker serves another model (config hash differs)")
         tokens = body["prompt_token_ids"]
@@ -90,8 +92,7 @@ class PrefillRole(RoleHooks):
             self.shipments[engine_id] = Shipment(sender, lease, start)
 
         sender.prepare(lease)
-        self.call_and_wait(add)  # a prompt the engine refuses is refused to the decode worker now
-        return engine_id, backend
+        return engine_id, backend, self.submit(add)
 
     def _sender_for(self, offers: dict, kv_dtype: str) -> tuple[TcpSender, str]:
         encoding = "raw" if kv_dtype in ("auto", "", None) else kv_dtype
@@ -194,6 +195,16 @@ class PrefillRole(RoleHooks):
             "kv_bytes_sent": sum(s.bytes_sent for s in self._senders.values()),
             "kv_peers": sum(1 for s in self._senders.values() if s.alive),
         }
+
+
+def _run_now(fn: Callable[[], object]) -> Future:
+    """`submit` before a worker attaches its engine thread: run on the caller's thread."""
+    future: Future = Future()
+    try:
+        future.set_result(fn())
+    except Exception as e:  # handed to the caller
+        future.set_exception(e)
+    return future
 
 
 def lease_of(body: dict, end: int) -> Lease:

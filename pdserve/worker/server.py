@@ -54,8 +54,8 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
             params = sampling_params(body.sampling)
-            await asyncio.to_thread(worker.generate, request_id, body.prompt_token_ids, params, stream.sink,
-                                    body.priority, body.prefill_url, body.output_token_ids)
+            await worker.generate(request_id, body.prompt_token_ids, params, stream.sink, body.priority,
+                                  body.prefill_url, body.output_token_ids)
         except ValueError as e:
             return error(400, str(e))
         except (QueueFullError, EngineBusyError) as e:
@@ -83,9 +83,11 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
     @app.post("/v1/prefill", dependencies=guarded)
     async def prefill(body: PrefillBody):
         try:
-            engine_id, backend = await asyncio.to_thread(worker.accept_prefill, body.model_dump())
+            engine_id, backend = await worker.accept_prefill(body.model_dump())
         except (ValueError, TypeError) as e:
             return error(400, str(e))
+        except EngineBusyError as e:
+            return error(503, str(e), "overloaded")
         except TransferError as e:
             status = 409 if "mismatch" in str(e) else 503
             return error(status, str(e), "kv_transfer_error")

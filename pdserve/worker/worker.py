@@ -13,8 +13,10 @@ Lifecycle:
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Callable
 
@@ -45,6 +47,7 @@ class EngineBusyError(RuntimeError):
     """The engine thread did not take the request in time (a long step, or it stopped)."""
 
 
+ADMIT_TIMEOUT_S = 30.0  # how long a request waits for the engine thread to take it before a 503
 STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
 
 
@@ -131,7 +134,7 @@ class Worker:
                 from pdserve.kv_transfer.nixl import local_agent
                 self.offers["nixl"] = {**addr, **local_agent(self.engine.runner.kv_cache).offer()}
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
-        self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.call_and_wait)
+        self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
         self._last_stats: dict = {"role": config.role, "model_hash": self.layout.model_hash}
         self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
@@ -154,7 +157,7 @@ class Worker:
 
     # -- requests (any thread) -----------------------------------------------------------------
 
-    def generate(
+    async def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -165,15 +168,20 @@ class Worker:
         output_token_ids: list[int] = (),
     ) -> None:
         """Queue a request; its outputs go to `sink` from the engine thread. Raises ValueError
-        for a bad request, QueueFullError when the queue is at its bound."""
+        for a bad request, QueueFullError when the queue is at its bound, EngineBusyError when the
+        engine does not take it within ADMIT_TIMEOUT_S. No thread waits meanwhile: a burst of
+        requests queues on the engine thread, not on a thread pool, and each is taken between
+        two steps."""
         if prefill_url and self.decode is None:
             raise RoleNotServedError(f"a {self.config.role} worker does not take KV from a prefill worker")
 
         received = time.monotonic()  # queueing starts now, not when the engine thread is free
 
         def add() -> None:
-            if len(self.engine.scheduler.waiting) >= self.max_queued:
-                raise QueueFullError(f"the worker's queue holds its maximum of {self.max_queued} requests")
+            sched = self.engine.scheduler
+            held = len(sched.waiting) + sched.num_live
+            if held and held + params.n > self.capacity:
+                raise QueueFullError(f"the worker holds its maximum of {self.capacity} sequences, running and queued")
             remote = bool(prefill_url) and params.n == 1
             if remote:
                 self.decode.targets[request_id] = prefill_url
@@ -186,17 +194,34 @@ class Worker:
                 raise
             self.loop.sinks[request_id] = sink
 
-        try:
-            self.loop.call_and_wait(add)
-        except TimeoutError:
-            self.abort(request_id)  # in case it was added after all
-            raise EngineBusyError("the engine did not take the request in time; retry") from None
+        await self._admitted(self.loop.submit(add), lambda: self.abort(request_id))
+
+    @property
+    def capacity(self) -> int:
+        """Sequences it holds at most: as many running as the engine batches, and `max_queued` more."""
+        return self.config.max_num_seqs + self.max_queued
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self.engine.abort(request_id))
 
-    def accept_prefill(self, body: dict) -> tuple[str, str]:
-        return self.prefill.accept(body)
+    async def accept_prefill(self, body: dict) -> tuple[str, str]:
+        """Check a lease and queue its prefill; returns (engine request id, backend). The checks and
+        a first connection to the decode worker run on a thread; the wait for the engine does not."""
+        engine_id, backend, admitted = await asyncio.to_thread(self.prefill.accept, body)
+        await self._admitted(admitted, lambda: self.prefill_aborted(body))
+        return engine_id, backend
+
+    def prefill_aborted(self, body: dict) -> None:
+        self.abort_prefill(body["request_id"], body["fence"])
+
+    async def _admitted(self, admitted: Future, undo: Callable[[], None]) -> None:
+        """Wait for the engine thread to take a request; its refusal is raised here. A request not
+        taken in time never will be (its turn is cancelled); one taken just as the wait ended is undone."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(admitted), ADMIT_TIMEOUT_S)
+        except TimeoutError:
+            undo()
+            raise EngineBusyError("the engine did not take the request in time; retry") from None
 
     def abort_prefill(self, request_id: str, fence: int | None) -> None:
         self.loop.call(lambda: self.prefill.abort(request_id, fence))
@@ -239,6 +264,7 @@ class Worker:
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_free": blocks.num_free_blocks,
+            "capacity": self.capacity,
             "step_latency_ewma_ms": self.loop.step_latency_ewma_s * 1e3,
             "num_steps": self.loop.num_steps,
             "num_preemptions": sched.num_preemptions,

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv_transfer.base import model_fingerprint
@@ -25,6 +25,7 @@ from pdserve.router.protocol import LoadReport
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker.registration import RouterMembership
 from pdserve.worker.server import ServerThread
+from tests.openai_shape import assert_openai_error, bearer, note
 from tests.worker.cluster import WorkerServer
 
 MODEL = "tiny"
@@ -61,7 +62,7 @@ def cluster(tiny_llama):
         time.sleep(0.05)
     # a connection per request: a server that drops one after an answer cannot fail the next example
     client = httpx.Client(base_url=http.url, timeout=TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0))
-    r = client.post("/v1/completions", json=KNOWN_GOOD, headers=auth(API_KEY))
+    r = client.post("/v1/completions", json=KNOWN_GOOD, headers=bearer(API_KEY))
     assert r.status_code == 200, r.text
     yield {"router": router, "p": p, "d": d, "client": client,
            "model_hash": router.registry.model_hash, "reference": r.json()["choices"][0]["text"]}
@@ -71,32 +72,6 @@ def cluster(tiny_llama):
     http.stop()
     p.stop()
     d.stop()
-
-
-def auth(secret: str | bytes | None) -> dict:
-    if secret is None:
-        return {}
-    if isinstance(secret, bytes):
-        return {"Authorization": secret}
-    return {"Authorization": f"Bearer {secret}" if secret else ""}
-
-
-# -- what every answer must look like ---------------------------------------------------------
-
-def assert_openai_error(payload: object, status: int) -> None:
-    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
-    err = payload["error"]
-    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    assert err["param"] is None or isinstance(err["param"], str), err
-    assert err["code"] == status and not isinstance(err["code"], bool), err
-
-
-def note(what: str) -> None:
-    """Counted in `--hypothesis-show-statistics`: how the answers spread over the statuses."""
-    if currently_in_test_context():
-        event(what)
 
 
 def send(cluster, method: str, path: str, content: bytes | None = None, headers: dict | None = None) -> tuple:
@@ -180,7 +155,7 @@ def check_completion(body: object, status: int, payload: dict | None, events: li
 
 
 def assert_still_serves(cluster) -> None:
-    status, payload, _ = send(cluster, "POST", "/v1/completions", json.dumps(KNOWN_GOOD).encode(), auth(API_KEY))
+    status, payload, _ = send(cluster, "POST", "/v1/completions", json.dumps(KNOWN_GOOD).encode(), bearer(API_KEY))
     assert status == 200, payload
     assert payload["choices"][0]["text"] == cluster["reference"]
 
@@ -407,7 +382,7 @@ api_keys = st.sampled_from([API_KEY] * 40 + [None, "", "sk-wrong", API_KEY + "x"
 @fuzz(150)
 @given(body=completion_bodies(), key=api_keys)
 def test_completions_answer_2xx_or_an_openai_4xx(cluster, body, key):
-    status, payload, events = send(cluster, "POST", "/v1/completions", encode(body), auth(key))
+    status, payload, events = send(cluster, "POST", "/v1/completions", encode(body), bearer(key))
     if key != API_KEY:
         assert status == 401 and payload["error"]["type"] == "authentication_error", payload
     check_completion(body, status, payload, events, chat=False)
@@ -418,7 +393,7 @@ def test_completions_answer_2xx_or_an_openai_4xx(cluster, body, key):
 @fuzz(120)
 @given(body=chat_bodies(), key=api_keys)
 def test_chat_completions_answer_2xx_or_an_openai_4xx(cluster, body, key):
-    status, payload, events = send(cluster, "POST", "/v1/chat/completions", encode(body), auth(key))
+    status, payload, events = send(cluster, "POST", "/v1/chat/completions", encode(body), bearer(key))
     if key != API_KEY:
         assert status == 401 and payload["error"]["type"] == "authentication_error", payload
     check_completion(body, status, payload, events, chat=True)
@@ -467,7 +442,7 @@ content_types = st.sampled_from(["application/json"] * 4 + [
 @fuzz(100)
 @given(raw=raw_bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), content_type=content_types)
 def test_bodies_that_are_not_requests_get_a_4xx(cluster, raw, path, content_type):
-    status, payload, events = send(cluster, "POST", path, raw, {**auth(API_KEY), "content-type": content_type})
+    status, payload, events = send(cluster, "POST", path, raw, {**bearer(API_KEY), "content-type": content_type})
     if status == 200:
         body = json.loads(raw)
         check_completion(body, status, payload, events, chat=path.endswith("chat/completions"))
@@ -479,7 +454,7 @@ def test_bodies_that_are_not_requests_get_a_4xx(cluster, raw, path, content_type
 @given(key=api_keys, query=st.sampled_from(["", "?limit=-1", "?x=%ff%fe", "?" + "a" * 4000]),
        method=st.sampled_from(["GET", "GET", "GET", "POST", "DELETE", "PUT"]))
 def test_models_answer_the_model_or_an_openai_4xx(cluster, key, query, method):
-    status, payload, _ = send(cluster, method, "/v1/models" + query, b"", auth(key))
+    status, payload, _ = send(cluster, method, "/v1/models" + query, b"", bearer(key))
     if key != API_KEY:
         assert status == 401, payload
     elif method == "GET":
@@ -560,7 +535,7 @@ def test_internal_routes_answer_2xx_or_an_openai_4xx(cluster, data, token, route
             role = ("prefill", "decode")[REAL_WORKERS.index(body["worker_id"])]
             body["worker_id"] = next((w.worker_id for w in router.registry.workers() if w.role == role), "w1")
     try:
-        status, payload, _ = send(cluster, "POST", f"/internal/{route}", encode(body), auth(token))
+        status, payload, _ = send(cluster, "POST", f"/internal/{route}", encode(body), bearer(token))
         if token != TOKEN:
             assert status == 401 and payload["error"]["type"] == "authentication_error", payload
         if route == "register" and status == 200:
@@ -585,7 +560,7 @@ def test_stats_a_heartbeat_accepts_leave_every_route_answering(cluster, stats, r
     worker_id = next(w.worker_id for w in router.registry.workers() if w.role == role)
     try:
         status, payload, _ = send(cluster, "POST", "/internal/heartbeat",
-                                  encode({"worker_id": worker_id, "stats": stats}), auth(TOKEN))
+                                  encode({"worker_id": worker_id, "stats": stats}), bearer(TOKEN))
         assert status in (200, 400, 404), payload  # 404: the real worker re-registered in between
         for path in ("/health", "/metrics"):
             assert send(cluster, "GET", path)[0] == 200

@@ -67,6 +67,93 @@ def test_the_request_that_broke_the_engine_fails_alone(cluster):
     wait_for(cluster["d"].is_idle, what="idle decode worker")
 
 
+def test_a_request_that_finds_every_queue_full_waits_in_the_router(cluster, monkeypatch):
+    """The router admitted it: a worker's 503 (queue full) before the first token means wait and
+    ask again, not an error, and the answer is the one an uncontended request gets."""
+    from pdserve.worker.worker import QueueFullError
+
+    w = cluster["d"].worker
+    real, refusals = w.generate, [2]
+
+    async def full_twice(*args, **kwargs):
+        if refusals[0]:
+            refusals[0] -= 1
+            raise QueueFullError("the worker's queue holds its maximum of 0 requests")
+        return await real(*args, **kwargs)
+
+    expected = completion(cluster["url"], prompt="hello", max_tokens=4, temperature=0, ignore_eos=True).json()
+    metrics = cluster["router"].metrics
+    before = metrics.requeued._value.get()
+    monkeypatch.setattr(w, "generate", full_twice)
+    for stream in (False, True):
+        refusals[0] = 2
+        r = completion(cluster["url"], prompt="hello", max_tokens=4, temperature=0, ignore_eos=True, stream=stream)
+        assert r.status_code == 200 and "error" not in r.text
+        if not stream:
+            assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert metrics.requeued._value.get() - before == 4
+    wait_for(cluster["d"].is_idle, what="idle decode worker")
+
+
+def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llama):
+    """The router sends a worker no more sequences than its heartbeat says it can hold (running +
+    queued); the rest wait in the router, first come first served, and every request is served
+    without the worker ever refusing one."""
+    from pdserve.worker.worker import QueueFullError
+
+    router = make_router(tiny_llama)
+    http = ServerThread(create_app(router), lifespan="on").start()
+    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, max_num_seqs=2, worker_args={"max_queued": 1})
+    refused, real = [], d.worker.generate
+
+    async def counting(*args, **kwargs):
+        try:
+            return await real(*args, **kwargs)
+        except QueueFullError:
+            refused.append(1)
+            raise
+    d.worker.generate = counting
+    member = RouterMembership(http.url, d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
+    try:
+        wait_for(lambda: router.registry.workers() and router.registry.workers()[0].load.capacity == 3,
+                 what="a heartbeat with the worker's capacity")
+        entry = router.registry.workers()[0]
+        most = [0]
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one(i: int) -> int:
+                    r = await client.post(http.url + "/v1/completions", json={
+                        "model": MODEL, "prompt": f"request {i}", "max_tokens": 6, "ignore_eos": True,
+                        "n": 1 + i % 2, "stream": i % 3 == 0})
+                    most[0] = max(most[0], entry.in_flight)
+                    return r.status_code if "error" not in r.text else 500
+                return await asyncio.gather(*(one(i) for i in range(16)))
+
+        statuses = asyncio.run(burst())
+        assert statuses == [200] * 16
+        assert not refused and most[0] <= 3
+        assert entry.in_flight == 0 and not router._room_waiters and router.admission.requests == 0
+        wait_for(d.is_idle, what="idle decode worker")
+    finally:
+        member.stop()
+        http.stop()
+        d.stop()
+
+
+def test_a_request_still_without_room_at_its_queue_timeout_gets_503(cluster, monkeypatch):
+    from pdserve.worker.worker import QueueFullError
+
+    async def always_full(*args, **kwargs):
+        raise QueueFullError("the worker's queue holds its maximum of 0 requests")
+
+    monkeypatch.setattr(cluster["d"].worker, "generate", always_full)
+    monkeypatch.setattr(cluster["router"].config, "queue_timeout_s", 0.3)
+    r = completion(cluster["url"], prompt="hello", max_tokens=4)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert cluster["router"].admission.requests == 0
+
+
 def test_chat_without_max_tokens_gets_the_default_cap(cluster):
     router = cluster["router"]
     saved, router.config.max_tokens_default = router.config.max_tokens_default, 7
@@ -124,17 +211,25 @@ class SilentWorker:
             c.close()
 
 
-def test_a_silent_worker_is_dropped_and_its_request_ends(tiny_llama):
+def test_a_silent_stream_ends_alone_and_its_worker_stays(tiny_llama):
+    """A stream whose worker says nothing for the silence deadline gives up on it (retried
+    elsewhere, here nowhere: 503). The worker is not dropped: its other streams go on, and the
+    reaper drops it only if its heartbeats stop."""
     router = make_router(tiny_llama, worker_silence_s=0.5)
     http = ServerThread(create_app(router), lifespan="on").start()
     silent = SilentWorker()
     try:
-        router.registry.register(silent.url, "decode", router.registry.model_hash)
+        entry = router.registry.register(silent.url, "decode", router.registry.model_hash)
+        bystander = LiveStream("other", 1, 4, 4, worker_id=entry.worker_id)
+        router.live["other"] = bystander
         r = completion(http.url, prompt="hello", max_tokens=4)
         assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]  # retried, none left
-        assert router.registry.workers() == []
-        assert "pdserve_workers_dropped_total 1.0" in httpx.get(http.url + "/metrics").text
+        assert [w.worker_id for w in router.registry.workers()] == [entry.worker_id]
+        assert bystander.inbox.empty()
+        text = httpx.get(http.url + "/metrics").text
+        assert "pdserve_silent_streams_total 1.0" in text and "pdserve_workers_dropped_total 0.0" in text
     finally:
+        router.live.pop("other", None)
         silent.close()
         http.stop()
 

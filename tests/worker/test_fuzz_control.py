@@ -16,9 +16,10 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.openai_shape import assert_openai_error, bearer, note
 from tests.worker.cluster import WorkerServer, prompt
 
 TOKEN = "fuzz-worker-token"
@@ -62,32 +63,6 @@ def workers(tiny_llama):
         w.stop()
 
 
-def headers(secret: str | bytes | None = TOKEN) -> dict:
-    if secret is None:
-        return {}
-    if isinstance(secret, bytes):
-        return {"Authorization": secret}
-    return {"Authorization": f"Bearer {secret}" if secret else ""}
-
-
-# -- what every answer must look like ---------------------------------------------------------
-
-def assert_openai_error(payload: object, status: int) -> None:
-    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
-    err = payload["error"]
-    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    assert err["param"] is None or isinstance(err["param"], str), err
-    assert err["code"] == status and not isinstance(err["code"], bool), err
-
-
-def note(what: str) -> None:
-    """Counted in `--hypothesis-show-statistics`: how the answers spread over the statuses."""
-    if currently_in_test_context():
-        event(what)
-
-
 def send(ws, method: str, url: str, content: bytes | None = b"", secret=TOKEN, allow_5xx=lambda payload: False):
     """(status, parsed body): JSON, the NDJSON lines of a streamed generate, or the text of /metrics.
     Fails on a 5xx (unless `allow_5xx` says this one is a peer's outage, not a fault), a malformed
@@ -95,7 +70,7 @@ def send(ws, method: str, url: str, content: bytes | None = b"", secret=TOKEN, a
     path = httpx.URL(url).path
     try:
         with ws["client"].stream(method, url, content=content,
-                                 headers={"content-type": "application/json", **headers(secret)}) as r:
+                                 headers={"content-type": "application/json", **bearer(secret)}) as r:
             if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/x-ndjson"):
                 note(f"{method} {path}: 200 (streamed)")
                 return 200, read_ndjson(r)
@@ -549,7 +524,7 @@ def test_aborts_answer_2xx_or_an_openai_4xx_and_a_running_request_still_ends(wor
             req = {"request_id": "victim", "prompt_token_ids": GOOD_PROMPT,
                    "sampling": {"temperature": 0, "max_tokens": 64, "ignore_eos": True},
                    "prefill_url": workers["prefill"].url if target == "decode" else None}
-            with workers["client"].stream("POST", w.url + "/v1/generate", json=req, headers=headers()) as r:
+            with workers["client"].stream("POST", w.url + "/v1/generate", json=req, headers=bearer(TOKEN)) as r:
                 started.set()
                 assert r.status_code == 200, r.read()
                 lines.extend(read_ndjson(r))

@@ -101,6 +101,55 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
     assert w.stats()["num_steps"] < 500  # it never ran to its max_tokens
 
 
+def test_a_burst_waits_for_the_engine_without_holding_threads(worker):
+    """Requests the engine has not yet taken wait on the engine thread's queue, not on a thread
+    pool: with the engine held, many more than the pool's size are in, and each is taken once
+    the engine turns (the pool's few threads would let a burst queue for minutes unheard)."""
+    w = worker.worker
+    gate = threading.Event()
+    w.loop.call(lambda: gate.wait(30))
+    burst = 48
+    threads_before = threading.active_count()
+    results: list[httpx.Response] = []
+
+    async def send_all() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i: int) -> None:
+                body = {"prompt_token_ids": prompt(8 + i % 5), "stream": False,
+                        "sampling": {"temperature": 0, "max_tokens": 2, "ignore_eos": True}}
+                results.append(await client.post(worker.url + "/v1/generate", json=body))
+            await asyncio.gather(*(one(i) for i in range(burst)))
+
+    sender = threading.Thread(target=asyncio.run, args=(send_all(),))
+    sender.start()
+    wait_for(lambda: w.loop._calls.qsize() >= burst, what="every request waiting for the engine")
+    grown = threading.active_count() - threads_before
+    gate.set()
+    sender.join(60)
+    assert not sender.is_alive()
+    assert grown < 8, f"{grown} threads waited for the engine"
+    assert [r.status_code for r in results] == [200] * burst
+    wait_for(worker.is_idle, what="an idle worker")
+
+
+def test_a_request_the_engine_did_not_take_in_time_never_runs(worker, monkeypatch):
+    from pdserve.worker import worker as worker_module
+
+    w = worker.worker
+    monkeypatch.setattr(worker_module, "ADMIT_TIMEOUT_S", 0.2)
+    gate = threading.Event()
+    w.loop.call(lambda: gate.wait(30))
+    try:
+        r = generate(worker.url)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
+    finally:
+        gate.set()
+    wait_for(lambda: w.loop._calls.qsize() == 0, what="the engine's queue drained")
+    stats = w.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+    assert generate(worker.url).status_code == 200
+
+
 def test_stats_do_not_wait_for_a_stalled_engine(worker):
     w = worker.worker
     fresh = w.stats()

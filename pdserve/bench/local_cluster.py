@@ -1,0 +1,56 @@
+"""`pdserve serve` as a child process of a benchmark: started, waited for, stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+
+class LocalCluster:
+    """`pdserve serve --port 0 ...` as a child until `stop()`: its ready line parsed (`ready`, `url`,
+    `pids` by process name), its stderr in `log_path` (or dropped), `env` added to its environment
+    (secrets go there, never on a command line). While it starts, `progress(seconds)` is called
+    every 15 s (a first run converts the model: minutes)."""
+
+    def __init__(self, model: str, extra: list[str], timeout_s: float = 900.0, log_path: Path | None = None,
+                 env: dict[str, str] | None = None, progress: Callable[[float], None] | None = None) -> None:
+        argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port", "0", *extra]
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log_path.open("w") if log_path is not None else None
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log or subprocess.DEVNULL, text=True,
+                                     env={**os.environ, **(env or {})})
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        start = time.monotonic()
+        while reader.is_alive() and time.monotonic() - start < timeout_s:
+            reader.join(min(15.0, max(0.0, timeout_s - (time.monotonic() - start))))
+            if reader.is_alive() and progress is not None:
+                progress(time.monotonic() - start)
+        if not line or not line[0].startswith("{"):
+            self.stop()
+            where = f"; see {log_path}" if log_path is not None else ""
+            raise RuntimeError(f"the cluster (pdserve serve {' '.join(extra)}) did not start{where}")
+        self.ready = json.loads(line[0])
+        self.url: str = self.ready["url"]
+        self.pids: dict[str, int] = {p["name"]: p["pid"] for p in self.ready["processes"]}
+
+    def stop(self) -> None:
+        """SIGTERM (the launcher stops its children), then SIGKILL after a minute."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.log is not None:
+            self.log.close()
