@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds after which a waiting request goes ahead of shorter ones")
     g.add_argument("--quantization", choices=["int4"], default=None,
                    help="int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="run decode steps as one compiled graph (torch.compile; the first compile takes about half "
+                        "a minute, then it is cached on disk); experimental: not yet faster on CPU")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads, seed=args.seed,
         quantization=args.quantization, shortest_prompt_first=args.shortest_prompt_first,
-        max_queue_wait_s=args.max_queue_wait,
+        max_queue_wait_s=args.max_queue_wait, compile_decode=args.compile_decode,
     )
 
 
@@ -122,6 +125,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--quantization", args.quantization]
     if args.shortest_prompt_first:
         argv += ["--shortest-prompt-first", "--max-queue-wait", str(args.max_queue_wait)]
+    if args.compile_decode:
+        argv.append("--compile-decode")
     return argv
 
 

@@ -75,6 +75,7 @@ class EngineConfig:
     decode_headroom_tokens: int = 64  # decode role: free KV a reservation must leave for generation
     shortest_prompt_first: bool = False  # admit the shortest waiting prompt first (within a priority)
     max_queue_wait_s: float = 10.0  # ...except that one waiting this long goes first: none starves
+    compile_decode: bool = False  # decode steps as one compiled graph (engine/compiled_step.py)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

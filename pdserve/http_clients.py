@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+
+import anyio
 from typing import Awaitable, TypeVar
 
 from starlette.requests import Request
@@ -64,7 +66,24 @@ class _Stalled(Exception):
     pass
 
 
-class StallGuardedStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its generator however the response ends. Starlette stops
+    iterating when the client disconnects (by cancelling the task that writes) but leaves the
+    generator suspended at its `yield`; its `finally` (which aborts the request, releases its
+    slot) would then run only when the garbage collector finalizes it, if ever. Here it runs at
+    once, shielded from the cancellation that ended the response."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):
+                    await close()
+
+
+class StallGuardedStreamingResponse(ClosingStreamingResponse):
     def __init__(self, content, stall_s: float, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.stall_s = stall_s
@@ -83,4 +102,4 @@ class StallGuardedStreamingResponse(StreamingResponse):
         except _Stalled:
             self.stalled = True
             log.warning("a client read nothing for %gs while output waited; its stream is closed", self.stall_s)
-            await self.body_iterator.aclose()  # returning without the last message closes the connection
+            # returning without the last message closes the connection; the generator is closed above

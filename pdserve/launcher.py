@@ -74,6 +74,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     g.add_argument("--max-tokens-default", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests the router holds at once; past it clients get 429")
+    g.add_argument("--queue-timeout", type=float, default=300.0,
+                   help="seconds an admitted request waits for a worker with room before a 503")
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
@@ -102,7 +106,9 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     try:
         t0 = time.perf_counter()
         router = Child("router", ["router", *model, "--host", args.host, "--port", str(args.port),
-                                  "--max-tokens-default", str(args.max_tokens_default)], None, env)
+                                  "--max-tokens-default", str(args.max_tokens_default),
+                                  "--max-queued-requests", str(args.max_queued_requests),
+                                  "--queue-timeout", str(args.queue_timeout)], None, env)
         children.append(router)
         url = router.wait_ready(args.ready_timeout)["url"]
         say(f"router ready at {url}")

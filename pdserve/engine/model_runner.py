@@ -6,8 +6,9 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.layers.attention import AttentionMetadata, PrefillChunk
+from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.sampler import Sampler
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -27,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        compile_decode: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -39,6 +41,7 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(seed)
+        self.compiled = CompiledDecode(model, self.kv_cache) if compile_decode else None
 
     @torch.inference_mode()
     def forward(
@@ -48,6 +51,11 @@ class ModelRunner:
         whose chunk reached the end of their known tokens, and those requests' rows in the step.
         `on_layer(i)` is called as soon as layer i's KV for the step is in the cache."""
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(step)
+        decode_only = not meta.prefills and len(sample_rows) == len(step.requests)
+        if self.compiled is not None and on_layer is None and decode_only:
+            logits = self.compiled(input_ids, positions, meta)
+            if logits is not None:
+                return logits, sample_rows
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         if not sample_rows:
             return None, sample_rows
@@ -105,16 +113,25 @@ class ModelRunner:
 
     def _decode_metadata(self, step: SchedulerOutput, meta: AttentionMetadata) -> None:
         nd = step.num_decodes
-        context_lens = [r.num_computed_tokens + 1 for r in step.requests[:nd]]
-        max_len = max(context_lens)
+        lens = [r.num_computed_tokens + 1 for r in step.requests[:nd]]
+        groups = decode_groups(lens)
+        if len(groups) == 1:  # the usual case: every row in its own place, no reordering
+            meta.decode_groups.append(self._decode_group(None, lens, step.block_tables[:nd]))
+            return
+        for rows in groups:
+            meta.decode_groups.append(self._decode_group(rows, [lens[i] for i in rows],
+                                                         [step.block_tables[i] for i in rows]))
+
+    def _decode_group(self, rows: list[int] | None, lens: list[int], tables: list[list[int]]) -> DecodeGroup:
+        max_len = max(lens)
         max_blocks = -(-max_len // self.block_size)
-        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
-        meta.decode_blocks = torch.tensor(tables, device=self.device)
-        meta.decode_context_len = max_len
-        if min(context_lens) != max_len:
-            lens = torch.tensor(context_lens, device=self.device)
-            valid = torch.arange(max_len, device=self.device) < lens.unsqueeze(1)
-            meta.decode_mask = valid.view(nd, 1, 1, max_len)
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+        mask = None
+        if min(lens) != max_len:
+            valid = torch.arange(max_len, device=self.device) < torch.tensor(lens, device=self.device).unsqueeze(1)
+            mask = valid.view(len(lens), 1, 1, max_len)
+        return DecodeGroup(None if rows is None else torch.tensor(rows, device=self.device),
+                           torch.tensor(padded, device=self.device), max_len, mask)
 
     def _prefill_chunk(self, query_start: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         context_len = start + n
@@ -125,3 +142,19 @@ class ModelRunner:
             q_pos = torch.arange(start, context_len, device=self.device).unsqueeze(1)
             mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= q_pos
         return PrefillChunk(query_start, n, context_len, blocks, mask)
+
+
+def decode_groups(lens: list[int], max_waste: float = 2.0, min_pad: int = 512) -> list[list[int]]:
+    """The decodes' rows grouped by context length, shortest first: a group takes lengths up to
+    `max_waste` times its shortest (or its shortest + `min_pad`, for short contexts, where a call
+    costs more than the padding), so padding never makes a row read much more than its own context.
+    Lengths that are all alike make one group."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        first = lens[groups[-1][0]] if groups else 0
+        if groups and lens[i] <= max(max_waste * first, first + min_pad):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -6,11 +6,20 @@ contiguous range, which is what a transfer ships); a token at position p of a re
 `block_table[p // block_size] * block_size + p % block_size`. New K/V are scattered into their
 slots, then each query reads its context back a whole block at a time (`index_select` of blocks:
 ~10x faster on CPU than advanced indexing of single slots). Requests computing one
-token (decodes) share one batched call; multi-token chunks (prefills) are computed one by one.
+token (decodes) share batched calls, one per group of similar context lengths (a batch padded to
+its longest context would make 60 short requests read a 2,000-token one's length each step);
+multi-token chunks (prefills) are computed one by one.
+
+Under `torch.compile` the attention is one opaque operator (`pdserve::paged_attention`) that reads
+the step's metadata from `step_metadata(...)`: a compiled graph then depends on the number of
+tokens only, not on context lengths or block tables, and one graph serves every decode step.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -27,13 +36,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one call (padded to the group's longest)."""
+
+    rows: torch.Tensor | None  # [g] their rows among the step's decodes; None: all, in order
+    blocks: torch.Tensor  # [g, max_blocks] block tables, padded
+    context_len: int  # the group's longest context
+    mask: torch.Tensor | None  # [g, 1, 1, context_len] bool; None if all equal
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
     block_size: int
     num_decode_tokens: int  # the batch's first tokens are decodes, one per request
-    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block tables, padded
-    decode_context_len: int = 0  # longest decode context
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] bool; None if all equal
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -52,13 +69,16 @@ def paged_attention(
     out = None if nd == num_tokens else torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
     if nd:
-        ctx = _read_blocks(blocks, meta.decode_blocks, kv_cache.shape[1:])
-        ctx = ctx[:, : meta.decode_context_len]  # [decodes, max_ctx, 2, kv_heads, head_dim]
-        ctx_k = ctx[:, :, 0].transpose(1, 2)  # [decodes, kv_heads, max_ctx, head_dim]
-        ctx_v = ctx[:, :, 1].transpose(1, 2)
         # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale)
+        groups = meta.decode_groups
+        if len(groups) == 1 and groups[0].rows is None:
+            o = _decode_attention(blocks, qd, groups[0], kv_cache.shape[1:], scale)
+        else:
+            o = torch.empty_like(qd)
+            for g in groups:
+                o.index_copy_(0, g.rows, _decode_attention(blocks, qd.index_select(0, g.rows), g,
+                                                           kv_cache.shape[1:], scale))
         if not meta.prefills:  # a decode-only step: no buffer to assemble
             return o.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = o.view(nd, num_heads, head_dim)
@@ -77,7 +97,42 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _decode_attention(blocks: torch.Tensor, qd: torch.Tensor, group: DecodeGroup, slot_shape: torch.Size,
+                      scale: float) -> torch.Tensor:
+    ctx = _read_blocks(blocks, group.blocks, slot_shape)[:, : group.context_len]  # [g, ctx, 2, kv_heads, head_dim]
+    ctx_k = ctx[:, :, 0].transpose(1, 2)  # [g, kv_heads, ctx, head_dim]
+    ctx_v = ctx[:, :, 1].transpose(1, 2)
+    return F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=group.mask, scale=scale)
+
+
 def _read_blocks(blocks: torch.Tensor, tables: torch.Tensor, slot_shape: torch.Size) -> torch.Tensor:
     # tables: [rows, n] or [n] block ids -> [rows, n * block_size, 2, kv_heads, head_dim]
     rows = tables.shape[0] if tables.dim() == 2 else 1
     return blocks.index_select(0, tables.reshape(-1)).view(rows, -1, *slot_shape)
+
+
+_step = threading.local()  # one engine per thread: several engines may share a process
+
+
+@contextmanager
+def step_metadata(meta: AttentionMetadata, kv_caches: torch.Tensor) -> Iterator[None]:
+    """The metadata and KV cache (all layers) `paged_attention_op` uses while a compiled step runs
+    on this thread. The cache never enters the graph: the compiler sees no mutation to order."""
+    previous = getattr(_step, "state", None)
+    _step.state = (meta, kv_caches)
+    try:
+        yield
+    finally:
+        _step.state = previous
+
+
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """`paged_attention` of one layer with the metadata and cache of the step running on this thread."""
+    meta, kv_caches = _step.state
+    return paged_attention(q, kv, kv_caches[layer], meta, scale)
+
+
+@paged_attention_op.register_fake
+def _(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.layers.attention import AttentionMetadata, paged_attention
+from pdserve.layers.attention import AttentionMetadata, paged_attention, paged_attention_op
 from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -24,8 +24,9 @@ def _weight(*shape: int) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
@@ -39,8 +40,8 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,  # [tokens, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables at the tokens' positions
-        kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim]
-        meta: AttentionMetadata,
+        kv_cache: torch.Tensor | None,  # [slots, 2, kv_heads, head_dim]; None in a compiled step
+        meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
@@ -55,7 +56,10 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(torch.cat([q, k], dim=1), cos_sin)
         q = qk[:, : self.num_heads]  # [tokens, heads, head_dim]
         kv = torch.cat([qk[:, self.num_heads :].unsqueeze(1), v], dim=1)  # [tokens, 2, kv_heads, head_dim]
-        o = paged_attention(q, kv, kv_cache, meta, self.scale)
+        if meta is None:  # a compiled step: metadata and cache are the step's (`step_metadata`)
+            o = paged_attention_op(q, kv, self.layer, self.scale)
+        else:
+            o = paged_attention(q, kv, kv_cache, meta, self.scale)
         return linear(o, self.o_proj)
 
 
@@ -72,10 +76,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -89,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -98,14 +102,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [tokens]
         positions: torch.Tensor,  # [tokens]
-        kv_caches: torch.Tensor,  # [layers, slots, 2, kv_heads, head_dim]
-        meta: AttentionMetadata,
+        kv_caches: torch.Tensor | None,  # [layers, slots, 2, kv_heads, head_dim]
+        meta: AttentionMetadata | None,  # None (with kv_caches): the step's, from `step_metadata` (compiled)
         on_layer: Callable[[int], None] | None = None,  # told each layer's index once its KV is written
     ) -> torch.Tensor:  # [tokens, hidden]
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary(positions)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, cos_sin, kv_cache, meta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, None if kv_caches is None else kv_caches[i], meta)
             if on_layer is not None:
                 on_layer(i)
         return self.norm(x)

@@ -25,6 +25,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"must be in [1, {1 << 20}], got {text}")
+    return value
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model the workers serve (for its tokenizer and limits)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
@@ -37,7 +44,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays registered without a heartbeat")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
+    p.add_argument("--max-queued-requests", type=_count, default=1024,
                    help="requests the router holds at once; past it clients get 429")
     p.add_argument("--queue-timeout", type=_seconds, default=300.0,
                    help="seconds an admitted request waits for a worker with room in its queue before a 503")

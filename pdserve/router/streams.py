@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -21,6 +22,8 @@ from pdserve.router.policy import RunningStream
 _END = object()
 _ALIVE = object()  # a worker's keep-alive line
 INBOX_LINES = 256  # output lines held per request before the worker is made to wait (slow clients)
+
+log = logging.getLogger("pdserve.router")
 
 
 class WorkerLost(Exception):
@@ -65,8 +68,9 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
     """The output lines of one `/v1/generate` call. Raises what the call raised, `WorkerLost`
     when the reaper says so or the worker says nothing (workers send an empty line every few
     seconds while a request waits) for `silence_s`, and APIError for a worker's refusal, its
-    error line, or a request the worker's engine failed. Leaving early closes the call, which
-    aborts the request on the worker."""
+    error line, or a request the worker's engine failed. Leaving early closes the call and tells
+    the worker to abort the request (`/v1/abort`): the closed connection alone reaches a busy
+    worker late, or not at all."""
     inbox = live.inbox = asyncio.Queue()  # lines, and the reaper's WorkerLost, which never waits
     room = asyncio.Semaphore(INBOX_LINES)  # lines not yet read: a slow client makes the worker wait
 
@@ -83,6 +87,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
             inbox.put_nowait(e)
 
     task = asyncio.create_task(pump())
+    ended = False
     try:
         while True:
             item = await get_within(inbox, silence_s)
@@ -91,6 +96,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
             if item is _ALIVE or isinstance(item, dict):
                 room.release()
             if item is _END:
+                ended = True
                 return
             if item is _ALIVE:
                 continue
@@ -105,6 +111,8 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+        if not ended:
+            abort_on_worker(http, url, body["request_id"], headers)
 
 
 def _parse(line: str) -> dict | object:
@@ -128,6 +136,23 @@ async def get_within(queue: asyncio.Queue, timeout: float):
             return await queue.get()
     except TimeoutError:
         return None
+
+
+_aborts: set[asyncio.Task] = set()  # in flight; held so that none is collected before it ends
+
+
+def abort_on_worker(http: httpx.AsyncClient, url: str, request_id: str, headers: dict) -> None:
+    """Tell a worker to drop a request, in the background (idempotent there; a failure only logged:
+    a worker that cannot be reached has dropped it anyway, or the reaper will drop the worker)."""
+    async def send() -> None:
+        try:
+            await http.post(url + "/v1/abort", json={"request_id": request_id}, headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            log.info("abort of %s on %s failed: %s", request_id, url, e)
+
+    task = asyncio.get_running_loop().create_task(send())
+    _aborts.add(task)
+    task.add_done_callback(_aborts.discard)
 
 
 def worker_error(status: int, raw: bytes) -> APIError:

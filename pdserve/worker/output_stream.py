@@ -49,8 +49,13 @@ class OutputStream:
         self.overflowed = False
 
     def sink(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: never blocks."""
-        self._loop.call_soon_threadsafe(self._put, item)
+        """Engine thread: never blocks. After the server's loop has closed (the worker is stopping)
+        nobody reads: the item is dropped."""
+        try:
+            self._loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         if self.overflowed:

@@ -20,9 +20,9 @@ import itertools
 import json
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pdserve.http_clients import ClientGone, unless_disconnected
+from pdserve.http_clients import ClientGone, ClosingStreamingResponse, unless_disconnected
 from pdserve.http_errors import error, install_error_handlers, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.kv_transfer.base import TransferError
@@ -65,7 +65,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
 
         lines = stream.lines(KEEPALIVE_S, lambda: worker.healthy)
         if body.stream:
-            return StreamingResponse(lines, media_type="application/x-ndjson")
+            return ClosingStreamingResponse(lines, media_type="application/x-ndjson")
 
         async def collect() -> list[dict]:
             async with contextlib.aclosing(lines) as items:  # leaving early aborts the request

@@ -303,3 +303,32 @@ def test_a_client_that_stops_reading_is_dropped():
     finally:
         sock.close()
         server.stop()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_client_that_leaves_aborts_its_request_on_the_worker(cluster, n, monkeypatch):
+    """The router tells the worker (`/v1/abort`), not only by closing its connection, which a busy
+    worker in another process noticed late or never; the engine is held while the client leaves,
+    so the request cannot finish first."""
+    from pdserve.router import streams
+
+    w = cluster["d"].worker
+    sent, real = [], streams.abort_on_worker
+    monkeypatch.setattr(streams, "abort_on_worker", lambda *a: (sent.append(a[2]), real(*a)))
+    before = w.stats()["requests_aborted"]
+    gate = threading.Event()
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": n}
+    try:
+        with httpx.Client(timeout=60) as client, client.stream("POST", cluster["url"] + "/v1/completions",
+                                                               json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    w.loop.call(lambda: gate.wait(30))  # the request cannot run on while its client leaves
+                    break
+        wait_for(lambda: sent, what="the router's abort")
+    finally:
+        gate.set()
+    wait_for(lambda: w.stats()["requests_aborted"] > before, what="the abort on the worker")
+    wait_for(cluster["d"].is_idle, what="idle decode worker")
+    assert sent[0].endswith("-0")

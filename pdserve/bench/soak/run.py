@@ -89,11 +89,14 @@ def server_log(path: Path, keep: int = 40) -> dict:
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
-    """`--serve-args`, with float32 unless they name a dtype: greedy answers are compared exactly,
-    and bfloat16 CPU kernels are not batch-invariant (three greedy sequences batched together give
-    another text than one alone), so at that precision a right answer under load can differ."""
+    """`--serve-args`, with float32 unless they name a dtype (greedy answers are compared exactly,
+    and bfloat16 CPU kernels are not batch-invariant: three greedy sequences batched together give
+    another text than one alone, so at that precision a right answer under load can differ), and
+    the router's queue limit `--router-queue`."""
     extra = args.serve_args.split()
-    return extra if "--dtype" in extra else ["--dtype", "float32", *extra]
+    if "--dtype" not in extra:
+        extra = ["--dtype", "float32", *extra]
+    return [*extra, "--max-queued-requests", str(args.router_queue)]
 
 
 def run_traffic(target: Target, ledger: Ledger, args: argparse.Namespace) -> list[str]:
@@ -174,9 +177,6 @@ def soak(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.router.policy import Admission
-
-    queue_limit = Admission().max_requests  # the router's default bound on requests it holds
     p = argparse.ArgumentParser(prog="pdserve bench soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="the cluster's model (default: SmolLM2-135M-Instruct)")
@@ -194,19 +194,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a request may take before it is a hang (the router holds an admitted request up to 300 s)")
     p.add_argument("--stall-hold", type=float, default=40.0,
                    help="seconds a stalled reader holds its stream (the router drops one stalled for 30 s)")
-    p.add_argument("--burst-size", type=int, default=queue_limit + 64,
-                   help=f"requests at once in a burst (default: the router's queue limit {queue_limit} + 64)")
+    p.add_argument("--router-queue", type=int, default=256,
+                   help="the router's queue limit (--max-queued-requests): what this machine can serve within "
+                        "--action-timeout under the rest of the mix (the router's own default, 1024, suits more cores)")
+    p.add_argument("--burst-size", type=int, default=None,
+                   help="requests at once in a burst (default: the router's queue limit + 64, so some get 429)")
     p.add_argument("--burst-max-tokens", type=int, default=4, help="output tokens of each burst request")
     p.add_argument("--burst-gap", type=float, default=60.0, help="seconds at least between two bursts' starts")
     p.add_argument("--result-json", default="results/bench_soak.json")
     p.add_argument("--plot-dir", default="results/plots")
     p.add_argument("--server-log", default="results/bench_soak_server.log", help="the cluster's stderr")
     args = p.parse_args(argv)
+    if args.burst_size is None:
+        args.burst_size = args.router_queue + 64
     for name in ("duration", "action_timeout", "grace"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.concurrency < 1 or args.burst_size < 1 or args.burst_max_tokens < 1:
-        p.error("--concurrency, --burst-size and --burst-max-tokens must be >= 1")
+    if min(args.concurrency, args.burst_size, args.burst_max_tokens, args.router_queue) < 1:
+        p.error("--concurrency, --burst-size, --burst-max-tokens and --router-queue must be >= 1")
     if args.stall_hold < 0 or args.burst_gap < 0:
         p.error("--stall-hold and --burst-gap must be >= 0")
     try:
