@@ -5,6 +5,8 @@
    - colocated: one worker doing prefill and decode on all cores;
    - disaggregated: one prefill and one decode worker, the cores split between them;
    - replicas: two colocated workers, the cores split.
+   With `--peer-url [NAME=]URL`, servers already running (vLLM for CPU, SGLang, another pdserve)
+   are measured too, each as one more row: the same prompts, loads and targets.
 2. Run the same seeded workload sweep against each (the `pdserve bench` runner), sampling the
    memory of the router and workers (proportional set size: shared pages count once), then stop
    the cluster.
@@ -24,9 +26,13 @@ from pathlib import Path
 
 from pdserve.bench.host_cpu import NOISY_OTHERS_CORES, noisy
 from pdserve.bench.local_cluster import LocalCluster
+from pdserve.bench.peer import parse_peer, peer_pids
 from pdserve.bench.procmem import memory_mib
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
+from pdserve.credentials import add_secret_args, read_secret
+
+PEER_KEY_ENV = "PDSERVE_PEER_API_KEY"
 
 CONFIGS = {
     "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"],
@@ -35,32 +41,51 @@ CONFIGS = {
 }
 
 
-def total_memory_mib(cluster: LocalCluster) -> float:
-    """The cluster's memory: router and workers, shared pages counted once."""
-    return sum(m for pid in cluster.pids.values() if (m := memory_mib(pid)) == m)  # NaN: a process that is gone
+def total_memory_mib(pids: list[int]) -> float:
+    """A server's memory: all its processes, shared pages counted once."""
+    return sum(m for pid in pids if (m := memory_mib(pid)) == m)  # NaN: a process that is gone
 
 
 def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
     print(f"[bench compare] starting {name}", file=sys.stderr, flush=True)
     cluster = LocalCluster(args.model, ["--pin-cpus", *CONFIGS[name], *args.serve_args.split()])
+    try:
+        result, records = measure(name, cluster.url, [cluster.proc.pid, *cluster.pids.values()], args, points)
+    finally:
+        cluster.stop()
+    return {**result, "processes": cluster.ready["processes"]}, records
+
+
+def run_peer(name: str, url: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
+    pids = peer_pids(url)
+    print(f"[bench compare] {name}: {url}" + (f" (processes {pids})" if pids else " (not on this machine)"),
+          file=sys.stderr, flush=True)
+    result, records = measure(name, url, pids, argparse.Namespace(**{**vars(args), "api_key": args.peer_key}), points)
+    return {**result, "url": url, "processes": [{"pid": pid} for pid in pids]}, records
+
+
+def measure(name: str, url: str, pids: list[int], args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
+    """The sweep against a server at `url`, and the peak memory of its processes `pids` (None if
+    none are known)."""
     peak, done = [0.0], threading.Event()
 
     def sample() -> None:
-        while not done.wait(0.25):
-            peak[0] = max(peak[0], total_memory_mib(cluster))
+        while True:  # from the start: a short sweep may end before the first wait does
+            peak[0] = max(peak[0], total_memory_mib(pids))
+            if done.wait(0.25):
+                return
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        info = server_info(cluster.url)
+        info = server_info(url, args.api_key)
         spec = spec_from_args(args, args.vocab_size or int(info.get("vocab_size") or 256))
-        runs, records = sweep(cluster.url, info["id"], spec, points, args, label=f"{name}: ",
-                              server_pids=[cluster.proc.pid, *cluster.pids.values()])
+        model = info["id"] if name in CONFIGS or not args.peer_model else args.peer_model
+        runs, records = sweep(url, model, spec, points, args, label=f"{name}: ", server_pids=pids or None)
     finally:
         done.set()
         sampler.join()
-        cluster.stop()
-    return {"runs": runs, "memory_mib_peak": peak[0], "processes": cluster.ready["processes"],
+    return {"runs": runs, "memory_mib_peak": peak[0] if pids else None, "model": model,
             "workload": spec.describe()}, records
 
 
@@ -76,10 +101,11 @@ def table(results: dict[str, dict]) -> str:
                 ratio = f"{s['goodput'] / base['runs'][i]['goodput']:.2f}x"
             f = lambda d: "-" if d["mean"] is None else f"{d['mean']:.0f} / {d['p99']:.0f}"  # noqa: E731
             mark = " (noisy)" if noisy(s.get("host_cpu")) else ""
+            memory = "-" if res["memory_mib_peak"] is None else f"{res['memory_mib_peak']:.0f}"
             lines.append(f"| {name} | {load}{mark} | {s['completed']}/{s['num_requests']} "
                          f"| {s['output_throughput']:.1f} "
                          f"| {f(s['ttft'])} | {f(s['tpot'])} | {s['goodput']:.3f} | {s['sla_attainment_pct']:.0f} "
-                         f"| {ratio} | {res['memory_mib_peak']:.0f} |")
+                         f"| {ratio} | {memory} |")
     if any(noisy(s.get("host_cpu")) for res in results.values() for s in res["runs"]):
         lines.append(f"\n(noisy): other processes on this machine took more than {NOISY_OTHERS_CORES} cores while "
                      "that point ran (`host_cpu` in the JSON); measure it again on a quiet machine.")
@@ -96,22 +122,34 @@ def main(argv: list[str] | None = None) -> int:
     # the long-prompt workload where prefill and decode interfere
     p.set_defaults(input_len="1024+-128", output_len="64", num_requests=24, request_rate="0.1,0.2,0.3,0.4",
                    ttft_slo=8000.0, tpot_slo=100.0)
+    p.add_argument("--peer-url", action="append", default=[], metavar="[NAME=]URL",
+                   help="an OpenAI-compatible server already running (vLLM, SGLang, ...) measured with the same "
+                        "sweep, as one more row; repeatable")
+    p.add_argument("--peer-model", default=None, help="the model name to ask peers for (default: their first)")
+    add_secret_args(p, "peer-api-key", PEER_KEY_ENV, "the peers' API key")
     p.add_argument("--result-json", default="results/bench_compare.json")
     p.add_argument("--plot-dir", default="results/plots")
     args = p.parse_args(argv)
     args.api_key = ""  # clusters started here ask for no key
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
-    if bad or not names:
+    if bad or not (names or args.peer_url):
         p.error(f"--configs takes {', '.join(CONFIGS)}; got {args.configs!r}")
     try:
         points = load_points(args.request_rate, args.concurrency)
+        peers = dict(parse_peer(text, i) for i, text in enumerate(args.peer_url))
+        args.peer_key = read_secret(args.peer_api_key_file, PEER_KEY_ENV)
     except ValueError as e:
         p.error(str(e))
+    if len(peers) != len(args.peer_url) or set(peers) & set(CONFIGS):
+        p.error("peers need names of their own, none of " + ", ".join(CONFIGS))
     results, records = {}, {}
     for name in names:
         results[name], records[name] = run_config(name, args, points)
-    settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "serve_args": args.serve_args,
+    for name, url in peers.items():
+        results[name], records[name] = run_peer(name, url, args, points)
+    settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "peers": peers,
+                "serve_args": args.serve_args,
                 "dtype": _dtype(args.serve_args),
                 "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
                 "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}

@@ -32,3 +32,25 @@ def test_compare_runs_every_configuration(tmp_path, capsys):
     assert table.count("| colocated |") == 2 and "vs colocated" in table
     assert (plots / "compare_goodput_vs_load.png").exists()
     assert len(list(plots.glob("compare_cdf_*.png"))) == 2
+
+
+@pytest.mark.slow
+def test_a_running_server_is_compared_as_a_peer(tmp_path, capsys):
+    from pdserve.bench.local_cluster import LocalCluster
+
+    peer = LocalCluster("tiny", ["--dtype", "float32", "--prefill", "0", "--decode", "0", "--colocated", "1"])
+    try:
+        out = tmp_path / "c.json"
+        code = main(["--model", "tiny", "--configs", "colocated", "--serve-args", "--dtype float32",
+                     "--peer-url", f"other={peer.url}", "--num-requests", "4", "--request-rate", "inf",
+                     "--concurrency", "2", "--input-len", "200", "--output-len", "6", "--result-json", str(out),
+                     "--plot-dir", str(tmp_path / "plots")])
+    finally:
+        peer.stop()
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert list(result["results"]) == ["colocated", "other"] and result["settings"]["peers"] == {"other": peer.url}
+    other = result["results"]["other"]
+    assert [p["pid"] for p in other["processes"]][0] == peer.pids["router"]
+    assert other["memory_mib_peak"] > 0 and all(r["completed"] == 4 for r in other["runs"])
+    assert "| other | 2" in capsys.readouterr().out  # its row (marked "(noisy)" when a neighbour was busy)
