@@ -17,7 +17,6 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -42,6 +41,7 @@ from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, He
 from pdserve.router.registry import RegistrationError, Registry, WorkerEntry
 from pdserve.router.responses import serve
 from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, worker_lines
+from pdserve.router.waiting_line import WaitingLine
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -84,7 +84,7 @@ class Router:
         self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
-        self._room_waiters: collections.deque[asyncio.Future] = collections.deque()  # waiting for a worker with room
+        self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
         self._relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
 
     # -- choosing workers -----------------------------------------------------------------------
@@ -189,7 +189,7 @@ class Router:
 
                 def let_go() -> None:
                     if held:
-                        self._release(held.pop(), live.n)
+                        self.line.release(held.pop(), live.n)
                 body = {"request_id": live.worker_request_id, "prompt_token_ids": prompt_ids,
                         "output_token_ids": list(generated), "sampling": sampling, "priority": priority,
                         "prefill_url": p.url if p is not None else None}
@@ -247,44 +247,13 @@ class Router:
 
     async def _route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
                                deadline: float) -> tuple[Any, Any]:
-        """Wait in line (first come, first served) until a decode worker has room; 503 at `deadline`."""
+        """Wait in line until a decode worker has room; 503 at `deadline`."""
         self.metrics.requeued.inc()
-        turn = asyncio.get_running_loop().create_future()
-        self._room_waiters.append(turn)
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise NoRoom()
-                with contextlib.suppress(NoRoom):
-                    return self.route(prompt_ids, exclude, sequences)
-                # woken in turn when a sequence ends; every second anyway (heartbeats bring new workers
-                # and capacities)
-                turn = self._renew_turn(turn)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(turn), min(1.0, remaining))
-        finally:
-            with contextlib.suppress(ValueError):
-                self._room_waiters.remove(turn)
-            self._wake_next()
 
-    def _renew_turn(self, turn: asyncio.Future) -> asyncio.Future:
-        if not turn.done():
-            return turn
-        fresh = asyncio.get_running_loop().create_future()
-        self._room_waiters[self._room_waiters.index(turn)] = fresh
-        return fresh
-
-    def _release(self, worker: Any, sequences: int) -> None:
-        """`sequences` of this router's ended on `worker`: the first request waiting for room may go."""
-        worker.in_flight = max(0, worker.in_flight - sequences)
-        self._wake_next()
-
-    def _wake_next(self) -> None:
-        for turn in self._room_waiters:
-            if not turn.done():
-                turn.set_result(None)
-                return
+        def attempt() -> tuple[Any, Any] | None:
+            d, p = self._route_or_none(prompt_ids, exclude, sequences)
+            return None if d is None else (d, p)
+        return await self.line.wait(attempt, deadline, NoRoom)
 
     @property
     def _worker_headers(self) -> dict[str, str]:

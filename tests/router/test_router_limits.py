@@ -133,7 +133,7 @@ def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llam
         statuses = asyncio.run(burst())
         assert statuses == [200] * 16
         assert not refused and most[0] <= 3
-        assert entry.in_flight == 0 and not router._room_waiters and router.admission.requests == 0
+        assert entry.in_flight == 0 and not router.line and router.admission.requests == 0
         wait_for(d.is_idle, what="idle decode worker")
     finally:
         member.stop()
