@@ -179,7 +179,7 @@ class Router:
         generated: list[int] = []
         started = False
         deadline, backoff = time.monotonic() + self.config.queue_timeout_s, 0.05
-        d, p = self._route_or_none(prompt_ids, frozenset(), live.n)
+        d, p = self._route_or_none(prompt_ids, frozenset(), live.n) or (None, None)
         try:
             for attempt in itertools.count():
                 if d is None:  # every worker is full: wait here for room
@@ -218,7 +218,7 @@ class Router:
                     let_go()
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff = min(2 * backoff, 1.0)
-                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n)
+                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)
                 except (httpx.HTTPError, WorkerLost) as e:
                     log.warning("request %s: decode worker %s failed: %s: %s", request_id, d.url, type(e).__name__, e)
                     migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
@@ -231,7 +231,7 @@ class Router:
                         self.drop_worker(d.worker_id, "it failed a request")
                     live.move_to = None
                     let_go()
-                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n)
+                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)
                     if started:
                         self.metrics.migrations.labels("failure").inc()
                 finally:
@@ -239,21 +239,18 @@ class Router:
         finally:
             self.live.pop(request_id, None)
 
-    def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int) -> tuple[Any, Any]:
+    def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
+                       ) -> tuple[Any, Any] | None:
         try:
             return self.route(prompt_ids, exclude, sequences)
         except NoRoom:
-            return None, None
+            return None
 
     async def _route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
                                deadline: float) -> tuple[Any, Any]:
         """Wait in line until a decode worker has room; 503 at `deadline`."""
         self.metrics.requeued.inc()
-
-        def attempt() -> tuple[Any, Any] | None:
-            d, p = self._route_or_none(prompt_ids, exclude, sequences)
-            return None if d is None else (d, p)
-        return await self.line.wait(attempt, deadline, NoRoom)
+        return await self.line.wait(lambda: self._route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
 
     @property
     def _worker_headers(self) -> dict[str, str]:

@@ -79,6 +79,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
             async with http.stream("POST", url + "/v1/generate", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     raise worker_error(r.status_code, await r.aread())
+                taken.set()
                 async for line in r.aiter_lines():
                     await room.acquire()
                     inbox.put_nowait(_parse(line))
@@ -86,6 +87,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
         except BaseException as e:  # handed over to the reader
             inbox.put_nowait(e)
 
+    taken = asyncio.Event()  # the worker took the request (answered 200): it has something to abort
     task = asyncio.create_task(pump())
     ended = False
     try:
@@ -111,7 +113,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        if not ended:
+        if taken.is_set() and not ended:
             abort_on_worker(http, url, body["request_id"], headers)
 
 
