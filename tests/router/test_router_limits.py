@@ -261,7 +261,8 @@ def test_metrics_show_each_workers_pool(cluster):
         assert f"pdserve_worker_{name}{{" in text
 
 
-@pytest.mark.parametrize("stats", [{"running": "many"}, {"kv_blocks_total": 0}, {"running": -1},
+@pytest.mark.parametrize("stats", [{"running": "many"}, {"kv_blocks_total": 0}, {"running": -1}, {"capacity": -1},
+                                   {"capacity": 1 << 41},
                                    {"step_latency_ewma_ms": 1e300}, {"x" * 100: 1}, {"nested": {"a": 1}}])
 def test_a_heartbeat_with_bad_stats_is_refused(cluster, stats):
     router = cluster["router"]
