@@ -33,8 +33,11 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
 
 
 def build_model(
-    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+    pack_weights: bool = True,
 ) -> LlamaForCausalLM:
+    """`pack_weights=False` keeps unquantized matmul weights as plain parameters (a compiled graph
+    freezes and packs them itself)."""
     cfg = ArchConfig.from_hf_config(ckpt.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -81,7 +84,8 @@ def build_model(
     model.rotary.to(device).cast_(dtype)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     assert not left_on_meta, f"parameters never loaded: {left_on_meta}"
-    _pack_matmul_weights(model, dtype, quantization)
+    if pack_weights or quantization:
+        _pack_matmul_weights(model, dtype, quantization)
     return model.eval()
 
 
