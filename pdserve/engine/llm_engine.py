@@ -84,7 +84,7 @@ class LLMEngine:
             config.max_queue_wait_s if config.shortest_prompt_first else None,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
-                                  compile_decode=config.compile_decode, max_decode_rows=config.max_num_seqs)
+                                  compile_decode=config.compile_decode)
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, tuple[_Parent, _Sequence]] = {}  # by engine request id
         self._aborted: list[RequestOutput] = []

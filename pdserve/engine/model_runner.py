@@ -29,7 +29,6 @@ class ModelRunner:
         seed: int,
         kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         compile_decode: bool = False,
-        max_decode_rows: int = 64,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -42,7 +41,7 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(seed)
-        self.compiled = CompiledDecode(model, self.kv_cache, max_decode_rows) if compile_decode else None
+        self.compiled = CompiledDecode(model, self.kv_cache) if compile_decode else None
 
     @torch.inference_mode()
     def forward(
