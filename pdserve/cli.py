@@ -35,10 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["int4"], default=None,
                    help="int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files")
     g.add_argument("--compile-decode", action="store_true",
-                   help="run decode steps as compiled graphs, one per padded batch size (torch.compile with "
-                        "C++ GEMM templates on CPU: ~1.3x the batch-1 decode of eager bfloat16); each size "
-                        "compiles in the background the first time a step needs it (a minute or two on a "
-                        "small CPU), its steps running eager meanwhile")
+                   help="run decode steps as compiled graphs (torch.compile with C++ GEMM templates on CPU: "
+                        "1.15-1.3x the decode of eager bfloat16 from batch 1 to 16); a worker compiles them "
+                        "before it takes requests (a few minutes on a small CPU, every start)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -46,6 +46,7 @@ BYTE_COUNT = (
     "weight once (all layers and lm_head; one embedding row is ignored) plus each request's K and V "
     "for its whole context (mean context over the timed steps)."
 )
+COMPILED = "bfloat16_compiled"  # the default model's bfloat16 engine with compiled decode graphs
 LLAMA_CPP_NOTE = (
     "llama.cpp computes on the GGUF's quantized weights as they are (Q4_1: ~5 bits per weight); ours "
     "dequantizes them to the dtype at load, so it reads ~3x (bfloat16) or ~6x (float32) the bytes per token."
@@ -226,8 +227,10 @@ def _line(label: str, row: dict[str, Any], key: str, unit: str, pct: str | None 
 # -- the default model: ours vs llama.cpp ------------------------------------------------------
 
 
-def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: int) -> dict[str, Any]:
-    """Batch-1 decode of the default GGUF model: ours at each dtype of `limits`, and llama.cpp."""
+def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: int,
+                        compiled: bool = False) -> dict[str, Any]:
+    """Batch-1 decode of the default GGUF model: ours at each dtype of `limits` (and with `compiled`,
+    bfloat16 with compiled decode graphs), and llama.cpp."""
     from pdserve.models.default_model import default_model_path
 
     try:
@@ -239,6 +242,11 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
     engines = {dtype: LLM(str(path), dtype=dtype, kv_cache_memory="256MiB") for dtype in limits}
     if "bfloat16" in limits:  # 4-bit weights (the file's own Q4_1 values), bfloat16 activations
         engines["int4"] = LLM(str(path), dtype="bfloat16", quantization="int4", kv_cache_memory="256MiB")
+    if compiled and "bfloat16" in limits:
+        _log("default model: compiling the decode graphs (minutes)")
+        engines[COMPILED] = LLM(str(path), dtype="bfloat16", kv_cache_memory="256MiB", compile_decode=True)
+        if not engines[COMPILED].engine.runner.compiled.warm_up():
+            raise RuntimeError("the decode graphs did not compile; see the log")
     cfg = next(iter(engines.values())).engine.model_config
     one = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
     prompts = make_workload(one, cfg.vocab_size, seed).decode[1]  # [warm-up, rep 1, ...], batches of one
@@ -262,7 +270,8 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
             kv_bytes = decode_step_bytes(cfg, 2, 1, mean_context) - decode_step_bytes(cfg, 2, 1, 0)
             step_bytes = decode_step_bytes(cfg, 1, 1, 0) * (0.5 + 4 / 32) + kv_bytes
         else:
-            step_bytes = decode_step_bytes(cfg, torch_dtype(dtype).itemsize, 1, mean_context)
+            itemsize = torch_dtype("bfloat16" if dtype == COMPILED else dtype).itemsize
+            step_bytes = decode_step_bytes(cfg, itemsize, 1, mean_context)
         tokens_per_s = _rate(steps, seconds[dtype])
         result[dtype] = {"ours": {"seconds": seconds[dtype], "tokens": steps, "tokens_per_s": tokens_per_s,
                                   "mbu_pct": 100 * step_bytes * tokens_per_s / 1e9 / m.read_gbs}}
@@ -305,7 +314,7 @@ def demo_model_path() -> Path:
 
 
 def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_hf: bool = True,
-        with_default_model: bool = True) -> dict[str, Any]:
+        with_default_model: bool = True, compiled: bool = False) -> dict[str, Any]:
     """Every section in turn; returns what the JSON holds."""
     started = time.time()
     torch.manual_seed(seed)
@@ -338,7 +347,7 @@ def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_h
         results["dtypes"][dtype] = {"machine": asdict(m)}
         results["dtypes"][dtype] |= bench_dtype(model_path, dtype, sizes, workload, m, with_hf)
     if with_default_model:
-        results["default_model"] = bench_default_model(limits, sizes, seed)
+        results["default_model"] = bench_default_model(limits, sizes, seed, compiled)
     results["peak_rss_bytes"] = peak_rss_bytes()
     results["environment"]["load_average_end"] = os.getloadavg()
     results["wall_seconds"] = time.time() - started
@@ -355,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare with transformers (default: on)")
     parser.add_argument("--default-model", action=argparse.BooleanOptionalAction, default=True,
                         help="also bench the default GGUF model against llama.cpp (default: on)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="add the default model in bfloat16 with compiled decode graphs (compiles for minutes)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -374,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = list(dict.fromkeys(args.dtype or DTYPES))
     results = run(model_path, dtypes, QUICK if args.quick else FULL, args.seed, args.transformers,
-                  args.default_model)
+                  args.default_model, args.compile_decode)
     results["quick"] = args.quick
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -66,7 +66,8 @@ class LLMEngine:
         ckpt = load_checkpoint(config.model)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
-        model = build_model(ckpt, self.dtype, device, config.quantization, pack_weights=not config.compile_decode)
+        compile_decode = config.compile_decode and config.role != "prefill"  # a prefill worker never decodes
+        model = build_model(ckpt, self.dtype, device, config.quantization, pack_weights=not compile_decode)
         self.max_model_len = self._max_model_len(config)
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype)
         if num_blocks < 1:
@@ -84,7 +85,7 @@ class LLMEngine:
             config.max_queue_wait_s if config.shortest_prompt_first else None,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
-                                  compile_decode=config.compile_decode)
+                                  compile_decode=compile_decode)
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, tuple[_Parent, _Sequence]] = {}  # by engine request id
         self._aborted: list[RequestOutput] = []

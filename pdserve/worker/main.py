@@ -70,6 +70,10 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
         record_steps=args.record_steps,
     )
+    compiled = worker.engine.runner.compiled
+    if compiled is not None:  # ready means at full speed: no compile competes with requests for the cores
+        logging.getLogger("pdserve.worker").info("compiling the decode graphs before taking requests")
+        compiled.warm_up()
     worker.start()
     sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
