@@ -114,7 +114,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags as given, for a child process (`--model` and `--threads` excepted)."""
+    """The engine flags as given, for a child process (`--model` and `--threads` excepted: the
+    launcher sets each worker's threads, `--threads` where given, else its share of the cores)."""
     argv = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
             "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]

@@ -90,6 +90,11 @@ def _cpu_shares(num_workers: int) -> list[list[int]]:
     return [cpus[(i * share) % len(cpus):][:share] or cpus[:share] for i in range(num_workers)]
 
 
+def _threads(args: argparse.Namespace, share: list[int]) -> int:
+    """Torch threads of a worker: `--threads` where given, else one per core of its share."""
+    return getattr(args, "threads", None) or len(share)
+
+
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.colocated
     if not roles:
@@ -115,7 +120,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         shares = _cpu_shares(len(roles))
         for i, role in enumerate(roles):
             argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
-                    "--transfer", args.transfer, "--threads", str(len(shares[i])), *engine_argv]
+                    "--transfer", args.transfer, "--threads", str(_threads(args, shares[i])), *engine_argv]
             if args.record_steps:
                 Path(args.record_steps).mkdir(parents=True, exist_ok=True)
                 argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]

@@ -63,3 +63,12 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_threads_flag_wins_over_the_share_of_cores():
+    from argparse import Namespace
+
+    from pdserve.launcher import _threads
+
+    assert _threads(Namespace(threads=1), [0, 1]) == 1
+    assert _threads(Namespace(threads=None), [0, 1]) == 2
