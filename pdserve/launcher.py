@@ -92,7 +92,7 @@ def _cpu_shares(num_workers: int) -> list[list[int]]:
 
 def _threads(args: argparse.Namespace, share: list[int]) -> int:
     """Torch threads of a worker: `--threads` where given, else one per core of its share."""
-    return getattr(args, "threads", None) or len(share)
+    return args.threads or len(share)
 
 
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:

@@ -134,15 +134,11 @@ _library.define("paged_attention(Tensor q, Tensor kv, int layer, float scale) ->
 
 def _paged_attention_of_step(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """`paged_attention` of one layer with the metadata and cache of the step running on this thread.
-    Rows past the step's tokens pad the batch to a compiled size: they get zeros and write no KV."""
+    A step of no real token (the run that compiles a graph) gets zeros and writes no KV."""
     meta, kv_caches = _step.state
-    rows = meta.slot_mapping.numel()
-    if rows == q.shape[0]:
-        return paged_attention(q, kv, kv_caches[layer], meta, scale)
-    out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    if rows:
-        out[:rows] = paged_attention(q[:rows], kv[:rows], kv_caches[layer], meta, scale)
-    return out
+    if not meta.slot_mapping.numel():
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    return paged_attention(q, kv, kv_caches[layer], meta, scale)
 
 
 _library.impl("paged_attention", _paged_attention_of_step, "CompositeExplicitAutograd")
