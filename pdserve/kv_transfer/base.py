@@ -13,13 +13,11 @@ The interface is non-blocking on both sides:
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pdserve.models.arch_config import ArchConfig
+from pdserve.models.arch_config import ArchConfig, model_fingerprint
 
 
 class TransferError(RuntimeError):
@@ -69,12 +67,6 @@ class KVLayout:
             )
         if self != other:
             raise TransferError(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
-
-
-def model_fingerprint(cfg: ArchConfig) -> str:
-    """A hash of the architecture config: workers that disagree on it must not share KV."""
-    blob = json.dumps(asdict(cfg), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()
 
 
 @dataclass(slots=True)

@@ -9,7 +9,9 @@ is refused, never dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.models.rope_config import RopeScaling, read_rope
@@ -173,3 +175,10 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def model_fingerprint(cfg: ArchConfig) -> str:
+    """A hash of the architecture config: workers that disagree on it must not share KV, and a
+    router admits only workers that serve its model."""
+    blob = json.dumps(asdict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()

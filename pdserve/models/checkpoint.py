@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pdserve.models.model_info import read_hf_info
 from pdserve.tokenizer import Tokenizer
 
 
@@ -36,13 +37,8 @@ class Checkpoint:
 
 def load_hf_dir(path: str | Path) -> Checkpoint:
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise ValueError(f"{path} is not a model directory: config.json not found")
-    hf_config = json.loads(config_file.read_text())
-    gen_file = path / "generation_config.json"
-    generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-    return Checkpoint(hf_config, _read_safetensors(path), Tokenizer.from_dir(path), generation_config)
+    info = read_hf_info(path)
+    return Checkpoint(info.hf_config, _read_safetensors(path), info.tokenizer, info.generation_config)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

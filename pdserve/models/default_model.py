@@ -14,10 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors import SafetensorError
+from typing import TYPE_CHECKING
 
-from pdserve.models.checkpoint import Checkpoint, load_hf_dir
-from pdserve.models.gguf_reader import load_gguf
+if TYPE_CHECKING:
+    from pdserve.models.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "gguf"
 
 
-def load_checkpoint_cached(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Checkpoint:
-    """`load_gguf`, with the result cached (float32, so it stays bit-exact) under `cache_dir`."""
+def cache_entry(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Where the converted checkpoint of `gguf_path` is (or would be) cached."""
     gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     # Size and mtime in the name: a replaced or re-downloaded file gets a fresh entry.
-    entry = root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def load_checkpoint_cached(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Checkpoint:
+    """`load_gguf`, with the result cached (float32, so it stays bit-exact) under `cache_dir`."""
+    from safetensors import SafetensorError
+
+    from pdserve.models.checkpoint import load_hf_dir
+    from pdserve.models.gguf_reader import load_gguf
+
+    entry = cache_entry(gguf_path, cache_dir)
     if entry.is_dir():
         try:
             return load_hf_dir(entry)

