@@ -7,6 +7,9 @@ import importlib
 import sys
 import time
 
+from pdserve.config import EngineConfig
+from pdserve.flags import add_flags, flag_argv, flag_kwargs
+
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about autumn.",
@@ -15,40 +18,13 @@ DEFAULT_PROMPTS = [
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or a preset: tiny, demo")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--device", default="cpu", help="cpu | cuda")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB, 2GiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--shortest-prompt-first", action="store_true",
-                   help="admit the shortest waiting prompt first (within a priority); see --max-queue-wait")
-    g.add_argument("--max-queue-wait", type=float, default=10.0,
-                   help="seconds after which a waiting request goes ahead of shorter ones")
-    g.add_argument("--quantization", choices=["int4"], default=None,
-                   help="int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files")
-    g.add_argument("--compile-decode", action="store_true",
-                   help="run decode steps as compiled graphs (torch.compile with C++ GEMM templates on CPU: "
-                        "1.15-1.3x the decode of eager bfloat16 from batch 1 to 16); a worker compiles them "
-                        "before it takes requests (a few minutes on a small CPU, every start)")
+    add_flags(p, EngineConfig, "engine")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads, seed=args.seed,
-        quantization=args.quantization, shortest_prompt_first=args.shortest_prompt_first,
-        max_queue_wait_s=args.max_queue_wait, compile_decode=args.compile_decode,
-    )
+    """EngineConfig's arguments from the engine flags, all but the model: the caller resolves it
+    (a preset or a download) where it loads it."""
+    return flag_kwargs(EngineConfig, args, skip=frozenset({"model"}))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -116,20 +92,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags as given, for a child process (`--model` and `--threads` excepted: the
     launcher sets each worker's threads, `--threads` where given, else its share of the cores)."""
-    argv = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
-            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed)]
-    if args.max_model_len:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    if args.quantization:
-        argv += ["--quantization", args.quantization]
-    if args.shortest_prompt_first:
-        argv += ["--shortest-prompt-first", "--max-queue-wait", str(args.max_queue_wait)]
-    if args.compile_decode:
-        argv.append("--compile-decode")
-    return argv
+    return flag_argv(EngineConfig, args, skip=frozenset({"model", "num_threads"}))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -75,6 +75,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.released : end]
         self.released = end
         return delta
-
-    def final_text(self) -> str:
-        return self.text

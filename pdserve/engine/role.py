@@ -16,10 +16,6 @@ if TYPE_CHECKING:
 
 
 class RoleHooks:
-    def can_schedule(self, request: Request) -> bool:
-        """May this waiting request be scheduled now?"""
-        return True
-
     def on_reserved(self, request: Request) -> None:
         """Blocks for a remote-prefill request's prompt were reserved (status WAITING_FOR_KV)."""
 
@@ -30,9 +26,6 @@ class RoleHooks:
 
     def after_execute(self, step: SchedulerOutput) -> None:
         """Called after the model ran a step, before its results are applied (and blocks freed)."""
-
-    def on_computed(self, request: Request, num_new_tokens: int) -> None:
-        """Called after a step computed KV for `num_new_tokens` more tokens of the request."""
 
     def on_finished(self, request: Request) -> None:
         """Called once, when the request reaches a finished status, before its blocks are freed."""

@@ -129,14 +129,10 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        skipped: list[Request] = []
         now = time.monotonic()
         while self.waiting and budget > 0 and self.num_live < self.max_num_seqs:
             i = self._next_waiting(now)
             req = self.waiting[i]
-            if not self.hooks.can_schedule(req):
-                skipped.append(self.waiting.pop(i))
-                continue
             if req.remote_prefill:
                 if not self._reserve(req):
                     break
@@ -157,8 +153,6 @@ class Scheduler:
             bisect.insort(self.running, req, key=Request.sort_key)
             scheduled.append((req, n))
             budget -= n
-        for req in skipped:
-            bisect.insort(self.waiting, req, key=Request.sort_key)
         return budget
 
     def _next_waiting(self, now: float) -> int:
@@ -255,8 +249,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             self.blocks.cache_full_blocks(req)
-            self.hooks.on_computed(req, n)
-            if req.num_computed_tokens < req.num_tokens or req.status != RequestStatus.RUNNING:
+            if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             assert token is not None
             req.output_token_ids.append(token)

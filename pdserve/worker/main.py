@@ -28,8 +28,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="decode: ask prefill workers to send KV quantized (tcp, nixl)")
     g.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="decode: seconds to wait for a prompt's KV before computing it here")
-    g.add_argument("--decode-headroom-tokens", type=int, default=64,
-                   help="decode: free KV a reservation must leave for generation")
     g.add_argument("--max-queued", type=int, default=256,
                    help="sequences waiting beyond a full batch (--max-num-seqs) before new requests are refused (503)")
     g.add_argument("--record-steps", default=None, metavar="PATH",
@@ -63,8 +61,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a prefill worker
     t0 = time.perf_counter()
     token, token_file = worker_token(args)
-    config = EngineConfig(model=resolve_model(args.model), role=args.role,
-                          decode_headroom_tokens=args.decode_headroom_tokens, **engine_kwargs)
+    config = EngineConfig(model=resolve_model(args.model), role=args.role, **engine_kwargs)
     worker = Worker(
         config, [t.strip() for t in args.transfer.split(",") if t.strip()], token, args.host, args.kv_port,
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
