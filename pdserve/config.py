@@ -1,15 +1,19 @@
-"""Engine configuration: plain dataclasses, validated where they are built."""
+"""Engine configuration: plain dataclasses, validated where they are built. torch is imported only
+where a dtype or device is resolved: the command line (and the router's process) reads this module
+without loading it."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.flags import flag
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -38,6 +42,8 @@ def _has_cpu_flag(flag: str) -> bool:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     name = _ALIASES.get(name, name)
@@ -47,10 +53,12 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if _has_cpu_flag("avx512_bf16") else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto, float32, bfloat16 or float16")
-    return _DTYPES[name]
+    return getattr(torch, name)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
+    import torch
+
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but this machine has no usable CUDA GPU")
@@ -100,7 +108,7 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of none, int4; got {self.quantization!r}")
-        if self.quantization == "int4" and torch.device(self.device).type != "cpu":
+        if self.quantization == "int4" and str(self.device).split(":")[0] != "cpu":
             raise ValueError("int4 weights use torch's CPU kernel; run them with device='cpu'")
         if self.decode_headroom_tokens < 0:
             raise ValueError("decode_headroom_tokens must not be negative")
