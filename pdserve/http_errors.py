@@ -32,6 +32,16 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return error_response(APIError(status, message, kind, param))
 
 
+async def message_body(request: Request, kind):
+    """The request's body as a wire message of `kind` (pdserve/wire.py), or a 400 naming the field."""
+    from pdserve.wire import BadMessage, decode
+
+    try:
+        return decode(await request.body(), kind)
+    except BadMessage as e:
+        raise APIError(400, str(e), param=e.field) from None
+
+
 def require_bearer(request: Request, secret: str, what: str = "bearer token") -> None:
     """Raises 401 unless the request carries `Authorization: Bearer <secret>` (no secret: open)."""
     if secret and not hmac.compare_digest(request.headers.get("authorization", "").encode(),

@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (workers: the router makes the text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,8 +74,10 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
-                           ("include_stop_str_in_output", self.include_stop_str_in_output)):
+                           ("include_stop_str_in_output", self.include_stop_str_in_output),
+                           ("detokenize", self.detokenize)):
             _check(isinstance(flag, bool), f"{name} must be true or false")
+        _check(self.detokenize or not self.stop, "stop strings need detokenize=True: they are found in the text")
 
     @property
     def greedy(self) -> bool:

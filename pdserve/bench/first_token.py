@@ -4,13 +4,13 @@ and what quantized transfer costs in accuracy, measured through real workers in 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from pdserve import wire
 from pdserve.kv_transfer.base import KVLayout
 
 
@@ -37,16 +37,18 @@ class _Pair:
         """(seconds to the first streamed token, all tokens) for one request to the decode worker."""
         import httpx
 
-        body = {"prompt_token_ids": tokens, "sampling": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
-                "prefill_url": self.p_http.url if disaggregated else None}
+        body = wire.GenerateRequest(prompt_token_ids=tokens, prefill_url=self.p_http.url if disaggregated else None,
+                                    sampling=wire.Sampling(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         t0 = time.perf_counter()
         ttft = None
         out: list[int] = []
-        with httpx.stream("POST", self.d_http.url + "/v1/generate", json=body, timeout=600) as r:
+        with httpx.stream("POST", self.d_http.url + "/v1/generate", content=wire.encode(body), timeout=600) as r:
             for line in r.iter_lines():
+                if not line.strip():
+                    continue  # a keep-alive
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                out += json.loads(line)["outputs"][0]["token_ids"]
+                out += wire.decode(line, wire.OutputLine).outputs[0].token_ids
         return ttft, out
 
     def close(self) -> None:
@@ -65,9 +67,9 @@ def ttft_comparison(model: str, dtype: str, backend: str, prompt_len: int, reps:
         for rep in range(reps):
             for disagg, sink in ((False, colocated), (True, disaggregated))[:: 1 if rep % 2 == 0 else -1]:
                 sink.append(pair.first_token(torch.randint(1, vocab, (prompt_len,), generator=g).tolist(), disagg)[0])
-        sent = pair.p.stats()["kv_bytes_sent"]
+        sent = pair.p.stats().kv_bytes_sent
         decode = pair.d.stats()
-        if decode["kv_recomputed"] or decode["kv_landed"] != reps + 1:
+        if decode.kv_recomputed or decode.kv_landed != reps + 1:
             raise RuntimeError(f"{backend}: the disaggregated runs did not all take their KV from prefill: {decode}")
     finally:
         pair.close()

@@ -34,7 +34,7 @@ PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"p
 @dataclass(slots=True)
 class _Sequence:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     index: int  # which of the parent's n completions
     num_tokens_sent: int = 0
 
@@ -151,10 +151,7 @@ class LLMEngine:
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
                           priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
                           output_token_ids=output_token_ids)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
-            for token in output_token_ids:
-                detokenizer.add(token)
-            detokenizer.released = len(detokenizer.text)  # the text of resumed tokens went out before
+            detokenizer = self._detokenizer(token_ids, output_token_ids, child_params)
             self._skip_draws(req, len(output_token_ids))
             parent.sequences.append(_Sequence(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))
         self._parents[request_id] = parent
@@ -330,7 +327,20 @@ class LLMEngine:
                 self._forget(parent)
         return outputs
 
+    def _detokenizer(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams
+                     ) -> IncrementalDetokenizer | None:
+        """None for a request that wants token ids only (a worker's: its router makes the text)."""
+        if not params.detokenize:
+            return None
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        for token in resumed:
+            detokenizer.add(token)
+        detokenizer.released = len(detokenizer.text)  # the text of resumed tokens went out before
+        return detokenizer
+
     def _detokenize(self, req: Request, seq: _Sequence) -> None:
+        if seq.detokenizer is None:
+            return
         seq.detokenizer.add(req.output_token_ids[-1])
         stop = seq.detokenizer.stop_string
         if stop is not None and not req.status.finished:
@@ -344,12 +354,16 @@ class LLMEngine:
         for seq in parent.sequences:
             req, detok = seq.request, seq.detokenizer
             finished = req.status.finished
-            delta_text = detok.take_delta(finished) if seq.index in changed or finished else ""
+            if detok is None:
+                text = delta_text = ""
+            else:
+                delta_text = detok.take_delta(finished) if seq.index in changed or finished else ""
+                text = detok.text[: detok.released]
             delta_ids = req.output_token_ids[seq.num_tokens_sent :]
             seq.num_tokens_sent = len(req.output_token_ids)
             completions.append(CompletionOutput(
                 index=seq.index,
-                text=detok.text[: detok.released],
+                text=text,
                 token_ids=list(req.output_token_ids),
                 finish_reason=req.status.finish_reason,
                 stop_reason=req.stop_reason,

@@ -17,11 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pdserve.errors import ModelMismatch, TransferError
 from pdserve.models.arch_config import ArchConfig, model_fingerprint
-
-
-class TransferError(RuntimeError):
-    """A transfer could not be set up or went wrong; the prompt is then recomputed on decode."""
 
 
 class TransferStatus(enum.IntEnum):
@@ -62,11 +59,11 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         if self.model_hash != other.model_hash:
-            raise TransferError(
+            raise ModelMismatch(
                 f"model mismatch: this worker serves model {self.model_hash[:12]}, the peer {other.model_hash[:12]}"
             )
         if self != other:
-            raise TransferError(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
+            raise ModelMismatch(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
 
 
 @dataclass(slots=True)

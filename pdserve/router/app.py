@@ -27,18 +27,19 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 from fastapi.responses import Response
 
-from pdserve.http_errors import APIError, install_error_handlers, require_bearer, validation_error
+from pdserve import wire
+from pdserve.errors import OtherModel, RegistrationError
+from pdserve.http_errors import APIError, install_error_handlers, message_body, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_decode, choose_migrations,
     choose_prefill, prefill_remotely,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, HeartbeatBody, RegisterBody, now
-from pdserve.router.registry import RegistrationError, Registry, WorkerEntry
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
+from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
 from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, worker_lines
 from pdserve.router.waiting_line import WaitingLine
@@ -159,8 +160,8 @@ class Router:
                                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
         return ids, req.sampling(max_tokens)
 
-    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: dict, priority: int
-                            ) -> AsyncIterator[dict]:
+    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int
+                            ) -> AsyncIterator[wire.OutputLine]:
         """The decode worker's output lines, followed across workers:
         - one that fails before the first token is replaced once by another;
         - with every decode worker holding as many sequences from here as its heartbeat says it
@@ -173,7 +174,7 @@ class Router:
           takes its KV from the hot one's prefix cache and continues.
         Continuing requests resume (`output_token_ids`): no token repeated, none missing, and
         seeded sampling goes on exactly as if nothing had happened."""
-        live = LiveStream(request_id, sampling["n"], len(prompt_ids), sampling["max_tokens"])
+        live = LiveStream(request_id, sampling.n, len(prompt_ids), sampling.max_tokens)
         self.live[request_id] = live
         tried: set[str] = set()
         generated: list[int] = []
@@ -190,19 +191,19 @@ class Router:
                 def let_go() -> None:
                     if held:
                         self.line.release(held.pop(), live.n)
-                body = {"request_id": live.worker_request_id, "prompt_token_ids": prompt_ids,
-                        "output_token_ids": list(generated), "sampling": sampling, "priority": priority,
-                        "prefill_url": p.url if p is not None else None}
+                body = wire.GenerateRequest(request_id=live.worker_request_id, prompt_token_ids=prompt_ids,
+                                            output_token_ids=list(generated), sampling=sampling, priority=priority,
+                                            prefill_url=p.url if p is not None else None)
                 moved = False
                 try:
                     async for item in worker_lines(self.http, d.url, body, self._worker_headers, live,
                                                      self.config.worker_silence_s):
                         if live.n == 1:
-                            out = item["outputs"][0]
-                            if out["finish_reason"] == "abort" and live.move_to is not None:
-                                out["finish_reason"], moved = None, True  # stopped for the move
-                            generated += out["token_ids"]
-                            live.tokens_arrived(len(out["token_ids"]))
+                            out = item.outputs[0]
+                            if out.finish_reason == "abort" and live.move_to is not None:
+                                out.finish_reason, moved = None, True  # stopped for the move
+                            generated += out.token_ids
+                            live.tokens_arrived(len(out.token_ids))
                         started = True
                         yield item
                     if not moved:
@@ -254,7 +255,10 @@ class Router:
 
     @property
     def _worker_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.worker_token}"} if self.config.worker_token else {}
+        headers = {"Content-Type": "application/json"}
+        if self.config.worker_token:
+            headers["Authorization"] = f"Bearer {self.config.worker_token}"
+        return headers
 
     # -- the reaper's rounds ---------------------------------------------------------------------
 
@@ -299,8 +303,8 @@ class Router:
                 self._relieved_at[entry.worker_id] = entry.heartbeats
             live.move_to = decodes[target]
             try:  # the hot worker stops it; its last line ends the call, and the stream moves on
-                await self.http.post(hot.url + "/v1/abort", json={"request_id": live.worker_request_id},
-                                     headers=self._worker_headers, timeout=5.0)
+                await self.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
+                    request_id=live.worker_request_id)), headers=self._worker_headers, timeout=5.0)
             except httpx.HTTPError:
                 live.move_to = None  # the worker is failing: the failure path takes over
 
@@ -360,26 +364,26 @@ def create_app(router: Router) -> FastAPI:
         return await serve(router, body, chat=True, request=request)
 
     @app.post("/internal/register")
-    async def register(body: RegisterBody, request: Request):
+    async def register(request: Request):
         check_worker_token(request)
+        body = await message_body(request, wire.Registration)
         try:
             entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token)
+        except OtherModel as e:
+            raise APIError(409, str(e)) from None
         except RegistrationError as e:
-            raise APIError(409 if "mismatch" in str(e) else 400, str(e)) from None
+            raise APIError(400, str(e)) from None
         log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
-        return {"worker_id": entry.worker_id, "lease_s": router.registry.lease_s,
-                "heartbeat_s": min(HEARTBEAT_S, router.registry.lease_s / 3)}
+        answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
+                                 heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
+        return Response(wire.encode(answer), media_type="application/json")
 
     @app.post("/internal/heartbeat")
-    async def heartbeat(body: HeartbeatBody, request: Request):
+    async def heartbeat(request: Request):
         check_worker_token(request)
+        body = await message_body(request, wire.Heartbeat)
         try:
-            load = body.load()
-        except ValidationError as e:
-            return validation_error(e.errors())
-        try:
-            checked = load.model_dump()
-            router.registry.heartbeat(body.worker_id, {**body.stats, **checked}, cfg.worker_token, checked)
+            router.registry.heartbeat(body.worker_id, body.stats, cfg.worker_token)
         except KeyError:
             raise APIError(404, "unknown worker: register again", "not_found_error") from None
         return {"ok": True}

@@ -69,7 +69,7 @@ class RouterMetrics:
         self.queue_tokens.set(admission.tokens)
         for role in ("prefill", "decode", "both"):
             self.workers.labels(role).set(sum(1 for w in workers if w.role == role))
-        self.kv_bytes.set(sum(w.stats.get("kv_bytes_received", 0) for w in workers))
+        self.kv_bytes.set(sum(w.stats.kv_bytes_received for w in workers))
         for gauge in self.worker_gauges.values():
             gauge.clear()  # workers that left have no series
         for w in workers:
@@ -95,10 +95,10 @@ class RequestClock:
     tokens: int = 0
     phase_times: dict | None = None  # the decode worker's, from its last output line
 
-    def output_line(self, item: dict) -> None:
-        self.tokens_arrived(sum(len(out["token_ids"]) for out in item["outputs"]))
-        if "phase_times" in item:
-            self.phase_times = item["phase_times"]
+    def output_line(self, num_tokens: int, phase_times: dict | None) -> None:
+        self.tokens_arrived(num_tokens)
+        if phase_times is not None:
+            self.phase_times = phase_times
 
     def tokens_arrived(self, n: int) -> None:
         if n <= 0:

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import hash_block
+
+if TYPE_CHECKING:
+    from pdserve.wire import WorkerStats
 
 
 @dataclass(slots=True)
@@ -36,8 +40,8 @@ class WorkerLoad:
     capacity: int = 0  # sequences it holds at most, running and queued (0: not said)
 
     @classmethod
-    def from_stats(cls, stats: dict) -> WorkerLoad:
-        return cls(**{k: stats[k] for k in cls.__slots__ if k in stats})
+    def from_stats(cls, stats: WorkerStats) -> WorkerLoad:
+        return cls(**{k: getattr(stats, k) for k in cls.__slots__})
 
     @property
     def kv_usage(self) -> float:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve.sampling_params import MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT
+from pdserve.wire import Sampling
 
 
 MAX_N = 16
@@ -55,11 +56,14 @@ class _Sampling(BaseModel):
     priority: StrictInt = Field(default=0, ge=0, le=MAX_CLIENT_PRIORITY)
     logprobs: bool | StrictInt | None = None  # not served: refused unless absent, false or 0
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "min_p": self.min_p, "seed": self.seed, "max_tokens": max_tokens, "stop": stop,
-                "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+    def sampling(self, max_tokens: int) -> Sampling:
+        """What the workers sample by; stop strings stay here (`stop_strings`): the router makes the text."""
+        return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                        min_tokens=self.min_tokens)
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(_Sampling):
@@ -88,44 +92,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-
-
-# -- what workers send the router (token holders, bounded all the same) ---------------------------
-
-StatValue = StrictInt | float | Annotated[str, Field(max_length=256)] | bool | None
-Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
-
-
-class RegisterBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    url: str = Field(max_length=512, pattern=r"^https?://[^\s/?#]{1,255}/?$")
-    role: Literal["prefill", "decode", "both"]
-    model_hash: str = Field(max_length=128)
-
-
-class LoadReport(BaseModel):
-    """The fields of a heartbeat the router reads (routing policies, metrics): counts, and a finite
-    latency. The rest of a heartbeat's stats is kept as sent, for display only."""
-    model_config = ConfigDict(extra="ignore")
-    running: Count = 0
-    waiting: Count = 0
-    waiting_for_kv: Count = 0
-    queued_prefill_tokens: Count = 0
-    kv_blocks_used: Count = 0
-    kv_blocks_total: Annotated[StrictInt, Field(ge=1, le=1 << 40)] = 1
-    step_latency_ewma_ms: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
-    kv_bytes_received: Annotated[StrictInt, Field(ge=0, le=1 << 62)] = 0  # summed over workers in /metrics
-    capacity: Count = 0  # sequences the worker holds at most, running and queued (0: not said)
-
-
-class HeartbeatBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    worker_id: str = Field(max_length=64)
-    stats: Annotated[dict[Annotated[str, Field(max_length=64)], StatValue], Field(max_length=128)] = Field(
-        default_factory=dict)
-
-    def load(self) -> LoadReport:
-        return LoadReport.model_validate(self.stats)
 
 
 def new_id(prefix: str) -> str:

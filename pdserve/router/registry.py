@@ -21,13 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.errors import OtherModel, RegistrationError
 from pdserve.router.policy import WorkerLoad
+from pdserve.wire import WorkerStats
 
 ROLES = ("prefill", "decode", "both")
-
-
-class RegistrationError(ValueError):
-    """A worker the registry refuses (wrong token, another model, bad role)."""
 
 
 @dataclass(slots=True)
@@ -38,7 +36,7 @@ class WorkerEntry:
     model_hash: str
     lease_expires: float
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    stats: dict = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)
     heartbeats: int = 0  # received since registration
     last_heartbeat: float = 0.0  # time.monotonic() of the last one (or of registration)
     routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
@@ -86,7 +84,7 @@ class Registry:
         if role not in ROLES:
             raise RegistrationError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if model_hash != self.model_hash:
-            raise RegistrationError(
+            raise OtherModel(
                 f"model mismatch: the cluster serves {self.model_hash[:12]}, the worker {model_hash[:12]}")
         with self._lock:
             for entry in self._workers.values():
@@ -98,8 +96,8 @@ class Registry:
             self._workers[entry.worker_id] = entry
         return entry
 
-    def heartbeat(self, worker_id: str, stats: dict, token: str = "", load: dict | None = None) -> WorkerEntry:
-        """Renew the lease; `load` is the routing fields of `stats`, validated (default: read from it)."""
+    def heartbeat(self, worker_id: str, stats: WorkerStats, token: str = "") -> WorkerEntry:
+        """Renew the lease, and take the worker's load from its stats."""
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistrationError("bad token")
         with self._lock:
@@ -110,7 +108,7 @@ class Registry:
             entry.last_heartbeat = time.monotonic()
             entry.stats = stats
             entry.heartbeats += 1
-            entry.load = WorkerLoad.from_stats(stats if load is None else load)
+            entry.load = WorkerLoad.from_stats(stats)
             entry.routed.clear()  # the worker has them by now: its load includes them
             return entry
 

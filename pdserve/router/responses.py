@@ -20,6 +20,7 @@ from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, ne
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+from pdserve.wire import CompletionDelta, OutputLine
 
 OUTBOX_ITEMS = 64  # output lines a streamed response holds for its client before the worker waits
 
@@ -28,30 +29,42 @@ if TYPE_CHECKING:
 
 
 class Detokenizers:
-    """The router's own text for each completion of a request, from the token ids the workers
-    stream: continuous across a migration to another worker (a character split between them is
-    not lost), with stop strings cut exactly. A stop string the router finds ends the completion
-    even if the worker (which saw only part of the text) did not."""
+    """The text of each completion of a request: the router is the one place where tokens become
+    text (workers stream token ids only). Continuous across a migration to another worker (a
+    character split between them is not lost), with stop strings cut exactly: a stop string ends
+    its completion here, and the tokens a worker still sends for it are dropped, not counted."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampling: dict) -> None:
-        self.params = SamplingParams(stop=sampling["stop"])
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
+        self.params = SamplingParams(stop=stop)
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.by_index: dict[int, IncrementalDetokenizer] = {}
+        self.num_tokens = 0  # completion tokens taken, over all completions
 
-    def delta(self, out: dict) -> tuple[str, str | None]:
+    def delta(self, out: CompletionDelta) -> tuple[str, str | None]:
         """(new text, finish reason) of one completion's output line."""
-        d = self.by_index.get(out["index"])
+        d = self.by_index.get(out.index)
         if d is None:
-            d = self.by_index[out["index"]] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params)
-        reason = out["finish_reason"]
-        for token in out["token_ids"]:
+            d = self.by_index[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params)
+        elif d.stop_string is not None:
+            return "", None  # ended here already
+        reason = out.finish_reason
+        for token in out.token_ids:
             d.add(token)
+            self.num_tokens += 1
             if d.stop_string is not None:
                 reason = "stop"
                 break
         if reason is not None:
             d.flush()
         return d.take_delta(reason is not None), reason
+
+    def line(self, item: OutputLine, clock: RequestClock) -> list[tuple[int, str, str | None]]:
+        """(index, new text, finish reason) of each completion in a worker's line; the tokens
+        taken reach the request's clock."""
+        before = self.num_tokens
+        deltas = [(out.index, *self.delta(out)) for out in item.outputs]
+        clock.output_line(self.num_tokens - before, item.phase_times)
+        return deltas
 
     @property
     def finished(self) -> bool:
@@ -60,6 +73,7 @@ class Detokenizers:
 
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
+    stop = req.stop_strings()
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
@@ -73,22 +87,21 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        detok = Detokenizers(router.tokenizer, ids, sampling)
+        detok = Detokenizers(router.tokenizer, ids, stop)
         return StallGuardedStreamingResponse(
             _sse(router, request_id, req, stream, clock, detok, chat, include_usage),
             stall_s=router.config.client_stall_s, media_type="text/event-stream")
     outcome = "error"
-    detok = Detokenizers(router.tokenizer, ids, sampling)
+    detok = Detokenizers(router.tokenizer, ids, stop)
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
 
     async def collect() -> None:
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
-                clock.output_line(item)
-                for out in item["outputs"]:
-                    text, reasons[out["index"]] = detok.delta(out)
-                    texts.setdefault(out["index"], []).append(text)
+                for index, text, reason in detok.line(item, clock):
+                    reasons[index] = reason
+                    texts.setdefault(index, []).append(text)
                 if detok.finished:
                     break
     try:
@@ -131,14 +144,12 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                 if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
                     yield b": keep-alive\n\n"
                     continue
-                clock.output_line(item)
                 choices = []
-                for out in item["outputs"]:
-                    text, reason = detok.delta(out)
+                for index, text, reason in detok.line(item, clock):
                     if not text and reason is None:
                         continue
                     body = {"delta": {"content": text}} if chat else {"text": text, "logprobs": None}
-                    choices.append({"index": out["index"], **body, "finish_reason": reason})
+                    choices.append({"index": index, **body, "finish_reason": reason})
                 if choices:
                     yield event(choices)
                 if detok.finished:

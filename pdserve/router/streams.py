@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
 
+from pdserve import wire
 from pdserve.http_errors import APIError
 from pdserve.router.policy import RunningStream
 
@@ -63,8 +63,8 @@ class LiveStream:
         return RunningStream(self.request_id, self.worker_id, self.context_tokens, self.remaining_tokens)
 
 
-async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: dict,
-                       live: LiveStream, silence_s: float = 60.0) -> AsyncIterator[dict]:
+async def worker_lines(http: httpx.AsyncClient, url: str, body: wire.GenerateRequest, headers: dict,
+                       live: LiveStream, silence_s: float = 60.0) -> AsyncIterator[wire.OutputLine]:
     """The output lines of one `/v1/generate` call. Raises what the call raised, `WorkerLost`
     when the reaper says so or the worker says nothing (workers send an empty line every few
     seconds while a request waits) for `silence_s`, and APIError for a worker's refusal, its
@@ -76,7 +76,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
 
     async def pump() -> None:
         try:
-            async with http.stream("POST", url + "/v1/generate", json=body, headers=headers) as r:
+            async with http.stream("POST", url + "/v1/generate", content=wire.encode(body), headers=headers) as r:
                 if r.status_code != 200:
                     raise worker_error(r.status_code, await r.aread())
                 taken.set()
@@ -95,7 +95,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
             item = await get_within(inbox, silence_s)
             if item is None:
                 raise WorkerSilent(f"no word from the worker for {silence_s:.0f}s")
-            if item is _ALIVE or isinstance(item, dict):
+            if item is _ALIVE or isinstance(item, wire.OutputLine):
                 room.release()
             if item is _END:
                 ended = True
@@ -104,9 +104,9 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if "error" in item:
+            if item.error is not None:
                 raise APIError(500, "the worker failed while running this request", "server_error")
-            if any(out.get("finish_reason") == "error" for out in item.get("outputs", ())):
+            if any(out.finish_reason == "error" for out in item.outputs):
                 raise APIError(500, "the engine failed on this request", "server_error")
             yield item
     finally:
@@ -114,19 +114,16 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: dict, headers: d
         with contextlib.suppress(BaseException):
             await task
         if taken.is_set() and not ended:
-            abort_on_worker(http, url, body["request_id"], headers)
+            abort_on_worker(http, url, body.request_id, headers)
 
 
-def _parse(line: str) -> dict | object:
+def _parse(line: str) -> wire.OutputLine | object:
     if not line.strip():
         return _ALIVE
     try:
-        item = json.loads(line)
-    except ValueError:
-        item = None
-    if not isinstance(item, dict):
-        raise WorkerLost("the worker sent a line that is not an output")
-    return item
+        return wire.decode(line, wire.OutputLine)
+    except wire.BadMessage as e:
+        raise WorkerLost(f"the worker sent a line that is not an output: {e}") from None
 
 
 async def get_within(queue: asyncio.Queue, timeout: float):
@@ -148,7 +145,8 @@ def abort_on_worker(http: httpx.AsyncClient, url: str, request_id: str, headers:
     a worker that cannot be reached has dropped it anyway, or the reaper will drop the worker)."""
     async def send() -> None:
         try:
-            await http.post(url + "/v1/abort", json={"request_id": request_id}, headers=headers, timeout=10)
+            await http.post(url + "/v1/abort", content=wire.encode(wire.AbortRequest(request_id=request_id)),
+                            headers=headers, timeout=10)
         except httpx.HTTPError as e:
             log.info("abort of %s on %s failed: %s", request_id, url, e)
 
@@ -164,7 +162,7 @@ def worker_error(status: int, raw: bytes) -> APIError:
         return APIError(503 if status == 503 else 502, "the worker could not take the request; retry",
                         "server_error", headers={"Retry-After": "1"} if status == 503 else None)
     try:
-        err = json.loads(raw)["error"]
-        return APIError(status, str(err["message"]), str(err.get("type", "invalid_request_error")))
-    except (ValueError, KeyError, TypeError):
+        err = wire.decode(raw, wire.ErrorReply).error
+    except wire.BadMessage:
         return APIError(502, f"the worker answered HTTP {status}", "server_error")
+    return APIError(status, err.message, err.type)

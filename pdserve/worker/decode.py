@@ -24,10 +24,12 @@ import queue
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import httpx
+import msgspec
+
+from pdserve import wire
 
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
@@ -81,19 +83,19 @@ class DecodeRole(RoleHooks):
         )
         self.leases[request.request_id] = lease
         self.receiver.open_lease(lease)
-        body = {
-            "request_id": request.request_id,
-            "fence": lease.fence,
-            "prompt_token_ids": request.prompt_token_ids,
-            "output_token_ids": request.output_token_ids,  # a resumed request's tokens so far
-            "sampling": asdict(request.params),
-            "start": lease.start,
-            "block_table": lease.block_table,
-            "block_size": lease.block_size,
-            "model_hash": self.receiver.layout.model_hash,
-            "kv_transfer_dtype": self.kv_transfer_dtype,
-            "decode": self.offers,
-        }
+        body = wire.PrefillLease(
+            request_id=request.request_id,
+            fence=lease.fence,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,  # a resumed request's tokens so far
+            sampling=wire.Sampling.of(request.params),
+            start=lease.start,
+            block_table=lease.block_table,
+            block_size=lease.block_size,
+            model_hash=self.receiver.layout.model_hash,
+            kv_transfer_dtype=self.kv_transfer_dtype,
+            decode=msgspec.convert(self.offers, wire.DecodeOffers),
+        )
         self._prefill_urls[lease.fence] = url
         self._pool.submit(self._dispatch, url, body, lease.fence)
 
@@ -159,7 +161,8 @@ class DecodeRole(RoleHooks):
             self._release(lease.fence)  # landed in full, or already released: nothing writes any more
         url = self._prefill_urls.pop(lease.fence, None)
         if url is not None:
-            self._pool.submit(self._post, url, "/v1/prefill/abort", {"request_id": lease.request_id, "fence": lease.fence})
+            self._pool.submit(self._post, url, "/v1/prefill/abort",
+                              wire.AbortRequest(request_id=lease.request_id, fence=lease.fence))
 
     def _release(self, fence: int) -> None:
         self.engine.block_manager.release(holder_id(fence))
@@ -167,7 +170,7 @@ class DecodeRole(RoleHooks):
 
     # -- the prefill worker, off the engine thread ---------------------------------------------
 
-    def _dispatch(self, url: str, body: dict, fence: int) -> None:
+    def _dispatch(self, url: str, body: wire.PrefillLease, fence: int) -> None:
         try:
             r = self._post(url, "/v1/prefill", body)
             if r is not None and r.status_code == 200:
@@ -176,12 +179,14 @@ class DecodeRole(RoleHooks):
         except Exception as e:  # any failure here ends in recomputation, never a lost request
             reason = f"prefill dispatch failed: {e}"
         self._prefill_urls.pop(fence, None)
-        self.call(lambda: self._fall_back(body["request_id"], fence, reason))
+        self.call(lambda: self._fall_back(body.request_id, fence, reason))
 
-    def _post(self, url: str, path: str, body: dict) -> httpx.Response | None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def _post(self, url: str, path: str, body: msgspec.Struct) -> httpx.Response | None:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         try:
-            return self._http.post(url.rstrip("/") + path, json=body, headers=headers)
+            return self._http.post(url.rstrip("/") + path, content=wire.encode(body), headers=headers)
         except httpx.HTTPError as e:
             log.warning("POST %s%s failed: %s", url, path, e)
             return None

@@ -12,31 +12,26 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator, Callable
 
 from pdserve.outputs import RequestOutput
+from pdserve.wire import CompletionDelta, OutputLine, encode, error_line
 
 MAX_PENDING_OUTPUTS = 1024
 KEEPALIVE_S = 5.0
 
 
 def output_line(out: RequestOutput) -> bytes:
-    return json.dumps({
-        "request_id": out.request_id,
-        "outputs": [
-            {"index": c.index, "token_ids": c.delta_token_ids, "text": c.delta_text, "finish_reason": c.finish_reason}
-            for c in out.outputs
-        ],
-        "finished": out.finished,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "num_cached_tokens": out.num_cached_tokens,
-        **({"phase_times": out.phase_times} if out.phase_times else {}),
-    }).encode() + b"\n"
-
-
-def error_line(message: str, code: int = 500, kind: str = "server_error") -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode() + b"\n"
+    """Token ids only: the router makes the text."""
+    return encode(OutputLine(
+        request_id=out.request_id,
+        outputs=[CompletionDelta(index=c.index, token_ids=c.delta_token_ids, finish_reason=c.finish_reason)
+                 for c in out.outputs],
+        finished=out.finished,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        phase_times=out.phase_times or None,
+    )) + b"\n"
 
 
 class OutputStream:

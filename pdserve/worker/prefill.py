@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
-from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, slot_runs
+from pdserve.kv_transfer.base import KVLayout, Lease, ModelMismatch, TransferError, slot_runs
 from pdserve.kv_transfer.tcp import TcpSender
-from pdserve.sampling_params import SamplingParams
+from pdserve.wire import PrefillLease
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
@@ -37,9 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.worker.prefill")
 
-MAX_BLOCK_SIZE = 1024  # tokens per block of a decode worker's cache
 MAX_SPARE_BLOCKS = 64  # blocks a lease's table may name past those of its sequence
-MAX_FENCE = (1 << 63) - 1
 
 
 @dataclass(slots=True)
@@ -70,18 +68,17 @@ class PrefillRole(RoleHooks):
 
     # -- a lease arrives (HTTP thread) ---------------------------------------------------------
 
-    def accept(self, body: dict) -> tuple[str, str, Future]:
+    def accept(self, body: PrefillLease) -> tuple[str, str, Future]:
         """Validate a lease and queue its prefill; returns (engine request id, backend used, and
         the engine's taking it: a prompt the engine refuses is refused to the decode worker)."""
-        if body["model_hash"] != self.layout.model_hash:
-            raise TransferError("model mismatch: the decode worker serves another model (config hash differs)")
-        tokens = body["prompt_token_ids"]
-        resumed = list(body.get("output_token_ids") or [])  # a migrated request's tokens so far
+        if body.model_hash != self.layout.model_hash:
+            raise ModelMismatch("model mismatch: the decode worker serves another model (config hash differs)")
+        tokens = body.prompt_token_ids
+        resumed = body.output_token_ids  # a migrated request's tokens so far
         lease = lease_of(body, len(tokens) + len(resumed))
         start = lease.start
-        params = SamplingParams(**body["sampling"]).clone(
-            n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop=[], stop_token_ids=[])
-        sender, backend = self._sender_for(body["decode"], body.get("kv_transfer_dtype", "auto"))
+        params = body.sampling.params().clone(n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop_token_ids=[])
+        sender, backend = self._sender_for(body.decode.as_dicts(), body.kv_transfer_dtype)
         sender.check(lease)  # an in-place writer: every block inside the decode worker's pool
         engine_id = f"{lease.request_id}@{lease.fence}"
         received = time.monotonic()  # its queue time starts now, not when the engine thread is free
@@ -110,9 +107,9 @@ class PrefillRole(RoleHooks):
                     sender = self.sender_types[backend](
                         self.layout, self.engine.runner.kv_cache, peer, self.token, self.name, encoding,
                         on_peer_abort=self._on_peer_abort)
+                except ModelMismatch:
+                    raise
                 except TransferError as e:
-                    if "mismatch" in str(e):
-                        raise
                     errors.append(f"{backend}: {e}")
                     continue
                 self._senders[key] = sender
@@ -207,20 +204,16 @@ def _run_now(fn: Callable[[], object]) -> Future:
     return future
 
 
-def lease_of(body: dict, end: int) -> Lease:
+def lease_of(body: PrefillLease, end: int) -> Lease:
     """The lease in a decode worker's /v1/prefill body, for a sequence of `end` tokens; ValueError
-    unless it is one that decode worker could have made."""
-    fence, start, block_size, table = body["fence"], body["start"], body["block_size"], body["block_table"]
-    if not 0 <= fence <= MAX_FENCE:
-        raise ValueError(f"lease fence {fence} outside [0, {MAX_FENCE}]")
+    unless it is one that decode worker could have made (the message's own bounds held already)."""
+    fence, start, block_size, table = body.fence, body.start, body.block_size, body.block_table
     if not 0 <= start < end:
         raise ValueError(f"lease start {start} outside the sequence of {end} tokens")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(f"lease block_size {block_size} is not a power of two in [1, {MAX_BLOCK_SIZE}]")
+    if block_size & (block_size - 1):
+        raise ValueError(f"lease block_size {block_size} is not a power of two")
     needed = -(-end // block_size)
     if not needed <= len(table) <= needed + MAX_SPARE_BLOCKS:
         raise ValueError(f"lease block_table has {len(table)} blocks; a sequence of {end} tokens in blocks of "
                          f"{block_size} needs {needed} (at most {MAX_SPARE_BLOCKS} more)")
-    if min(table) < 0:
-        raise ValueError(f"lease block_table names block {min(table)}; block ids are >= 0")
-    return Lease(body["request_id"], fence, list(table), block_size, start, end, 0.0)
+    return Lease(body.request_id, fence, list(table), block_size, start, end, 0.0)

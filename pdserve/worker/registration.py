@@ -21,18 +21,23 @@ from typing import Callable
 
 import httpx
 
+from pdserve import wire
+from pdserve.errors import RegistrationError
+
 log = logging.getLogger("pdserve.worker.registration")
 
 REPORT_EVERY_S = 30.0
 
 
 class RouterMembership:
-    def __init__(self, router_url: str, own_url: str, role: str, model_hash: str, stats: Callable[[], dict],
-                 token: str = "") -> None:
+    def __init__(self, router_url: str, own_url: str, role: str, model_hash: str,
+                 stats: Callable[[], wire.WorkerStats], token: str = "", block_size: int = 16) -> None:
         self.router_url = router_url.rstrip("/")
-        self.body = {"url": own_url, "role": role, "model_hash": model_hash}
+        self.registration = wire.Registration(url=own_url, role=role, model_hash=model_hash, block_size=block_size)
         self.stats = stats
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
         self.worker_id: str | None = None
         self.status = "registering"
         self.interval = 1.0
@@ -77,16 +82,17 @@ class RouterMembership:
 
     def _beat(self, http: httpx.Client) -> None:
         if self.worker_id is None:
-            r = http.post(self.router_url + "/internal/register", json=self.body)
+            r = http.post(self.router_url + "/internal/register", content=wire.encode(self.registration))
             if r.status_code != 200:
-                raise ValueError(f"registration refused: {r.json()['error']['message']}")
-            answer = r.json()
-            every = answer.get("heartbeat_s") or answer["lease_s"] / 3  # loads fresh enough to route by
-            self.worker_id, self.interval = answer["worker_id"], max(0.05, float(every))
+                raise RegistrationError(f"registration refused: {wire.decode(r.content, wire.ErrorReply).error.message}")
+            answer = wire.decode(r.content, wire.Registered)
+            every = answer.heartbeat_s or answer.lease_s / 3  # loads fresh enough to route by
+            self.worker_id, self.interval = answer.worker_id, max(0.05, every)
             log.info("registered with %s as %s", self.router_url, self.worker_id)
-        r = http.post(self.router_url + "/internal/heartbeat", json={"worker_id": self.worker_id, "stats": self.stats()})
+        beat = wire.Heartbeat(worker_id=self.worker_id, stats=self.stats())
+        r = http.post(self.router_url + "/internal/heartbeat", content=wire.encode(beat))
         if r.status_code == 404:  # the router forgot us (restarted, or the lease lapsed): register again now
             self.worker_id = None
-            raise ValueError("the router no longer knows this worker")
+            raise RegistrationError("the router no longer knows this worker")
         if r.status_code != 200:
-            raise ValueError(f"heartbeat refused: HTTP {r.status_code}")
+            raise RegistrationError(f"heartbeat refused: HTTP {r.status_code}")

@@ -1,13 +1,12 @@
 """The worker's control endpoint (HTTP, FastAPI): token ids in, streamed token ids out.
 
-Routes:
-- POST /v1/generate   {prompt_token_ids, output_token_ids?, sampling, priority, prefill_url?, stream}
-                      -> NDJSON lines (output_token_ids resumes a request begun elsewhere)
-- POST /v1/abort      {request_id}
-- POST /v1/prefill    a decode worker's lease (any role: decode workers serve it for migrations)
-- POST /v1/prefill/abort {request_id, fence}
-- GET  /v1/kv_info    how prefill workers reach this one (decode and both roles)
-- GET  /stats, /health, /metrics (Prometheus)
+Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 naming the field):
+- POST /v1/generate   GenerateRequest -> NDJSON OutputLines (output_token_ids resumes a request begun elsewhere)
+- POST /v1/abort      AbortRequest
+- POST /v1/prefill    PrefillLease, a decode worker's (any role: decode workers serve it for migrations)
+- POST /v1/prefill/abort AbortRequest with the lease's fence
+- GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
+- GET  /stats (WorkerStats), /health, /metrics (Prometheus)
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. With a token
 set, every route but /health wants `Authorization: Bearer <token>`, compared in constant time.
 """
@@ -17,19 +16,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdserve import wire
 from pdserve.http_clients import ClientGone, ClosingStreamingResponse, unless_disconnected
-from pdserve.http_errors import error, install_error_handlers, require_bearer
+from pdserve.http_errors import error, install_error_handlers, message_body, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
-from pdserve.kv_transfer.base import TransferError
+from pdserve.kv_transfer.base import ModelMismatch, TransferError
 from pdserve.net import WORKER_LIMITS, ServerLimits, http_server, tcp_listener
 from pdserve.worker.metrics import render_metrics
 from pdserve.worker.output_stream import KEEPALIVE_S, OutputStream
-from pdserve.worker.protocol import AbortBody, GenerateBody, PrefillBody, sampling_params
 from pdserve.worker.worker import EngineBusyError, QueueFullError, RoleNotServedError, Worker
 
 _ids = itertools.count()
@@ -48,12 +47,16 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
 
     guarded = [Depends(authorized)]
 
+    def answer(message: msgspec.Struct) -> Response:
+        return Response(wire.encode(message), media_type="application/json")
+
     @app.post("/v1/generate", dependencies=guarded)
-    async def generate(body: GenerateBody, request: Request):
+    async def generate(request: Request):
+        body = await message_body(request, wire.GenerateRequest)
         request_id = body.request_id or f"gen-{next(_ids)}"
         stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
-            params = sampling_params(body.sampling)
+            params = body.sampling.params()
             await worker.generate(request_id, body.prompt_token_ids, params, stream.sink, body.priority,
                                   body.prefill_url, body.output_token_ids)
         except ValueError as e:
@@ -67,47 +70,51 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         if body.stream:
             return ClosingStreamingResponse(lines, media_type="application/x-ndjson")
 
-        async def collect() -> list[dict]:
+        async def collect() -> bytes:
             async with contextlib.aclosing(lines) as items:  # leaving early aborts the request
-                return [json.loads(line) async for line in items if line.strip()]
+                return b"[" + b",".join([line.strip() async for line in items if line.strip()]) + b"]"
         try:
-            return JSONResponse(await unless_disconnected(request, collect()))
+            return Response(await unless_disconnected(request, collect()), media_type="application/json")
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted
 
     @app.post("/v1/abort", dependencies=guarded)
-    async def abort(body: AbortBody):
+    async def abort(request: Request):
+        body = await message_body(request, wire.AbortRequest)
         worker.abort(body.request_id)
-        return {"request_id": body.request_id, "aborted": True}
+        return answer(wire.Aborted(request_id=body.request_id))
 
     @app.post("/v1/prefill", dependencies=guarded)
-    async def prefill(body: PrefillBody):
+    async def prefill(request: Request):
+        body = await message_body(request, wire.PrefillLease)
         try:
-            engine_id, backend = await worker.accept_prefill(body.model_dump())
-        except (ValueError, TypeError) as e:
+            engine_id, backend = await worker.accept_prefill(body)
+        except ValueError as e:
             return error(400, str(e))
         except EngineBusyError as e:
             return error(503, str(e), "overloaded")
+        except ModelMismatch as e:
+            return error(409, str(e), "kv_transfer_error")
         except TransferError as e:
-            status = 409 if "mismatch" in str(e) else 503
-            return error(status, str(e), "kv_transfer_error")
-        return {"request_id": body.request_id, "fence": body.fence, "backend": backend}
+            return error(503, str(e), "kv_transfer_error")
+        return answer(wire.PrefillAccepted(request_id=body.request_id, fence=body.fence, backend=backend))
 
     @app.post("/v1/prefill/abort", dependencies=guarded)
-    async def prefill_abort(body: AbortBody):
+    async def prefill_abort(request: Request):
+        body = await message_body(request, wire.AbortRequest)
         worker.abort_prefill(body.request_id, body.fence)
-        return {"request_id": body.request_id, "aborted": True}
+        return answer(wire.Aborted(request_id=body.request_id))
 
     @app.get("/v1/kv_info", dependencies=guarded)
     async def kv_info():
         try:
-            return worker.kv_info()
+            return answer(worker.kv_info())
         except RoleNotServedError as e:
             return error(404, str(e))
 
     @app.get("/stats", dependencies=guarded)
     async def stats():
-        return await asyncio.to_thread(worker.stats)
+        return answer(await asyncio.to_thread(worker.stats))
 
     @app.get("/health")
     async def health():
@@ -115,7 +122,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics():
-        return PlainTextResponse(render_metrics(await asyncio.to_thread(worker.stats)),
+        return PlainTextResponse(render_metrics((await asyncio.to_thread(worker.stats)).as_dict()),
                                  media_type="text/plain; version=0.0.4")
 
     return app

@@ -20,6 +20,9 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Callable
 
+import msgspec
+
+from pdserve import wire
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
@@ -136,7 +139,7 @@ class Worker:
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
-        self._last_stats: dict = {"role": config.role, "model_hash": self.layout.model_hash}
+        self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
         self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
 
     def start(self) -> None:
@@ -204,15 +207,15 @@ class Worker:
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self.engine.abort(request_id))
 
-    async def accept_prefill(self, body: dict) -> tuple[str, str]:
+    async def accept_prefill(self, body: wire.PrefillLease) -> tuple[str, str]:
         """Check a lease and queue its prefill; returns (engine request id, backend). The checks and
         a first connection to the decode worker run on a thread; the wait for the engine does not."""
         engine_id, backend, admitted = await asyncio.to_thread(self.prefill.accept, body)
         await self._admitted(admitted, lambda: self.prefill_aborted(body))
         return engine_id, backend
 
-    def prefill_aborted(self, body: dict) -> None:
-        self.abort_prefill(body["request_id"], body["fence"])
+    def prefill_aborted(self, body: wire.PrefillLease) -> None:
+        self.abort_prefill(body.request_id, body.fence)
 
     async def _admitted(self, admitted: Future, undo: Callable[[], None]) -> None:
         """Wait for the engine thread to take a request; its refusal is raised here. A request not
@@ -226,10 +229,10 @@ class Worker:
     def abort_prefill(self, request_id: str, fence: int | None) -> None:
         self.loop.call(lambda: self.prefill.abort(request_id, fence))
 
-    def kv_info(self) -> dict:
+    def kv_info(self) -> wire.KVInfo:
         if self.decode is None:
             raise RoleNotServedError(f"a {self.config.role} worker receives no KV")
-        return {"layout": asdict(self.layout), "backends": self.offers}
+        return wire.KVInfo(layout=asdict(self.layout), backends=msgspec.convert(self.offers, wire.DecodeOffers))
 
     @property
     def healthy(self) -> bool:
@@ -242,7 +245,7 @@ class Worker:
             out["router"] = self.router_status()
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> wire.WorkerStats:
         """The worker's load and counters, read on the engine thread. A reader never waits long for
         a busy (or stopped) engine: it then gets the last snapshot, marked stale, so heartbeats
         keep the worker registered through a long step."""
@@ -250,9 +253,9 @@ class Worker:
             self._last_stats = self.loop.call_and_wait(self._stats, timeout=STATS_TIMEOUT_S)
             return self._last_stats
         except TimeoutError:
-            return {**self._last_stats, "stale": True, "engine_alive": self.loop.alive}
+            return msgspec.structs.replace(self._last_stats, stale=True, engine_alive=self.loop.alive)
 
-    def _stats(self) -> dict:
+    def _stats(self) -> wire.WorkerStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         out = {
             "role": self.config.role,
@@ -277,5 +280,5 @@ class Worker:
         for part in (self.decode, self.prefill):
             if part is not None:
                 out.update(part.stats())
-        return out
+        return wire.WorkerStats(**out)
 

@@ -48,4 +48,4 @@ def test_a_transfer_never_unpickles(tiny_llama, monkeypatch):
             m.setattr(pickle, "loads", refuse)
             m.setattr(pickle, "load", refuse)
             tokens, last = c.generate(prompt(37))
-            assert len(tokens) == 8 and c.d.worker.stats()["kv_landed"] == 1
+            assert len(tokens) == 8 and c.d.worker.stats().kv_landed == 1

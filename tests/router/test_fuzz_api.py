@@ -21,7 +21,6 @@ from pdserve.kv_transfer.base import model_fingerprint
 from pdserve.models.arch_config import ArchConfig
 from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.policy import DisaggregationPolicy
-from pdserve.router.protocol import LoadReport
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker.registration import RouterMembership
 from pdserve.worker.server import ServerThread
@@ -482,7 +481,7 @@ def restore_registry(cluster) -> None:
     for entry in router.registry.workers():
         if entry.url in real:
             stats = real[entry.url].worker.stats()
-            router.registry.heartbeat(entry.worker_id, stats, TOKEN, LoadReport.model_validate(stats).model_dump())
+            router.registry.heartbeat(entry.worker_id, stats, TOKEN)
         else:
             router.registry.remove(entry.worker_id)
 

@@ -74,7 +74,7 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(stream, p) for p in PROMPTS]
         deadline = time.monotonic() + 30
-        while hot.worker.stats()["running"] < len(PROMPTS):
+        while hot.worker.stats().running < len(PROMPTS):
             assert time.monotonic() < deadline, "the requests did not start"
             time.sleep(0.01)
         register(cool)  # now there is somewhere to go
@@ -85,7 +85,7 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     assert moved >= 1
     stats = cool.worker.stats()
     assert stats["kv_landed"] == moved and stats["kv_recomputed"] == 0  # the KV came from the hot worker
-    assert hot.worker.stats()["kv_notified"] == moved
+    assert hot.worker.stats().kv_notified == moved
     deadline = time.monotonic() + 10
     while not (hot.is_idle() and cool.is_idle()):
         assert time.monotonic() < deadline, (hot.worker.stats(), cool.worker.stats())

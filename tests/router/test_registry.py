@@ -3,6 +3,7 @@
 import pytest
 
 from pdserve.router.registry import RegistrationError, Registry
+from pdserve.wire import WorkerStats
 
 
 class Clock:
@@ -22,12 +23,12 @@ def test_register_heartbeat_expire():
     assert [e.worker_id for e in reg.workers("decode")] == [d.worker_id, both.worker_id]
     assert [e.worker_id for e in reg.workers("prefill")] == [p.worker_id, both.worker_id]
     clock.now += 4
-    reg.heartbeat(d.worker_id, {"running": 7, "kv_blocks_total": 10}, "t")
+    reg.heartbeat(d.worker_id, WorkerStats(running=7, kv_blocks_total=10), "t")
     clock.now += 2  # p and both missed their lease, d renewed it
     assert {e.worker_id for e in reg.expire()} == {p.worker_id, both.worker_id}
     assert [e.worker_id for e in reg.workers()] == [d.worker_id] and reg.get(d.worker_id).load.running == 7
     with pytest.raises(KeyError):
-        reg.heartbeat(p.worker_id, {}, "t")  # expired: it must register again
+        reg.heartbeat(p.worker_id, WorkerStats(), "t")  # expired: it must register again
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -57,7 +58,7 @@ def test_requests_routed_between_heartbeats_count_in_the_load():
     reg = Registry("m" * 64, token="t")
     a, b = (reg.register(f"http://127.0.0.1:{i}", "both", "m" * 64, "t") for i in (1, 2))
     for w in (a, b):
-        reg.heartbeat(w.worker_id, {"running": 1, "kv_blocks_total": 100}, "t")
+        reg.heartbeat(w.worker_id, WorkerStats(running=1, kv_blocks_total=100), "t")
     # a burst before the next heartbeat: each request goes where the last one did not
     chosen = []
     for _ in range(4):
@@ -69,7 +70,7 @@ def test_requests_routed_between_heartbeats_count_in_the_load():
     assert (load.running, load.waiting, load.queued_prefill_tokens) == (1, 2, 1000)
     reg.note_routed(a.worker_id, 0, remote=True)  # decodes once another worker sends the KV
     assert reg.get(a.worker_id).current_load().sessions == 2
-    reg.heartbeat(a.worker_id, {"running": 3, "waiting": 1, "kv_blocks_total": 100}, "t")
+    reg.heartbeat(a.worker_id, WorkerStats(running=3, waiting=1, kv_blocks_total=100), "t")
     assert reg.get(a.worker_id).current_load() == reg.get(a.worker_id).load  # the worker reports them now
     # prefill workers: queued prompt tokens steer the next prompt elsewhere
     p1, p2 = (reg.register(f"http://127.0.0.1:{i}", "prefill", "m" * 64, "t") for i in (3, 4))

@@ -66,13 +66,13 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is 
 
 
 def test_completions_match_offline(client, offline, cluster):
-    landed = cluster["d"].worker.stats()["kv_landed"]
+    landed = cluster["d"].worker.stats().kv_landed
     for prompt in PROMPTS:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         assert r.choices[0].text == offline_text(offline, prompt, 12)
         assert r.usage.prompt_tokens == len(offline.get_tokenizer().encode(prompt))
         assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
-    assert cluster["d"].worker.stats()["kv_landed"] > landed  # the prompts went through the prefill worker
+    assert cluster["d"].worker.stats().kv_landed > landed  # the prompts went through the prefill worker
 
 
 def test_streaming_with_usage(client, offline):

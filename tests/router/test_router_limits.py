@@ -169,7 +169,7 @@ def test_chat_without_max_tokens_gets_the_default_cap(cluster):
 
 def test_a_non_streaming_client_that_leaves_stops_its_request(cluster):
     router, d = cluster["router"], cluster["d"]
-    aborted = d.worker.stats()["requests_aborted"]
+    aborted = d.worker.stats().requests_aborted
     gate = threading.Event()
     d.worker.loop.call(lambda: gate.wait(30))  # the engine waits: the request cannot finish before the client leaves
     body = json.dumps({"model": MODEL, "prompt": "a long answer", "max_tokens": 900, "ignore_eos": True}).encode()
@@ -182,7 +182,7 @@ def test_a_non_streaming_client_that_leaves_stops_its_request(cluster):
         sock.close()
     wait_for(lambda: not router.live and router.admission.requests == 0, what="the router letting go")
     gate.set()
-    wait_for(lambda: d.worker.stats()["requests_aborted"] == aborted + 1, what="the worker's abort")
+    wait_for(lambda: d.worker.stats().requests_aborted == aborted + 1, what="the worker's abort")
     wait_for(d.is_idle, what="idle decode worker")
 
 
@@ -252,7 +252,7 @@ def test_dropping_a_worker_ends_every_stream_it_held(tiny_llama):
 
 def test_metrics_show_each_workers_pool(cluster):
     d = cluster["d"]
-    total = d.worker.stats()["kv_blocks_total"]
+    total = d.worker.stats().kv_blocks_total
     wait_for(lambda: cluster["router"].registry.workers()[0].heartbeats > 0, what="a heartbeat")
     text = httpx.get(cluster["url"] + "/metrics").text
     wid = cluster["router"].registry.workers()[0].worker_id
@@ -316,7 +316,7 @@ def test_a_streamed_client_that_leaves_aborts_its_request_on_the_worker(cluster,
     w = cluster["d"].worker
     sent, real = [], streams.abort_on_worker
     monkeypatch.setattr(streams, "abort_on_worker", lambda *a: (sent.append(a[2]), real(*a)))
-    before = w.stats()["requests_aborted"]
+    before = w.stats().requests_aborted
     gate = threading.Event()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": n}
     try:
@@ -330,6 +330,6 @@ def test_a_streamed_client_that_leaves_aborts_its_request_on_the_worker(cluster,
         wait_for(lambda: sent, what="the router's abort")
     finally:
         gate.set()
-    wait_for(lambda: w.stats()["requests_aborted"] > before, what="the abort on the worker")
+    wait_for(lambda: w.stats().requests_aborted > before, what="the abort on the worker")
     wait_for(cluster["d"].is_idle, what="idle decode worker")
     assert sent[0].endswith("-0")

@@ -43,12 +43,12 @@ def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend)
         phases = last1["phase_times"]  # the prefill worker reported its compute time in its notify
         assert set(phases) == {"queue_s", "prefill_s", "transfer_s", "decode_s"}
         assert phases["prefill_s"] > 0 and phases["transfer_s"] >= 0 and phases["decode_s"] > 0
-        received = c.d.worker.stats()["kv_bytes_received"]
+        received = c.d.worker.stats().kv_bytes_received
         turn2 = turn1 + out1 + prompt(12, seed=8)
         out2, last = c.generate(turn2)
         assert out2 == reference(colocated, [turn2])[0]
         assert last["num_cached_tokens"] >= 40  # decode's own prefix cache held turn 1
-        sent = c.d.worker.stats()["kv_bytes_received"] - received
+        sent = c.d.worker.stats().kv_bytes_received - received
         per_token = c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
         assert sent == (len(turn2) - last["num_cached_tokens"]) * per_token
         stats = c.d.worker.stats()
@@ -64,7 +64,7 @@ def test_prefill_ships_kv_from_its_own_prefix_cache(tiny_llama, colocated):
         for p in prompts:
             assert c.generate(p)[0] == reference(colocated, [p])[0]
         assert c.p.worker.engine.scheduler.num_preemptions == 0
-        assert c.d.worker.stats()["kv_landed"] == 2
+        assert c.d.worker.stats().kv_landed == 2
         c.wait_idle()
 
 
@@ -74,7 +74,7 @@ def test_seeded_sampling_matches_colocated(tiny_llama, colocated):
     expected = reference(colocated, prompts, max_tokens=10, **sampling)
     with Cluster(tiny_llama, "tcp") as c:
         assert [c.generate(p, max_tokens=10, **sampling)[0] for p in prompts] == expected
-        assert c.d.worker.stats()["kv_landed"] == len(prompts)
+        assert c.d.worker.stats().kv_landed == len(prompts)
         c.wait_idle()
 
 
@@ -86,7 +86,7 @@ def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
             got = c.generate_many(prompts)
             agree = sum(a == b for a, b in zip(got, expected))
             assert agree >= len(prompts) - 1, f"{dtype}: {agree}/{len(prompts)} identical"
-            assert c.d.worker.stats()["kv_landed"] == len(prompts)
+            assert c.d.worker.stats().kv_landed == len(prompts)
             c.wait_idle()
 
 

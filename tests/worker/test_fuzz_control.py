@@ -147,9 +147,9 @@ def assert_still_generates(ws, *targets: str) -> None:
     for name in targets:
         if name == "decode":
             d = ws["decode"]
-            landed = d.worker.stats()["kv_landed"]
+            landed = d.worker.stats().kv_landed
             assert generated(ws, d, prefill_url=ws["prefill"].url) == ws["reference"]
-            assert d.worker.stats()["kv_landed"] == landed + 1, d.worker.stats()
+            assert d.worker.stats().kv_landed == landed + 1, d.worker.stats()
         else:
             assert generated(ws, ws[name]) == ws["reference"], name
 

@@ -98,8 +98,8 @@ def test_decode_worker_ships_a_running_requests_kv_to_another(tiny_llama, coloca
                 "prefill_url": hot.url, "stream": False})
             assert r.status_code == 200, r.text
             assert done + [t for line in r.json() for t in line["outputs"][0]["token_ids"]] == full
-        assert cool.worker.stats()["kv_landed"] == 1 and cool.worker.stats()["kv_recomputed"] == 0
-        assert hot.worker.stats()["kv_notified"] == 1
+        assert cool.worker.stats().kv_landed == 1 and cool.worker.stats().kv_recomputed == 0
+        assert hot.worker.stats().kv_notified == 1
         for w in (hot, cool):  # nothing leaked on either side
             assert w.is_idle()
     finally:

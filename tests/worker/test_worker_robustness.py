@@ -82,7 +82,7 @@ def test_a_failing_poll_does_not_stop_the_engine(worker, monkeypatch):
     r = generate(worker.url)
     assert r.status_code == 200 and sum(len(line["outputs"][0]["token_ids"]) for line in r.json()) == 4
     assert calls and worker.worker.loop.alive
-    assert worker.worker.stats()["engine_failures"] > 0
+    assert worker.worker.stats().engine_failures > 0
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
@@ -96,9 +96,9 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
     time.sleep(0.2)  # the request is in, waiting for the engine
     sock.close()
     gate.set()
-    wait_for(lambda: w.stats()["requests_aborted"] == 1, what="the abort")
+    wait_for(lambda: w.stats().requests_aborted == 1, what="the abort")
     wait_for(worker.is_idle, what="an idle worker")
-    assert w.stats()["num_steps"] < 500  # it never ran to its max_tokens
+    assert w.stats().num_steps < 500  # it never ran to its max_tokens
 
 
 def test_a_burst_waits_for_the_engine_without_holding_threads(worker):

@@ -1,0 +1,20 @@
+"""The failures that cross module (and process) seams, as types: callers tell them apart by class,
+never by the words of a message. Plain Python: the router imports these without torch."""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A KV transfer could not be set up or went wrong; the prompt is then recomputed on decode."""
+
+
+class ModelMismatch(TransferError):
+    """The peer serves another model, or lays out its KV otherwise: no retry or fallback helps."""
+
+
+class RegistrationError(ValueError):
+    """A worker the router's registry refuses (wrong token, bad role)."""
+
+
+class OtherModel(RegistrationError):
+    """A worker that serves another model than the router's."""

@@ -1,0 +1,327 @@
+"""Every message that crosses a process boundary between the router, the workers and the benchmark.
+
+Each is a msgspec struct, encoded as JSON; tensors travel apart from these, as raw bytes in the KV
+transfer's frames (kv_transfer/codec.py). Every field is bounded here, so a reader decodes a body
+with `decode(raw, Type)` and either has a well-formed message or a `BadMessage` naming the field:
+the HTTP edges answer it with a 400 before any handler sees the message.
+
+    router ──GenerateRequest──────────────► decode worker (or colocated: `both`)
+    router ◄─OutputLine (NDJSON, one a step)─ decode worker
+    router ──AbortRequest─────────────────► worker
+    decode ──PrefillLease─────────────────► prefill worker ──► PrefillAccepted
+    decode ──AbortRequest (with its fence)─► prefill worker
+    worker ──Registration─────────────────► router ──► Registered
+    worker ──Heartbeat(WorkerStats)───────► router (every third of the lease)
+
+Text never crosses: workers stream token ids, and the router alone turns them into text and
+applies stop strings (router/responses.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from pdserve.sampling_params import MAX_N, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT
+
+MAX_SEQUENCE_TOKENS = 1 << 20  # prompt (or generated) token ids in one request; the model's length is lower
+MAX_PRIORITY = 1000  # priorities from peers are in [-MAX_PRIORITY, MAX_PRIORITY]
+MAX_BLOCK_SIZE = 1024
+MAX_FENCE = (1 << 63) - 1
+# Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
+REQUEST_ID = r"^[A-Za-z0-9_.:\-]{1,200}$"
+
+RequestId = Annotated[str, Meta(pattern=REQUEST_ID)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_SEQUENCE_TOKENS)]
+Prompt = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?$")]
+Fence = Annotated[int, Meta(ge=0, le=MAX_FENCE)]
+Count = Annotated[int, Meta(ge=0, le=1 << 62)]
+Seconds = Annotated[float, Meta(ge=0, le=1e9)]
+ModelHash = Annotated[str, Meta(max_length=128)]
+Role = Literal["prefill", "decode", "both"]
+BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+
+
+class Message(Struct, forbid_unknown_fields=True):
+    """A message between pdserve's processes: unknown fields are refused, not ignored."""
+
+
+class BadMessage(ValueError):
+    """A body that is not the message it should be; `field` names where it went wrong."""
+
+    def __init__(self, message: str, field: str | None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+M = TypeVar("M", bound=Struct)
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_NAMED = re.compile(r"field `([^`]*)`")  # "Object missing required field `x`", "... unknown field `x`"
+
+
+def decode(raw: bytes | str, kind: type[M]) -> M:
+    """`raw` as a `kind`, or BadMessage naming the field (`prompt_token_ids.3`) and what is wrong."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        found = _PATH.search(text)
+        where = found.group(1) if found else ""
+        message = text[: found.start()] if found else text
+        if named := _NAMED.search(message):
+            where = f"{where}.{named.group(1)}" if where else named.group(1)
+        field = where.replace("[", ".").replace("]", "") or None  # as the OpenAI edge names them: a.1.b
+        raise BadMessage(f"{field}: {message}" if field else message, field) from None
+    except msgspec.DecodeError as e:
+        raise BadMessage(f"the body is not valid JSON: {e}", None) from None
+
+
+def encode(message: Struct) -> bytes:
+    return msgspec.json.encode(message)
+
+
+# -- router -> worker: a request ---------------------------------------------------------------
+
+
+class Sampling(Message):
+    """How a worker samples a request: the engine's `SamplingParams` without the text-side ones
+    (stop strings, special tokens in the text), which the router applies."""
+
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Meta(ge=0, le=SEED_LIMIT - 1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] | None = 16
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+
+    def params(self):
+        """The engine's sampling parameters (ValueError for a combination no field bound catches,
+        such as min_tokens past max_tokens). Workers do not detokenize: `detokenize=False`."""
+        from pdserve.sampling_params import SamplingParams
+
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, seed=self.seed, max_tokens=self.max_tokens,
+                              min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos, detokenize=False)
+
+    @classmethod
+    def of(cls, params) -> Sampling:
+        return cls(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                   min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens,
+                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
+                   ignore_eos=params.ignore_eos)
+
+
+class GenerateRequest(Message, kw_only=True):
+    """POST /v1/generate. `output_token_ids` resumes a request begun elsewhere (a migration)."""
+
+    request_id: RequestId | None = None
+    prompt_token_ids: Prompt
+    output_token_ids: TokenIds = []
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    priority: Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    prefill_url: Url | None = None
+    stream: bool = True
+
+
+class AbortRequest(Message):
+    """POST /v1/abort (a request) and /v1/prefill/abort (a lease: with its fence)."""
+
+    request_id: RequestId
+    fence: Fence | None = None
+
+
+class Aborted(Message):
+    request_id: str
+    aborted: bool = True
+
+
+# -- worker -> router: the output stream --------------------------------------------------------
+
+
+class CompletionDelta(Message):
+    index: Annotated[int, Meta(ge=0, lt=MAX_N)]
+    token_ids: TokenIds
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+
+
+class ErrorInfo(Message):
+    """OpenAI's error shape, as every HTTP error of pdserve's."""
+
+    message: Annotated[str, Meta(max_length=4096)]
+    type: Annotated[str, Meta(max_length=64)] = "server_error"
+    param: Annotated[str, Meta(max_length=256)] | None = None
+    code: int = 500
+
+
+class ErrorReply(Message):
+    """The body of any 4xx/5xx answer of a worker or the router."""
+
+    error: ErrorInfo
+
+
+class OutputLine(Message):
+    """One NDJSON line of a /v1/generate response: the tokens new since the previous line, or an
+    error that ends the stream. An empty line (not an OutputLine) is a keep-alive."""
+
+    request_id: str = ""
+    outputs: Annotated[list[CompletionDelta], Meta(max_length=MAX_N)] = []
+    finished: bool = False
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0
+    phase_times: Annotated[dict[Annotated[str, Meta(max_length=32)], float], Meta(max_length=16)] | None = None
+    error: ErrorInfo | None = None
+
+
+def error_line(message: str, code: int = 500, kind: str = "server_error") -> bytes:
+    """The line that ends a stream on an error; it reads as an OutputLine with `error` set."""
+    return encode(ErrorReply(error=ErrorInfo(message=message, type=kind, code=code))) + b"\n"
+
+
+# -- decode worker -> prefill worker: a lease of blocks ------------------------------------------
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
+Slots = Annotated[int, Meta(ge=1, le=1 << 40)]
+
+
+class TcpOffer(Message):
+    """Where a decode worker's KV port listens."""
+
+    host: Host
+    port: Port
+
+
+class ShmOffer(Message):
+    host: Host
+    port: Port
+    path: Annotated[str, Meta(max_length=255)]
+    num_slots: Slots
+
+
+class NixlOffer(Message):
+    host: Host
+    port: Port
+    agent_metadata: Annotated[str, Meta(max_length=1 << 20)]  # NIXL's own metadata, base64
+    base_addr: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    num_slots: Slots
+    mem: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+
+
+class DecodeOffers(Message, omit_defaults=True):
+    """How a prefill worker may reach the decode worker that leased it blocks, per backend."""
+
+    tcp: TcpOffer | None = None
+    shm: ShmOffer | None = None
+    nixl: NixlOffer | None = None
+
+    def as_dicts(self) -> dict[str, dict]:
+        """backend -> its offer as a plain dict, for the transfer backends."""
+        return {name: msgspec.structs.asdict(offer) for name in self.__struct_fields__
+                if (offer := getattr(self, name)) is not None}
+
+
+class PrefillLease(Message, kw_only=True):
+    """POST /v1/prefill: compute this prompt and write its KV from position `start` into these
+    blocks of the decode worker, fenced by `fence`."""
+
+    request_id: RequestId
+    fence: Fence
+    prompt_token_ids: Prompt
+    output_token_ids: TokenIds = []  # a resumed request's tokens so far
+    sampling: Sampling
+    start: Annotated[int, Meta(ge=0, le=MAX_SEQUENCE_TOKENS)]
+    block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=MAX_SEQUENCE_TOKENS)]
+    block_size: BlockSize
+    model_hash: ModelHash
+    kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    decode: DecodeOffers
+
+
+class PrefillAccepted(Message):
+    request_id: str
+    fence: Fence
+    backend: str
+
+
+class KVInfo(Message):
+    """GET /v1/kv_info: a decode worker's KV layout and how to reach it."""
+
+    layout: dict[str, str | int]
+    backends: DecodeOffers
+
+
+# -- worker -> router: membership --------------------------------------------------------------
+
+
+class Registration(Message):
+    """POST /internal/register."""
+
+    url: Annotated[str, Meta(max_length=512, pattern=r"^https?://[^\s/?#]{1,255}/?$")]
+    role: Role
+    model_hash: ModelHash
+    block_size: BlockSize = 16  # of its KV cache: the router hashes prompt prefixes in blocks this size
+
+
+class Registered(Message):
+    worker_id: str
+    lease_s: Seconds
+    heartbeat_s: Seconds
+
+
+class WorkerStats(Message):
+    """A worker's load and counters: GET /stats, /metrics, and every heartbeat. The router routes by
+    the load fields; the counters are summed in its /metrics or shown as sent."""
+
+    role: Role = "both"
+    model_hash: ModelHash = ""
+    running: Count = 0
+    waiting: Count = 0
+    waiting_for_kv: Count = 0
+    queued_prefill_tokens: Count = 0
+    kv_blocks_total: Annotated[int, Meta(ge=1, le=1 << 40)] = 1
+    kv_blocks_used: Count = 0
+    kv_blocks_free: Count = 0
+    capacity: Count = 0  # sequences it holds at most, running and queued (0: not said)
+    step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
+    num_steps: Count = 0
+    num_preemptions: Count = 0
+    uptime_s: Seconds = 0.0
+    requests_aborted: Count = 0
+    requests_failed: Count = 0
+    engine_alive: bool = True
+    engine_failures: Count = 0
+    stale: bool = False  # the engine was busy: the last snapshot, not a fresh one
+    # decode side
+    kv_leases_open: Count = 0
+    kv_landed: Count = 0
+    kv_recomputed: Count = 0
+    kv_stale_writes: Count = 0
+    kv_bytes_received: Count = 0
+    kv_refused_connections: Count = 0
+    kv_forced_disconnects: Count = 0
+    # prefill side
+    kv_shipments: Count = 0
+    kv_notified: Count = 0
+    kv_bytes_sent: Count = 0
+    kv_peers: Count = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return msgspec.structs.asdict(self)
+
+
+class Heartbeat(Message):
+    """POST /internal/heartbeat: renews the lease; 404 means register again."""
+
+    worker_id: Annotated[str, Meta(max_length=64)]
+    stats: WorkerStats
