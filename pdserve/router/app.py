@@ -363,7 +363,8 @@ def create_app(router: Router) -> FastAPI:
     async def register(body: RegisterBody, request: Request):
         check_worker_token(request)
         try:
-            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token)
+            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
+                                             body.block_size)
         except RegistrationError as e:
             raise APIError(409 if "mismatch" in str(e) else 400, str(e)) from None
         log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)

@@ -96,11 +96,20 @@ StatValue = StrictInt | float | Annotated[str, Field(max_length=256)] | bool | N
 Count = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
 
 
+def _power_of_two(n: int) -> int:
+    if n & (n - 1):
+        raise ValueError(f"block_size must be a power of two, got {n}")
+    return n
+
+
 class RegisterBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     url: str = Field(max_length=512, pattern=r"^https?://[^\s/?#]{1,255}/?$")
     role: Literal["prefill", "decode", "both"]
     model_hash: str = Field(max_length=128)
+    # tokens per KV block of its engine: the router hashes prompts in blocks of this size to know
+    # which prefixes the worker's cache holds
+    block_size: Annotated[StrictInt, Field(ge=1, le=1024), AfterValidator(_power_of_two)] = 16
 
 
 class LoadReport(BaseModel):

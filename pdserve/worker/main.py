@@ -85,7 +85,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.router:
         from pdserve.worker.registration import RouterMembership
         membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
-                                      token).start()
+                                      token, config.block_size).start()
         worker.router_status = lambda: membership.status
     server = http_server(create_app(worker, token), WORKER_LIMITS)
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: let that land here, so the

@@ -1,8 +1,8 @@
 """A worker's membership in a router: register, then renew the lease with heartbeats of its stats.
 
 Lifecycle:
-1. Register (URL, role, model hash) with the cluster token; the router answers with an id and a
-   lease length, or refuses (wrong token, another model), which is logged and retried.
+1. Register (URL, role, model hash, KV block size) with the cluster token; the router answers with
+   an id and a lease length, or refuses (wrong token, another model), which is logged and retried.
 2. Every third of the lease, send `/stats` as a heartbeat; a router that no longer knows the id
    (it restarted, or the lease lapsed) is registered with again.
 3. Nothing ends the thread but `stop()`: a router that is down, refuses, or answers garbage, and
@@ -28,9 +28,9 @@ REPORT_EVERY_S = 30.0
 
 class RouterMembership:
     def __init__(self, router_url: str, own_url: str, role: str, model_hash: str, stats: Callable[[], dict],
-                 token: str = "") -> None:
+                 token: str = "", block_size: int = 16) -> None:
         self.router_url = router_url.rstrip("/")
-        self.body = {"url": own_url, "role": role, "model_hash": model_hash}
+        self.body = {"url": own_url, "role": role, "model_hash": model_hash, "block_size": block_size}
         self.stats = stats
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.worker_id: str | None = None
