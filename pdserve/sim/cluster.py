@@ -65,10 +65,14 @@ class SimWorker(RoleHooks):
         self.step_ewma_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
+        self.routed: dict[str, int] = {}  # prompts routed here, not yet in its scheduler: request id -> tokens
 
     def load(self) -> WorkerLoad:
+        """What the router would see: the scheduler now, plus the prompts routed here that its
+        scheduler has not been given yet, each waiting with its tokens queued."""
         s, b = self.scheduler, self.scheduler.blocks
-        return WorkerLoad(len(s.running), len(s.waiting), len(s.waiting_for_kv), s.queued_prefill_tokens,
+        return WorkerLoad(len(s.running), len(s.waiting) + len(self.routed), len(s.waiting_for_kv),
+                          s.queued_prefill_tokens + sum(self.routed.values()),
                           b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3)
 
     def candidate(self) -> Candidate:
@@ -134,7 +138,9 @@ class SimCluster:
         return request_id
 
     def _arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        """Route as the router does, with loads read from the schedulers at this instant."""
+        """Route as the router does, with loads read at this instant: a decode worker's scheduler
+        holds the request from now on, while a prefill worker's is given it only once the decode
+        worker has reserved its blocks, so until then the prefill worker counts it as routed."""
         workers = {w.name: w for w in self.prefills + self.decodes}
         decision = route([w.candidate() for w in workers.values()], prompt, self.index, self.weights, self.policy)
         for r in decision.records:
@@ -143,6 +149,7 @@ class SimCluster:
         remote = decision.prefill_id is not None
         if remote:
             p = workers[decision.prefill_id]
+            p.routed[request_id] = decision.prefill_uncached
             self._targets[request_id] = p
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id, prompt, params, len(prompt) + max_tokens, arrival_time=self.clock.now,
@@ -155,6 +162,7 @@ class SimCluster:
 
     def dispatch_prefill(self, decode: SimWorker, req: Request) -> None:
         p = self._targets.pop(req.request_id)
+        del p.routed[req.request_id]
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         prefill_req = Request(req.request_id + _PREFILL_SUFFIX, req.prompt_token_ids, params, req.num_tokens + 1,
                               arrival_time=self.clock.now)

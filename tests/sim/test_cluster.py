@@ -26,6 +26,7 @@ def check_idle(cluster: SimCluster) -> None:
     for w in cluster.prefills + cluster.decodes:
         blocks = w.scheduler.blocks
         assert not w.scheduler.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks, w.name
+        assert not w.routed, w.name
 
 
 def test_a_lone_colocated_request():
@@ -100,6 +101,20 @@ def decisions_of(monkeypatch) -> list[routing.RoutingDecision]:
         return made[-1]
     monkeypatch.setattr(sim_cluster, "route", spy)
     return made
+
+
+def test_a_burst_spreads_over_prefill_workers_before_they_hold_it(monkeypatch):
+    """A prompt routed to a prefill worker reaches its scheduler only once the decode worker has
+    reserved blocks for it: meanwhile the simulator counts it, as the router counts what it sent
+    since a worker's last heartbeat."""
+    made = decisions_of(monkeypatch)
+    c = SimCluster(PREFILL, PREFILL, num_prefill=2, num_decode=1, policy=DisaggregationPolicy(min_remote_tokens=16))
+    c.submit(0.0, prompt(8), max_tokens=20)  # short: the decode worker computes it, and is busy stepping
+    for i in range(6):  # these wait for its step to end before it reserves their blocks
+        c.submit(0.005, prompt(300, seed=i), max_tokens=2)
+    c.run()
+    assert [d.prefill_id for d in made] == [None] + ["prefill0", "prefill1"] * 3
+    check_idle(c)
 
 
 def test_prefix_aware_prefill_choice_at_the_workers_block_size(monkeypatch):
