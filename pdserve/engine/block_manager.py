@@ -7,26 +7,14 @@ hit) until allocation evicts it, least recently freed first.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
 from pdserve.engine.request import Request
+from pdserve.prefix_hash import hash_block
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
-
-
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Content hash of a full block, chained to the hash of the block before it.
-
-    A cryptographic hash, so that no prompt can be crafted to collide with another user's prefix.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update((parent_hash or 0).to_bytes(16, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
 
 
 class Block:

@@ -33,9 +33,9 @@ from pdserve import wire
 from pdserve.errors import OtherModel, RegistrationError
 from pdserve.http_errors import APIError, install_error_handlers, message_body, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
+from pdserve.router import routing
 from pdserve.router.policy import (
-    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_decode, choose_migrations,
-    choose_prefill, prefill_remotely,
+    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_migrations,
 )
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
@@ -100,28 +100,24 @@ class Router:
         """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
         `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
         NoRoom when every decode worker holds as many sequences from here as it said it can."""
-        decodes = {w.worker_id: w for w in self.registry.workers("decode") if w.worker_id not in exclude}
-        prefills = {w.worker_id: w for w in self.registry.workers("prefill") if w.role == "prefill"}
-        if not decodes:  # no decode worker: prefill workers serve colocated
-            decodes = {k: w for k, w in prefills.items() if k not in exclude}
-            prefills = {}
-        if not decodes:
-            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
-        decodes = {k: w for k, w in decodes.items() if w.has_room(sequences)}
-        if not decodes:
-            raise NoRoom()
-        d = decodes[choose_decode({k: w.current_load() for k, w in decodes.items()}, self.config.decode_weights)]
-        hashes = self.index.hashes(prompt_ids)
-        uncached = len(prompt_ids) - self.index.cached_tokens(d.worker_id, hashes)
-        loads = {k: w.current_load() for k, w in prefills.items()}
-        p = None
-        if prefill_remotely(uncached, loads, self.config.disaggregation):
-            p = prefills[choose_prefill(loads, self.index, hashes, len(prompt_ids))]
-            self.registry.note_routed(p.worker_id, len(prompt_ids) - self.index.cached_tokens(p.worker_id, hashes))
-            self.index.record(p.worker_id, hashes)
+        entries = {w.worker_id: w for w in self.registry.workers()}
+        workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size)
+                   for k, w in entries.items()]
+        try:
+            decision = routing.route(workers, prompt_ids, self.index, self.config.decode_weights,
+                                     self.config.disaggregation, exclude)
+        except routing.NoWorker:
+            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"}) from None
+        except routing.NoRoom:
+            raise NoRoom() from None
+        d = entries[decision.decode_id]
+        p = entries[decision.prefill_id] if decision.prefill_id is not None else None
+        if p is not None:
+            self.registry.note_routed(p.worker_id, decision.prefill_uncached)
             self.metrics.disaggregated.inc()
-        self.registry.note_routed(d.worker_id, 0 if p else uncached, remote=p is not None)
-        self.index.record(d.worker_id, hashes)
+        self.registry.note_routed(d.worker_id, 0 if p else decision.decode_uncached, remote=p is not None)
+        for r in decision.records:
+            self.index.record(r.worker_id, r.block_size, r.hashes)
         d.in_flight += sequences
         return d, p
 
@@ -368,7 +364,8 @@ def create_app(router: Router) -> FastAPI:
         check_worker_token(request)
         body = await message_body(request, wire.Registration)
         try:
-            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token)
+            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
+                                             body.block_size)
         except OtherModel as e:
             raise APIError(409, str(e)) from None
         except RegistrationError as e:

@@ -1,7 +1,7 @@
 """Routing policies: which decode worker, which prefill worker, and whether to disaggregate at all.
 
 Pure functions over the workers' last heartbeat, so that they are tested without a model and the
-planner's simulator can run the very same code.
+planner's simulator can run the very same code; router/routing.py composes them into one decision.
 
 - Decode choice: a weighted score of free sessions, short queue, free KV memory and fast steps
   (the seeds' formula, with step latency added); workers above the hot-spot threshold of KV use
@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from pdserve.engine.block_manager import hash_block
 
 if TYPE_CHECKING:
     from pdserve.wire import WorkerStats
@@ -87,22 +85,18 @@ def choose_decode(loads: dict[str, WorkerLoad], w: DecodeWeights = DecodeWeights
 
 class PrefixIndex:
     """Which prompt prefixes each worker has seen recently, as chained block hashes (the same
-    hash as the engines' prefix caches), bounded per worker, least recently used out first."""
+    hash as the engines' prefix caches), bounded per worker, least recently used out first.
 
-    def __init__(self, block_size: int = 16, max_blocks_per_worker: int = 100_000) -> None:
-        self.block_size = block_size
+    One index per block size: a worker's hashes name blocks of its own size, so a prompt is looked
+    up with the hashes of the block size of the worker asked about."""
+
+    def __init__(self, max_blocks_per_worker: int = 100_000) -> None:
         self.max_blocks = max_blocks_per_worker
-        self._seen: dict[str, OrderedDict[int, None]] = {}
+        self._seen: dict[int, dict[str, OrderedDict[int, None]]] = {}  # block size -> worker -> hashes
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
-        out: list[int] = []
-        bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            out.append(hash_block(out[-1] if out else None, token_ids[i * bs : (i + 1) * bs]))
-        return out
-
-    def cached_tokens(self, worker: str, hashes: list[int]) -> int:
-        seen = self._seen.get(worker)
+    def cached_tokens(self, worker: str, block_size: int, hashes: list[int]) -> int:
+        """Prompt tokens `worker` holds at the start of the prompt whose `block_size` hashes these are."""
+        seen = self._seen.get(block_size, {}).get(worker)
         if not seen:
             return 0
         n = 0
@@ -110,10 +104,10 @@ class PrefixIndex:
             if h not in seen:
                 break
             n += 1
-        return n * self.block_size
+        return n * block_size
 
-    def record(self, worker: str, hashes: list[int]) -> None:
-        seen = self._seen.setdefault(worker, OrderedDict())
+    def record(self, worker: str, block_size: int, hashes: list[int]) -> None:
+        seen = self._seen.setdefault(block_size, {}).setdefault(worker, OrderedDict())
         for h in hashes:
             seen[h] = None
             seen.move_to_end(h)
@@ -121,14 +115,16 @@ class PrefixIndex:
             seen.popitem(last=False)
 
     def forget(self, worker: str) -> None:
-        self._seen.pop(worker, None)
+        for workers in self._seen.values():
+            workers.pop(worker, None)
 
 
-def choose_prefill(loads: dict[str, WorkerLoad], index: PrefixIndex, hashes: list[int], prompt_len: int,
+def choose_prefill(loads: dict[str, WorkerLoad], cached_tokens: dict[str, int], prompt_len: int,
                    exclude: frozenset[str] = frozenset()) -> str | None:
-    """The prefill worker with the least prompt work ahead of this request, or None."""
+    """The prefill worker with the least prompt work ahead of this request, or None.
+    `cached_tokens`: how much of the prompt each worker holds in its prefix cache (absent: none)."""
     def work(k: str) -> int:
-        return loads[k].queued_prefill_tokens + prompt_len - index.cached_tokens(k, hashes)
+        return loads[k].queued_prefill_tokens + prompt_len - cached_tokens.get(k, 0)
     candidates = sorted(k for k in loads if k not in exclude)
     return min(candidates, key=work) if candidates else None
 

@@ -41,6 +41,7 @@ class WorkerEntry:
     last_heartbeat: float = 0.0  # time.monotonic() of the last one (or of registration)
     routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
     in_flight: int = 0  # sequences this router has sent it that have not ended
+    block_size: int = 16  # tokens per KV block of its engine (its prefix cache hashes blocks of this size)
 
     def has_room(self, sequences: int) -> bool:
         """Whether `sequences` more fit within the capacity its heartbeat reported (unknown: yes)."""
@@ -78,11 +79,13 @@ class Registry:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def register(self, url: str, role: str, model_hash: str, token: str = "") -> WorkerEntry:
+    def register(self, url: str, role: str, model_hash: str, token: str = "", block_size: int = 16) -> WorkerEntry:
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistrationError("bad token")
         if role not in ROLES:
             raise RegistrationError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise RegistrationError(f"block_size must be a power of two, got {block_size}")
         if model_hash != self.model_hash:
             raise OtherModel(
                 f"model mismatch: the cluster serves {self.model_hash[:12]}, the worker {model_hash[:12]}")
@@ -92,7 +95,7 @@ class Registry:
                     del self._workers[entry.worker_id]
                     break
             entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s,
-                                last_heartbeat=time.monotonic())
+                                last_heartbeat=time.monotonic(), block_size=block_size)
             self._workers[entry.worker_id] = entry
         return entry
 

@@ -3,8 +3,8 @@ the engine's scheduler (engine/scheduler.py) are the very code that serves; here
 them instead of a model, and a performance model says how long each step and transfer takes.
 
 Lifecycle of a simulated request:
-1. Arrival: the router's policies choose a decode worker and, when the uncached prompt is long
-   enough and the prefill pool not saturated, a prefill worker.
+1. Arrival: the router's routing function (router/routing.py) chooses a decode worker and, when
+   the uncached prompt is long enough and the prefill pool not saturated, a prefill worker.
 2. Colocated: the decode worker's scheduler admits it and computes the prompt in chunks; the step
    that completes the prompt samples the first token.
 3. Disaggregated: the decode worker's scheduler reserves blocks (`on_reserved`), the prefill worker
@@ -25,9 +25,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.router.policy import (
-    DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill, prefill_remotely,
-)
+from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad
+from pdserve.router.routing import Candidate, route
 from pdserve.sampling_params import SamplingParams
 from pdserve.engine.step_shape import step_shape
 from pdserve.sim.perf import LinearPerfModel
@@ -66,11 +65,19 @@ class SimWorker(RoleHooks):
         self.step_ewma_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
+        self.routed: dict[str, int] = {}  # prompts routed here, not yet in its scheduler: request id -> tokens
 
     def load(self) -> WorkerLoad:
+        """What the router would see: the scheduler now, plus the prompts routed here that its
+        scheduler has not been given yet, each waiting with its tokens queued."""
         s, b = self.scheduler, self.scheduler.blocks
-        return WorkerLoad(len(s.running), len(s.waiting), len(s.waiting_for_kv), s.queued_prefill_tokens,
+        return WorkerLoad(len(s.running), len(s.waiting) + len(self.routed), len(s.waiting_for_kv),
+                          s.queued_prefill_tokens + sum(self.routed.values()),
                           b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3)
+
+    def candidate(self) -> Candidate:
+        # every simulated queue is unbounded: each worker always has room
+        return Candidate(self.name, self.role, self.load(), has_room=True, block_size=self.scheduler.blocks.block_size)
 
     def kick(self) -> None:
         if self.busy:
@@ -131,18 +138,19 @@ class SimCluster:
         return request_id
 
     def _arrive(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        decodes = {w.name: w for w in self.decodes}
-        d = decodes[choose_decode({k: w.load() for k, w in decodes.items()}, self.weights)]
-        hashes = self.index.hashes(prompt)
-        uncached = len(prompt) - self.index.cached_tokens(d.name, hashes)
-        prefills = {w.name: w for w in self.prefills}
-        loads = {k: w.load() for k, w in prefills.items()}
-        remote = prefill_remotely(uncached, loads, self.policy)
+        """Route as the router does, with loads read at this instant: a decode worker's scheduler
+        holds the request from now on, while a prefill worker's is given it only once the decode
+        worker has reserved its blocks, so until then the prefill worker counts it as routed."""
+        workers = {w.name: w for w in self.prefills + self.decodes}
+        decision = route([w.candidate() for w in workers.values()], prompt, self.index, self.weights, self.policy)
+        for r in decision.records:
+            self.index.record(r.worker_id, r.block_size, r.hashes)
+        d = workers[decision.decode_id]
+        remote = decision.prefill_id is not None
         if remote:
-            p = prefills[choose_prefill(loads, self.index, hashes, len(prompt))]
-            self.index.record(p.name, hashes)
+            p = workers[decision.prefill_id]
+            p.routed[request_id] = decision.prefill_uncached
             self._targets[request_id] = p
-        self.index.record(d.name, hashes)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id, prompt, params, len(prompt) + max_tokens, arrival_time=self.clock.now,
                       remote_prefill=remote)
@@ -154,6 +162,7 @@ class SimCluster:
 
     def dispatch_prefill(self, decode: SimWorker, req: Request) -> None:
         p = self._targets.pop(req.request_id)
+        del p.routed[req.request_id]
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         prefill_req = Request(req.request_id + _PREFILL_SUFFIX, req.prompt_token_ids, params, req.num_tokens + 1,
                               arrival_time=self.clock.now)

@@ -1,10 +1,14 @@
 """Routing policies without a model: decode score, hot spots, prefix-aware prefill choice,
 conditional disaggregation, admission bounds, hot-spot relief."""
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.prefix_hash import block_hashes
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, RunningStream, WorkerLoad,
     choose_decode, choose_migrations, choose_prefill, decode_score, prefill_remotely,
 )
+from pdserve.wire import WorkerStats
+from tests.factories import make_request
 
 
 def load(**kw) -> WorkerLoad:
@@ -29,30 +33,51 @@ def test_choose_decode_prefers_the_least_loaded_and_avoids_hot_spots():
 
 
 def test_choose_prefill_weighs_cached_prefix_against_queue():
-    index = PrefixIndex(block_size=4)
+    index = PrefixIndex()
     prompt = list(range(1, 41))
-    hashes = index.hashes(prompt)
+    hashes = block_hashes(prompt, 4)
     assert len(hashes) == 10
-    index.record("warm", hashes[:8])  # 32 tokens already in its prefix cache
+    index.record("warm", 4, hashes[:8])  # 32 tokens already in its prefix cache
     loads = {"warm": load(queued_prefill_tokens=20), "cold": load(queued_prefill_tokens=0)}
-    assert index.cached_tokens("warm", hashes) == 32 and index.cached_tokens("cold", hashes) == 0
-    assert choose_prefill(loads, index, hashes, len(prompt)) == "warm"  # 20 + 8 < 0 + 40
+    assert index.cached_tokens("warm", 4, hashes) == 32 and index.cached_tokens("cold", 4, hashes) == 0
+    cached = {k: index.cached_tokens(k, 4, hashes) for k in loads}
+    assert choose_prefill(loads, cached, len(prompt)) == "warm"  # 20 + 8 < 0 + 40
     loads["warm"] = load(queued_prefill_tokens=100)
-    assert choose_prefill(loads, index, hashes, len(prompt)) == "cold"
-    assert choose_prefill({}, index, hashes, 40) is None
+    assert choose_prefill(loads, cached, len(prompt)) == "cold"
+    assert choose_prefill({}, cached, 40) is None
 
 
 def test_prefix_index_is_bounded_and_chained():
-    index = PrefixIndex(block_size=2, max_blocks_per_worker=3)
-    a = index.hashes([1, 2, 3, 4, 5, 6, 7, 8])
-    b = index.hashes([9, 9, 3, 4])
+    index = PrefixIndex(max_blocks_per_worker=3)
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    b = block_hashes([9, 9, 3, 4], 2)
     assert a[1] != b[1]  # same block, different prefix: a different hash
-    index.record("w", a)
-    assert index.cached_tokens("w", a) == 0  # the first block was evicted, so no prefix survives
-    index.record("w", a[:2])
-    assert index.cached_tokens("w", a) == 4
+    index.record("w", 2, a)
+    assert index.cached_tokens("w", 2, a) == 0  # the first block was evicted, so no prefix survives
+    index.record("w", 2, a[:2])
+    assert index.cached_tokens("w", 2, a) == 4
     index.forget("w")
-    assert index.cached_tokens("w", a) == 0
+    assert index.cached_tokens("w", 2, a) == 0
+
+
+def test_prefix_index_keeps_each_block_size_apart():
+    index = PrefixIndex()
+    prompt = list(range(1, 33))
+    index.record("w", 8, block_hashes(prompt, 8))
+    assert index.cached_tokens("w", 8, block_hashes(prompt, 8)) == 32
+    assert index.cached_tokens("w", 16, block_hashes(prompt, 16)) == 0  # never recorded in blocks of 16
+    index.record("w", 16, block_hashes(prompt, 16)[:1])
+    index.forget("w")
+    assert index.cached_tokens("w", 8, block_hashes(prompt, 8)) == 0
+    assert index.cached_tokens("w", 16, block_hashes(prompt, 16)) == 0
+
+
+def test_router_hashes_are_the_engines_prefix_cache_hashes():
+    """The index is only right if it names blocks as the engines' prefix caches do."""
+    prompt = list(range(100, 150))  # 6 full blocks of 8 and a partial one
+    request = make_request(prompt=prompt)
+    assert BlockManager(num_blocks=16, block_size=8).find_cached_prefix(request) == []  # hashes its blocks
+    assert request.block_hashes == block_hashes(prompt, 8)
 
 
 def test_conditional_disaggregation():
@@ -73,8 +98,9 @@ def test_admission_bounds_requests_and_tokens():
     assert adm.requests == 1 and adm.tokens == 40 and adm.try_admit("c", 60)
 
 
-def test_worker_load_from_stats_ignores_other_keys():
-    got = WorkerLoad.from_stats({"running": 3, "kv_blocks_used": 5, "kv_blocks_total": 10, "role": "decode"})
+def test_worker_load_from_stats_ignores_other_fields():
+    got = WorkerLoad.from_stats(WorkerStats(running=3, kv_blocks_used=5, kv_blocks_total=10, role="decode",
+                                            kv_landed=4))
     assert got.running == 3 and got.kv_usage == 0.5
 
 

@@ -53,7 +53,7 @@ def test_a_restarted_worker_replaces_its_entry():
 
 
 def test_requests_routed_between_heartbeats_count_in_the_load():
-    from pdserve.router.policy import choose_decode, choose_prefill, PrefixIndex
+    from pdserve.router.policy import choose_decode, choose_prefill
 
     reg = Registry("m" * 64, token="t")
     a, b = (reg.register(f"http://127.0.0.1:{i}", "both", "m" * 64, "t") for i in (1, 2))
@@ -76,5 +76,5 @@ def test_requests_routed_between_heartbeats_count_in_the_load():
     p1, p2 = (reg.register(f"http://127.0.0.1:{i}", "prefill", "m" * 64, "t") for i in (3, 4))
     reg.note_routed(p1.worker_id, 4000)
     loads = {e.worker_id: e.current_load() for e in reg.workers("prefill") if e.role == "prefill"}
-    assert choose_prefill(loads, PrefixIndex(), [], 1000) == p2.worker_id
+    assert choose_prefill(loads, {}, 1000) == p2.worker_id
     reg.note_routed("gone", 10)  # a worker that left: nothing to count

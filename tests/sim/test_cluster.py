@@ -7,7 +7,9 @@ import random
 import pytest
 
 from pdserve.bench.loadgen import arrival_times
+from pdserve.router import routing
 from pdserve.router.policy import DisaggregationPolicy
+from pdserve.sim import cluster as sim_cluster
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.perf import LinearPerfModel
 
@@ -24,6 +26,7 @@ def check_idle(cluster: SimCluster) -> None:
     for w in cluster.prefills + cluster.decodes:
         blocks = w.scheduler.blocks
         assert not w.scheduler.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks, w.name
+        assert not w.routed, w.name
 
 
 def test_a_lone_colocated_request():
@@ -86,4 +89,45 @@ def test_a_loaded_cluster_finishes_everything_and_reports_bench_metrics():
     assert summary["completed"] == 300 and summary["failed"] == 0
     assert summary["ttft"]["p50"] > 0 and summary["tpot"]["p50"] >= 30.0  # a decode step is at least 30 ms
     assert c.prefills[0].num_steps > 0 and all(d.num_steps > 0 for d in c.decodes)
+    check_idle(c)
+
+
+def decisions_of(monkeypatch) -> list[routing.RoutingDecision]:
+    """The routing decisions the simulator makes, in order."""
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(routing.route(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(sim_cluster, "route", spy)
+    return made
+
+
+def test_a_burst_spreads_over_prefill_workers_before_they_hold_it(monkeypatch):
+    """A prompt routed to a prefill worker reaches its scheduler only once the decode worker has
+    reserved blocks for it: meanwhile the simulator counts it, as the router counts what it sent
+    since a worker's last heartbeat."""
+    made = decisions_of(monkeypatch)
+    c = SimCluster(PREFILL, PREFILL, num_prefill=2, num_decode=1, policy=DisaggregationPolicy(min_remote_tokens=16))
+    c.submit(0.0, prompt(8), max_tokens=20)  # short: the decode worker computes it, and is busy stepping
+    for i in range(6):  # these wait for its step to end before it reserves their blocks
+        c.submit(0.005, prompt(300, seed=i), max_tokens=2)
+    c.run()
+    assert [d.prefill_id for d in made] == [None] + ["prefill0", "prefill1"] * 3
+    check_idle(c)
+
+
+def test_prefix_aware_prefill_choice_at_the_workers_block_size(monkeypatch):
+    made = decisions_of(monkeypatch)
+    c = SimCluster(PREFILL, PREFILL, num_prefill=2, num_decode=1, worker_args={"block_size": 8},
+                   policy=DisaggregationPolicy(min_remote_tokens=16))
+    a, b, turn = prompt(300, seed=1), prompt(300, seed=2), prompt(100, seed=3)
+    c.submit(0.0, a, max_tokens=2)
+    c.submit(0.0, b, max_tokens=2)
+    c.submit(10.0, b + turn, max_tokens=2)  # each next turn goes where its prefix is (b's first:
+    c.submit(11.0, a + turn, max_tokens=2)  # the worker a tie would go to does not hold it)
+    c.run()
+    assert [d.prefill_id for d in made] == ["prefill0", "prefill1", "prefill1", "prefill0"]
+    assert made[2].prefill_uncached == 400 - 296  # 37 blocks of 8 cached
+    assert {r.block_size for d in made for r in d.records} == {8}
     check_idle(c)

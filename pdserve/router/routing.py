@@ -1,0 +1,101 @@
+"""One routing decision: which decode worker, and which prefill worker if any, for one prompt.
+
+The router and the simulator both route with `route`, and differ only in how they apply its
+decision. It is a pure function of plain data: each worker's load (its last report plus what was
+routed to it since), whether it has room for the request, and its block size, with the prefix
+index read but never written; the caller records the decision's hashes once it commits to it.
+
+The decision, in order:
+1. Decode candidates are the decode and colocated workers not excluded; with none of those alive,
+   prefill workers serve colocated (and no worker prefills for another). None at all: `NoWorker`.
+2. Of those, the ones with room; none: `NoRoom` (the request waits for room).
+3. The decode worker with the best score (policy.choose_decode).
+4. The prompt goes to a prefill worker when its part uncached on the decode worker is worth it and
+   the prefill pool is not saturated (policy.prefill_remotely): the one with the least prompt work
+   ahead, counting what its prefix cache holds (policy.choose_prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.prefix_hash import block_hashes
+from pdserve.router.policy import (
+    DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad, choose_decode, choose_prefill, prefill_remotely,
+)
+
+DECODE_ROLES = ("decode", "both")
+
+
+class NoWorker(Exception):
+    """No live worker could take the request (none at all, or every one excluded)."""
+
+
+class NoRoom(Exception):
+    """Every worker that could decode the request holds as many sequences as it said it can."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker as routing sees it."""
+
+    worker_id: str
+    role: str  # "prefill", "decode" or "both"
+    load: WorkerLoad  # its last report, plus what was routed to it since
+    has_room: bool = True  # it can take this request's sequences on top of those it holds
+    block_size: int = 16  # tokens per block of its prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRecord:
+    """Block hashes a chosen worker will hold once it has the prompt, for the prefix index."""
+
+    worker_id: str
+    block_size: int
+    hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    decode_id: str
+    prefill_id: str | None  # None: the decode worker computes the prompt itself
+    decode_uncached: int  # prompt tokens not in the decode worker's prefix cache, as far as the index knows
+    prefill_uncached: int  # the same for the prefill worker (0 without one)
+    records: tuple[PrefixRecord, ...]  # for PrefixIndex.record, once the request is sent
+
+
+def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex,
+          weights: DecodeWeights = DecodeWeights(), policy: DisaggregationPolicy = DisaggregationPolicy(),
+          exclude: frozenset[str] = frozenset()) -> RoutingDecision:
+    """Where this prompt goes. `exclude`: workers not to decode it (they failed it already)."""
+    decodes = {w.worker_id: w for w in workers if w.role in DECODE_ROLES and w.worker_id not in exclude}
+    prefills = {w.worker_id: w for w in workers if w.role == "prefill"}
+    if not decodes:  # no decode worker: prefill workers serve colocated
+        decodes = {k: w for k, w in prefills.items() if k not in exclude}
+        prefills = {}
+    if not decodes:
+        raise NoWorker()
+    roomy = {k: w.load for k, w in decodes.items() if w.has_room}
+    if not roomy:
+        raise NoRoom()
+    d = decodes[choose_decode(roomy, weights)]
+
+    hashed: dict[int, list[int]] = {}  # block size -> the prompt's hashes: once per size
+
+    def hashes(w: Candidate) -> list[int]:
+        if w.block_size not in hashed:
+            hashed[w.block_size] = block_hashes(prompt_ids, w.block_size)
+        return hashed[w.block_size]
+
+    def cached(w: Candidate) -> int:
+        return index.cached_tokens(w.worker_id, w.block_size, hashes(w))
+
+    chosen = [d]
+    decode_uncached, prefill_uncached, prefill_id = len(prompt_ids) - cached(d), 0, None
+    loads = {k: w.load for k, w in prefills.items()}
+    if prefill_remotely(decode_uncached, loads, policy):
+        p = prefills[choose_prefill(loads, {k: cached(w) for k, w in prefills.items()}, len(prompt_ids))]
+        chosen.append(p)
+        prefill_uncached, prefill_id = len(prompt_ids) - cached(p), p.worker_id
+    records = tuple(PrefixRecord(w.worker_id, w.block_size, hashes(w)) for w in chosen)
+    return RoutingDecision(d.worker_id, prefill_id, decode_uncached, prefill_uncached, records)
