@@ -26,6 +26,14 @@ class TransferError(RuntimeError):
     """A transfer could not be set up or went wrong; the prompt is then recomputed on decode."""
 
 
+class LayoutMismatch(TransferError):
+    """The two workers' KV caches differ in shape or dtype: no backend can move KV between them."""
+
+
+class ModelMismatch(LayoutMismatch):
+    """The two workers serve different models: no KV of one is valid in the other."""
+
+
 class TransferStatus(enum.IntEnum):
     """Of one request's transfer. Worst first: the status of several parts is their minimum."""
 
@@ -64,11 +72,11 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         if self.model_hash != other.model_hash:
-            raise TransferError(
+            raise ModelMismatch(
                 f"model mismatch: this worker serves model {self.model_hash[:12]}, the peer {other.model_hash[:12]}"
             )
         if self != other:
-            raise TransferError(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
+            raise LayoutMismatch(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
 
 
 def model_fingerprint(cfg: ArchConfig) -> str:
