@@ -8,8 +8,12 @@ class TransferError(RuntimeError):
     """A KV transfer could not be set up or went wrong; the prompt is then recomputed on decode."""
 
 
-class ModelMismatch(TransferError):
-    """The peer serves another model, or lays out its KV otherwise: no retry or fallback helps."""
+class LayoutMismatch(TransferError):
+    """The two workers' KV caches differ in shape or dtype: no backend can move KV between them."""
+
+
+class ModelMismatch(LayoutMismatch):
+    """The two workers serve different models: no KV of one is valid in the other."""
 
 
 class RegistrationError(ValueError):

@@ -170,8 +170,8 @@ class ErrorReply(Message):
 
 
 class OutputLine(Message):
-    """One NDJSON line of a /v1/generate response: the tokens new since the previous line, or an
-    error that ends the stream. An empty line (not an OutputLine) is a keep-alive."""
+    """One NDJSON line of a /v1/generate response: the tokens new since the previous line. An
+    ErrorReply line ends the stream instead; an empty line is a keep-alive."""
 
     request_id: str = ""
     outputs: Annotated[list[CompletionDelta], Meta(max_length=MAX_N)] = []
@@ -179,12 +179,22 @@ class OutputLine(Message):
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0
     phase_times: Annotated[dict[Annotated[str, Meta(max_length=32)], float], Meta(max_length=16)] | None = None
-    error: ErrorInfo | None = None
 
 
 def error_line(message: str, code: int = 500, kind: str = "server_error") -> bytes:
-    """The line that ends a stream on an error; it reads as an OutputLine with `error` set."""
+    """The line that ends a stream on an error (an ErrorReply)."""
     return encode(ErrorReply(error=ErrorInfo(message=message, type=kind, code=code))) + b"\n"
+
+
+def decode_line(raw: bytes | str) -> OutputLine | ErrorReply:
+    """One non-empty line of a /v1/generate stream; BadMessage if it is neither kind."""
+    try:
+        return decode(raw, OutputLine)
+    except BadMessage as not_output:
+        try:
+            return decode(raw, ErrorReply)
+        except BadMessage:
+            raise not_output from None
 
 
 # -- decode worker -> prefill worker: a lease of blocks ------------------------------------------
@@ -218,12 +228,22 @@ class NixlOffer(Message):
     device_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
+class MemoryOffer(Message):
+    """The in-process test backend's (kv_transfer/memory.py): refused from another process."""
+
+    host: Host
+    port: Port
+    pid: Annotated[int, Meta(ge=1, le=1 << 31)]
+    endpoint: Annotated[str, Meta(pattern=r"^[0-9a-f]{1,64}$")]
+
+
 class DecodeOffers(Message, omit_defaults=True):
     """How a prefill worker may reach the decode worker that leased it blocks, per backend."""
 
     tcp: TcpOffer | None = None
     shm: ShmOffer | None = None
     nixl: NixlOffer | None = None
+    memory: MemoryOffer | None = None
 
     def as_dicts(self) -> dict[str, dict]:
         """backend -> its offer as a plain dict, for the transfer backends."""

@@ -2,12 +2,10 @@
 transfer statuses, and the mapping from token positions to slots of a paged KV cache.
 
 The interface is non-blocking on both sides:
-- the prefill side's `KVSender` (one per decode peer): `write(lease, layer, start, end)` queues
-  that layer's KV for positions [start, end); `notify(lease, first_token)` follows the writes;
-  `abort(lease)`; `poll(request_id)` -> `TransferStatus`; `flush()` waits until queued writes no
-  longer need the source memory.
-- the decode side's receiver: `open_lease`, `close_lease`, and events (KV landed, peer aborted,
-  blocks safe to reuse) delivered to the decode worker's own queue.
+- the prefill side's `KVSender` (api.py; one per decode peer and backend, chosen in registry.py).
+- the decode side's leases (leases.py): `open`, `close`, and events (KV landed, peer aborted,
+  blocks safe to reuse) delivered to the decode worker's own queue; the receiver (receiver.py)
+  feeds them what prefill peers send over a socket.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pdserve.errors import ModelMismatch, TransferError
+from pdserve.errors import LayoutMismatch, ModelMismatch, TransferError
 from pdserve.models.arch_config import ArchConfig, model_fingerprint
 
 
@@ -63,7 +61,7 @@ class KVLayout:
                 f"model mismatch: this worker serves model {self.model_hash[:12]}, the peer {other.model_hash[:12]}"
             )
         if self != other:
-            raise ModelMismatch(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
+            raise LayoutMismatch(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
 
 
 @dataclass(slots=True)
@@ -106,6 +104,17 @@ def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> 
             runs.append((slot, n))
         pos += n
     return runs
+
+
+def cut_runs(runs: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
+    """Slots [begin, end) of the sequence that the runs (first slot, count) describe."""
+    out, offset = [], 0
+    for slot, n in runs:
+        lo, hi = max(begin, offset), min(end, offset + n)
+        if lo < hi:
+            out.append((slot + lo - offset, hi - lo))
+        offset += n
+    return out
 
 
 def kv_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Senders that write the bytes into the decode worker's memory themselves (shared memory, NIXL);
-the frame socket carries only the frames that say what was written.
+the control link (control.py) carries only the frames that say what was written.
 
 Lifecycle of a lease on such a sender:
 1. `prepare`: the lease is CLAIMed while its prefill computes; the decode worker confirms it is
@@ -15,25 +15,26 @@ from __future__ import annotations
 import threading
 
 from pdserve.kv_transfer.base import Lease, TransferError
-from pdserve.kv_transfer.codec import AckHeader, ClaimHeader, WriteHeader, encode_frame
-from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.kv_transfer.codec import AckHeader, ClaimHeader, WriteHeader
+from pdserve.kv_transfer.jobs import ClaimJob, WriteJob
+from pdserve.kv_transfer.queued import QueuedSender
 
 CLAIM_TIMEOUT_S = 10.0
 
 
-class InPlaceSender(TcpSender):
+class InPlaceSender(QueuedSender):
     """Writes the bytes into the decode worker's memory itself (shared memory, NIXL); the socket
     carries only frames. A lease is CLAIMed before its first write: the decode worker confirms it
     is open and binds it to this peer, and from then on waits for this peer's acknowledgement
     before reusing its blocks."""
+
+    peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
 
     def _setup(self, peer: dict) -> None:
         if self.encoding != "raw":
             raise TransferError(f"{self.backend} writes the cache's own dtype in place; drop --kv-transfer-dtype")
         self._claims: dict[int, threading.Event] = {}
         self._claimed: dict[int, bool] = {}
-
-    peer_slots = 0  # slots per layer of the peer's pool, set by `_setup`
 
     def _max_layers_per_write(self, num_tokens: int) -> int:
         return self.layout.num_layers  # frames carry no payload: no size limit to respect
@@ -58,22 +59,23 @@ class InPlaceSender(TcpSender):
                                     f"outside the decode worker's pool of {self.peer_slots}")
         return runs
 
-    def _write(self, lease: Lease, layers: range, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        dst_runs = self._runs_in_pool(lease, start, end)
+    def _write(self, job: WriteJob) -> None:
+        lease = job.lease
+        dst_runs = self._runs_in_pool(lease, job.start, job.end)
         if not self._claim(lease):
             return
-        self.bytes_sent += self._copy(layers, src_runs, dst_runs)
-        self._send(encode_frame(
-            WriteHeader(lease.request_id, lease.fence, layers.start, start, end - start, "direct", len(layers))))
+        self.bytes_sent += self._copy(job.layers, job.src_runs, dst_runs)
+        self.link.send(WriteHeader(lease.request_id, lease.fence, job.layers.start, job.start, job.end - job.start,
+                                   "direct", len(job.layers)))
 
     def prepare(self, lease: Lease) -> None:
-        self._push(("claim", lease))
+        self._push(ClaimJob(lease))
 
     def _claim(self, lease: Lease) -> bool:
         if lease.fence in self._claimed:
             return self._claimed[lease.fence]
         event = self._claims.setdefault(lease.fence, threading.Event())
-        self._send(encode_frame(ClaimHeader(lease.request_id, lease.fence)))
+        self.link.send(ClaimHeader(lease.request_id, lease.fence))
         if not event.wait(CLAIM_TIMEOUT_S):
             raise TransferError(f"the decode worker did not answer the claim of lease {lease.fence}")
         ok = self._claimed.get(lease.fence, False)

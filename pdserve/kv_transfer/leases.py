@@ -15,6 +15,9 @@ Lifecycle of a lease:
    cut off (`reclaim`), which releases it.
 Every frame from a peer names its lease by request id and fence, and both must match (and the
 peer must be the one bound to it, if any); anything else is stale and changes nothing.
+
+The peer threads' half is called by whatever carries a peer's frames: a socket connection
+(receiver.py), or the in-process backend of tests (memory.py), which hands over the same headers.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ class Peer(Protocol):
         ...
 
 
-class _LeaseState:
+class LeaseState:
+    """One lease and what is bound to it; changed only by the table, under its lock."""
+
     __slots__ = ("lease", "peer", "direct", "inflight", "closed_at", "released")
 
     def __init__(self, lease: Lease) -> None:
@@ -83,8 +88,10 @@ class LeaseTable:
         self.events = events
         self.release_grace_s = release_grace_s
         self._lock = threading.Lock()
-        self._leases: dict[int, _LeaseState] = {}  # by fence
+        self._leases: dict[int, LeaseState] = {}  # by fence
         self.num_forced_disconnects = 0  # peers cut off for leaving a closed lease pinned
+        self.num_stale_writes = 0  # WRITEs refused for naming no live lease of the peer's
+        self.bytes_received = 0  # KV bytes that landed: received into blocks, or reported written in place
 
     # -- engine thread -------------------------------------------------------------------------
 
@@ -92,7 +99,7 @@ class LeaseTable:
         lease.received = [lease.start] * num_layers  # per layer: high-water position
         with self._lock:
             assert lease.fence not in self._leases, f"fence {lease.fence} reused"
-            self._leases[lease.fence] = _LeaseState(lease)
+            self._leases[lease.fence] = LeaseState(lease)
 
     def close(self, fence: int, reason: str) -> bool:
         """End a lease that has not landed (abort, timeout); idempotent. True if RELEASABLE is
@@ -144,12 +151,16 @@ class LeaseTable:
             state.peer, state.direct = peer, True
             return ""
 
-    def begin_write(self, h: WriteHeader, peer: Peer) -> _LeaseState:
+    def begin_write(self, h: WriteHeader, peer: Peer) -> LeaseState:
         """A WRITE whose header the caller checked against the layout is about to land: StaleWrite
         for no such live lease, FrameError for positions the lease does not hold."""
         layers = range(h.layer, h.layer + h.num_layers)
         with self._lock:
-            state = self._live(h.request_id, h.fence, peer)
+            try:
+                state = self._live(h.request_id, h.fence, peer)
+            except StaleWrite:
+                self.num_stale_writes += 1
+                raise
             lease = state.lease
             if not all(lease.start <= h.start <= lease.received[i] for i in layers) or h.start + h.num_tokens > lease.end:
                 raise FrameError(f"positions [{h.start}, {h.start + h.num_tokens}) outside lease {lease.fence}")
@@ -159,8 +170,11 @@ class LeaseTable:
             state.inflight += 1
             return state
 
-    def end_write(self, state: _LeaseState, layers: range, end: int) -> None:
+    def end_write(self, state: LeaseState, layers: range, end: int, num_bytes: int) -> None:
+        """The WRITE `begin_write` let through has landed: `num_bytes` of these layers' KV, up to
+        position `end`."""
         with self._lock:
+            self.bytes_received += num_bytes
             state.inflight -= 1
             for i in layers:
                 state.lease.received[i] = max(state.lease.received[i], end)
@@ -218,7 +232,7 @@ class LeaseTable:
 
     # -- transitions (any thread) --------------------------------------------------------------
 
-    def _live(self, request_id: str, fence: int, peer: Peer) -> _LeaseState:
+    def _live(self, request_id: str, fence: int, peer: Peer) -> LeaseState:
         """Called under the lock."""
         state = self._leases.get(fence)
         if state is None or state.closed or state.lease.request_id != request_id:
@@ -227,14 +241,14 @@ class LeaseTable:
             raise StaleWrite(f"lease {fence} is bound to another peer")
         return state
 
-    def _unbind(self, state: _LeaseState) -> None:
+    def _unbind(self, state: LeaseState) -> None:
         with self._lock:
             state.peer = None  # it will not write again: no acknowledgement to wait for
             ready = state.releasable
         if ready:
             self._release(state)
 
-    def _release(self, state: _LeaseState) -> None:
+    def _release(self, state: LeaseState) -> None:
         with self._lock:
             if state.released:
                 return
@@ -242,7 +256,7 @@ class LeaseTable:
             self._leases.pop(state.lease.fence, None)
         self.events.put(ReceiverEvent(EventKind.RELEASABLE, state.lease.request_id, state.lease.fence))
 
-    def _fail(self, state: _LeaseState, reason: str) -> None:
+    def _fail(self, state: LeaseState, reason: str) -> None:
         """The peer ended a live lease: decode recomputes."""
         with self._lock:
             if state.closed:

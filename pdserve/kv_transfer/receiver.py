@@ -51,7 +51,7 @@ class KVReceiver:
     ) -> None:
         self.layout = layout
         self.kv_cache = kv_cache
-        self._kv_bytes = kv_bytes_view(kv_cache) if kv_cache.device.type == "cpu" else None
+        self.kv_bytes = kv_bytes_view(kv_cache) if kv_cache.device.type == "cpu" else None  # tcp WRITEs land here
         self.events = events
         self._token = token.encode()
         self.limits = limits
@@ -60,8 +60,6 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._closing = False
-        self.num_stale_writes = 0
-        self.bytes_received = 0
         self._listener = Listener(host, port, self._serve, peers)
         self.address = self._listener.address
 
@@ -98,6 +96,14 @@ class KVReceiver:
     def num_forced_disconnects(self) -> int:
         return self.leases.num_forced_disconnects
 
+    @property
+    def num_stale_writes(self) -> int:
+        return self.leases.num_stale_writes
+
+    @property
+    def bytes_received(self) -> int:
+        return self.leases.bytes_received
+
     def close(self) -> None:
         with self._lock:
             self._closing = True
@@ -124,7 +130,8 @@ class KVReceiver:
                 self._conns.discard(conn)
             self.leases.disconnect(conn)
 
-    def _handshake(self, hello: HelloHeader) -> None:
+    def admit(self, hello: HelloHeader) -> None:
+        """A peer's HELLO: TransferError (the refusal it is sent) for a bad token or another layout."""
         if not hmac.compare_digest(hello.token.encode(), self._token):
             raise TransferError("bad token")
         peer = KVLayout(hello.model_hash, hello.num_layers, hello.num_kv_heads, hello.head_dim, hello.dtype)
@@ -174,7 +181,7 @@ class _Connection:
             if not isinstance(hello, HelloHeader):
                 raise FrameError("a connection must start with HELLO")
             try:
-                self.rx._handshake(hello)
+                self.rx.admit(hello)
             except TransferError as e:
                 self.send(AckHeader("", 0, ok=False, error=str(e)))
                 return
@@ -182,8 +189,7 @@ class _Connection:
             while True:
                 try:
                     header = read_frame(self.sock, self.rx.limits, self._sink)
-                except StaleWrite:
-                    self.rx.num_stale_writes += 1
+                except StaleWrite:  # counted by the lease table; its payload was read and dropped
                     continue
                 self._handle(header)
         except (OSError, FrameError, TransferError):
@@ -215,8 +221,8 @@ class _Connection:
         state = rx.leases.begin_write(h, self)
         self._after_payload = (state, h)
         runs = state.lease.slot_runs(h.start, h.start + h.num_tokens)
-        if h.encoding == "raw" and rx._kv_bytes is not None:
-            return [rx._kv_bytes[i, s : s + n].numpy().data for i in layers for s, n in runs]
+        if h.encoding == "raw" and rx.kv_bytes is not None:
+            return [rx.kv_bytes[i, s : s + n].numpy().data for i in layers for s, n in runs]
         if h.encoding == "direct":
             return []
         staging = torch.empty(size, dtype=torch.uint8)
@@ -235,8 +241,8 @@ class _Connection:
                 for k, i in enumerate(layers):
                     dequantize_into(rx.kv_cache, i, runs, staging[k * per_layer : (k + 1) * per_layer], rx.layout, h.encoding)
             direct = h.encoding == "direct"  # written in place: count what landed
-            rx.bytes_received += len(layers) * (h.num_tokens * rx.layout.slot_bytes if direct else per_layer)
-            rx.leases.end_write(state, layers, h.start + h.num_tokens)
+            num_bytes = len(layers) * (h.num_tokens * rx.layout.slot_bytes if direct else per_layer)
+            rx.leases.end_write(state, layers, h.start + h.num_tokens, num_bytes)
         elif isinstance(header, ClaimHeader):
             error = rx.leases.claim(header.request_id, header.fence, self)
             self.send(AckHeader(header.request_id, header.fence, ok=not error, error=error))

@@ -95,7 +95,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: wire.GenerateReq
             item = await get_within(inbox, silence_s)
             if item is None:
                 raise WorkerSilent(f"no word from the worker for {silence_s:.0f}s")
-            if item is _ALIVE or isinstance(item, wire.OutputLine):
+            if item is _ALIVE or isinstance(item, (wire.OutputLine, wire.ErrorReply)):
                 room.release()
             if item is _END:
                 ended = True
@@ -104,7 +104,7 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: wire.GenerateReq
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if item.error is not None:
+            if isinstance(item, wire.ErrorReply):
                 raise APIError(500, "the worker failed while running this request", "server_error")
             if any(out.finish_reason == "error" for out in item.outputs):
                 raise APIError(500, "the engine failed on this request", "server_error")
@@ -117,11 +117,11 @@ async def worker_lines(http: httpx.AsyncClient, url: str, body: wire.GenerateReq
             abort_on_worker(http, url, body.request_id, headers)
 
 
-def _parse(line: str) -> wire.OutputLine | object:
+def _parse(line: str) -> wire.OutputLine | wire.ErrorReply | object:
     if not line.strip():
         return _ALIVE
     try:
-        return wire.decode(line, wire.OutputLine)
+        return wire.decode_line(line)
     except wire.BadMessage as e:
         raise WorkerLost(f"the worker sent a line that is not an output: {e}") from None
 

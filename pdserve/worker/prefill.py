@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
-from pdserve.kv_transfer.base import KVLayout, Lease, ModelMismatch, TransferError, slot_runs
-from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.kv_transfer.api import KVSender, SenderFactory
+from pdserve.kv_transfer.base import KVLayout, LayoutMismatch, Lease, ModelMismatch, TransferError, slot_runs
 from pdserve.wire import PrefillLease
 
 if TYPE_CHECKING:
@@ -42,14 +42,14 @@ MAX_SPARE_BLOCKS = 64  # blocks a lease's table may name past those of its seque
 
 @dataclass(slots=True)
 class Shipment:
-    sender: TcpSender
+    sender: KVSender
     lease: Lease  # in the decode worker's numbering
     shipped: int  # positions below this were queued for every layer
     peer_aborted: bool = False
 
 
 class PrefillRole(RoleHooks):
-    def __init__(self, senders: dict[str, type[TcpSender]], backends: list[str], token: str = "", name: str = "prefill") -> None:
+    def __init__(self, senders: dict[str, SenderFactory], backends: list[str], token: str = "", name: str = "prefill") -> None:
         self.sender_types = senders  # backend name -> sender class
         self.backends = backends  # this worker's order of preference
         self.token = token
@@ -59,7 +59,7 @@ class PrefillRole(RoleHooks):
         self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
         self.submit: Callable[[Callable[[], object]], Future] = _run_now
         self.shipments: dict[str, Shipment] = {}  # by engine request id
-        self._senders: dict[tuple, TcpSender] = {}
+        self._senders: dict[tuple, KVSender] = {}
         self._connect_lock = threading.Lock()
         self.num_notified = 0
 
@@ -91,7 +91,7 @@ class PrefillRole(RoleHooks):
         sender.prepare(lease)
         return engine_id, backend, self.submit(add)
 
-    def _sender_for(self, offers: dict, kv_dtype: str) -> tuple[TcpSender, str]:
+    def _sender_for(self, offers: dict, kv_dtype: str) -> tuple[KVSender, str]:
         encoding = "raw" if kv_dtype in ("auto", "", None) else kv_dtype
         errors = []
         for backend in self.backends:
@@ -107,7 +107,7 @@ class PrefillRole(RoleHooks):
                     sender = self.sender_types[backend](
                         self.layout, self.engine.runner.kv_cache, peer, self.token, self.name, encoding,
                         on_peer_abort=self._on_peer_abort)
-                except ModelMismatch:
+                except LayoutMismatch:  # no other backend helps
                     raise
                 except TransferError as e:
                     errors.append(f"{backend}: {e}")

@@ -25,7 +25,7 @@ from pdserve import wire
 from pdserve.http_clients import ClientGone, ClosingStreamingResponse, unless_disconnected
 from pdserve.http_errors import error, install_error_handlers, message_body, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
-from pdserve.kv_transfer.base import ModelMismatch, TransferError
+from pdserve.errors import LayoutMismatch, TransferError
 from pdserve.net import WORKER_LIMITS, ServerLimits, http_server, tcp_listener
 from pdserve.worker.metrics import render_metrics
 from pdserve.worker.output_stream import KEEPALIVE_S, OutputStream
@@ -93,7 +93,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
             return error(400, str(e))
         except EngineBusyError as e:
             return error(503, str(e), "overloaded")
-        except ModelMismatch as e:
+        except LayoutMismatch as e:
             return error(409, str(e), "kv_transfer_error")
         except TransferError as e:
             return error(503, str(e), "kv_transfer_error")

@@ -28,14 +28,12 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import KV_TRANSFER_DTYPES, KVLayout
 from pdserve.kv_transfer.receiver import KVReceiver
-from pdserve.kv_transfer.shm import SharedKVPool, ShmSender, shm_available
-from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
+from pdserve.kv_transfer.shm import SharedKVPool, shm_available
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
-
-TRANSFER_BACKENDS = ("nixl", "tcp", "shm")
 
 
 class QueueFullError(RuntimeError):
@@ -52,17 +50,6 @@ class EngineBusyError(RuntimeError):
 
 ADMIT_TIMEOUT_S = 30.0  # how long a request waits for the engine thread to take it before a 503
 STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
-
-
-def sender_types() -> dict[str, type[TcpSender]]:
-    types: dict[str, type[TcpSender]] = {"tcp": TcpSender, "shm": ShmSender}
-    try:
-        from pdserve.kv_transfer.nixl import NixlSender, nixl_available
-        if nixl_available():
-            types["nixl"] = NixlSender
-    except ImportError:
-        pass
-    return types
 
 
 class _BothRoles(RoleHooks):
@@ -99,9 +86,9 @@ class Worker:
         name: str = "worker",
         record_steps: str | None = None,  # a JSONL file: every step's shape and time (see EngineLoop)
     ) -> None:
-        bad = [t for t in transfer if t not in TRANSFER_BACKENDS]
+        bad = [t for t in transfer if t not in BACKENDS]
         if bad or not transfer:
-            raise ValueError(f"--transfer takes a list of {', '.join(TRANSFER_BACKENDS)}; got {list(transfer)}")
+            raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {list(transfer)}")
         if kv_transfer_dtype not in KV_TRANSFER_DTYPES:
             raise ValueError(f"kv_transfer_dtype must be one of {', '.join(KV_TRANSFER_DTYPES)}")
         self.config = config
@@ -111,7 +98,7 @@ class Worker:
         self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype) if role in ("decode", "both") else None
         # Every worker can ship KV out: prefill workers for their prompts, decode workers for the
         # requests the router moves away from them (hot-spot relief).
-        self.prefill = PrefillRole(sender_types(), self.transfer, token, name)
+        self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
         hooks = _BothRoles(self.decode, self.prefill) if self.decode is not None else self.prefill
         self._pool: SharedKVPool | None = None
 
@@ -128,14 +115,10 @@ class Worker:
         self.offers: dict[str, dict] = {}
         if self.decode is not None:
             self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
+            side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
+                              self._pool.path if self._pool is not None else None)
             addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}  # frames go here
-            if "tcp" in self.transfer:
-                self.offers["tcp"] = addr
-            if self._pool is not None:
-                self.offers["shm"] = {**addr, "path": self._pool.path, "num_slots": self.engine.runner.kv_cache.shape[1]}
-            if "nixl" in self.transfer and "nixl" in sender_types():
-                from pdserve.kv_transfer.nixl import local_agent
-                self.offers["nixl"] = {**addr, **local_agent(self.engine.runner.kv_cache).offer()}
+            self.offers = offers(self.transfer, side, addr)
             self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
@@ -150,9 +133,7 @@ class Worker:
         for part in (self.prefill, self.decode, self.receiver):
             if part is not None:
                 part.close()
-        if "nixl" in self.transfer and "nixl" in sender_types():
-            from pdserve.kv_transfer.nixl import release_agent
-            release_agent(self.engine.runner.kv_cache)
+        release(self.transfer, self.engine.runner.kv_cache)
         if self._pool is not None:
             self._pool.close()
         if self._step_log is not None:

@@ -163,7 +163,7 @@ def test_the_decode_loop_cuts_off_a_writer_that_never_acknowledges(role):
             time.sleep(0.02)
             return not engine.block_manager.holders
         wait_until(released)
-        assert rx.num_forced_disconnects == 1 and role.stats().kv_forced_disconnects == 1
+        assert rx.num_forced_disconnects == 1 and role.stats()["kv_forced_disconnects"] == 1
         sock.close()
     finally:
         rx.close()

@@ -166,7 +166,8 @@ def test_writes_outside_the_lease_are_refused(rx):
 
 
 def test_a_write_larger_than_the_frame_limit_goes_in_pieces(rx):
-    from pdserve.kv_transfer.tcp import TcpSender, cut_runs
+    from pdserve.kv_transfer.base import cut_runs
+    from pdserve.kv_transfer.tcp import TcpSender
 
     assert cut_runs([(10, 4), (40, 4)], 2, 7) == [(12, 2), (40, 3)]
     src = torch.arange(2 * 64 * 2 * 2 * 4, dtype=torch.float32).view(2, 64, 2, 2, 4)

@@ -16,9 +16,10 @@ from pdserve.kv_transfer.codec import (
 )
 from pdserve.kv_transfer.leases import EventKind
 from pdserve.kv_transfer.listener import PeerLimits
-from pdserve.kv_transfer import tcp
+from pdserve.kv_transfer import control
 from pdserve.kv_transfer.base import TransferError
-from pdserve.kv_transfer.tcp import DEAD_PEER_S, TcpSender
+from pdserve.kv_transfer.control import DEAD_PEER_S
+from pdserve.kv_transfer.tcp import TcpSender
 from tests.kv_transfer.raw_peer import (
     LAYOUT, TOKEN, closed_by_peer, connect, hello_bytes, kv_data, make_receiver, next_event, open_lease, receive,
     send, settle,
@@ -69,7 +70,7 @@ def test_the_handshake_has_a_deadline_for_the_whole_hello():
 
 
 def test_the_senders_handshake_has_a_deadline_too(monkeypatch):
-    monkeypatch.setattr(tcp, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(control, "CONNECT_TIMEOUT_S", 0.5)
     ack = b"".join(bytes(b) for b in encode_frame(AckHeader("", 0, ok=True)))
     with socket.create_server(("127.0.0.1", 0)) as server:
         trickles: list[Trickle] = []
@@ -131,7 +132,7 @@ def test_both_sides_detect_a_vanished_peer():
     sender = TcpSender(LAYOUT, rx.kv_cache.clone(), {"host": rx.address[0], "port": rx.address[1]}, token=TOKEN)
     try:
         (conn,) = rx._conns  # the receiver's end of the sender's connection
-        for sock, seconds in ((sender.sock, DEAD_PEER_S), (conn.sock, 8)):
+        for sock, seconds in ((sender.link.sock, DEAD_PEER_S), (conn.sock, 8)):
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == seconds * 1000
     finally:

@@ -84,7 +84,7 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     moved = router.metrics.migrations.labels("hot_spot")._value.get()
     assert moved >= 1
     stats = cool.worker.stats()
-    assert stats["kv_landed"] == moved and stats["kv_recomputed"] == 0  # the KV came from the hot worker
+    assert stats.kv_landed == moved and stats.kv_recomputed == 0  # the KV came from the hot worker
     assert hot.worker.stats().kv_notified == moved
     deadline = time.monotonic() + 10
     while not (hot.is_idle() and cool.is_idle()):

@@ -16,6 +16,9 @@ from pdserve.worker.server import ServerThread, create_app
 from pdserve.worker.worker import Worker
 
 BACKENDS = ["tcp", "shm"] + (["nixl"] if nixl_available() else [])
+# and the in-process one: the same leases, fences and aborts without a KV socket (both workers of a
+# Cluster live in this process)
+WITH_MEMORY = BACKENDS + ["memory"]
 
 
 def engine_config(model: Path, role: str, **overrides: Any) -> EngineConfig:

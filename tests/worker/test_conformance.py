@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import SamplingParams
 from tests.factories import make_llm
-from tests.worker.cluster import BACKENDS, Cluster, prompt
+from tests.worker.cluster import BACKENDS, WITH_MEMORY, Cluster, prompt
 
 LONG = 120  # 4 prefill chunks of 32 tokens
 
@@ -70,7 +70,7 @@ def abort_the_waiting_request(c: Cluster, stream: threading.Thread, box: dict) -
     assert box["last"]["outputs"][0]["finish_reason"] == "abort"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_abort_while_prefill_is_queued(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         hold = threading.Event()
@@ -82,7 +82,7 @@ def test_abort_while_prefill_is_queued(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_abort_during_transfer(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         reached, release = gate_after_first_step(c.p.worker)
@@ -93,7 +93,7 @@ def test_abort_during_transfer(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_client_disconnect_during_decode(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         with c.http.stream("POST", c.d.url + "/v1/generate", json=c.body(prompt(30), max_tokens=500)) as r:
@@ -103,7 +103,7 @@ def test_client_disconnect_during_decode(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, backend):
     tokens = prompt(LONG, seed=2)
     with Cluster(tiny_llama, backend) as c:
@@ -119,7 +119,7 @@ def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, back
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_unreachable_prefill_worker_means_recompute(tiny_llama, colocated, backend):
     tokens = prompt(33, seed=5)
     with Cluster(tiny_llama, backend) as c:
@@ -147,7 +147,7 @@ def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, backend):
 
 def test_lease_timeout_falls_back_to_recompute(tiny_llama, colocated):
     tokens = prompt(50, seed=9)
-    with Cluster(tiny_llama, "tcp", decode_worker={"lease_timeout_s": 0.5}) as c:
+    with Cluster(tiny_llama, "memory", decode_worker={"lease_timeout_s": 0.5}) as c:
         hold = threading.Event()
         c.p.worker.loop.call(lambda: hold.wait(20))  # prefill never gets to it in time
         got, _ = c.generate(tokens)

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve import SamplingParams
 from tests.factories import make_llm
-from tests.worker.cluster import BACKENDS, Cluster, prompt
+from tests.worker.cluster import WITH_MEMORY, Cluster, prompt
 
 LENGTHS = [3, 5, 9, 16, 17, 23, 31, 32, 33, 47, 64, 65, 90, 111, 128, 150]
 
@@ -21,7 +21,7 @@ def reference(llm, prompts, max_tokens=8, **sampling):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_sixteen_prompts_match_colocated(tiny_llama, colocated, backend):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     expected = reference(colocated, prompts)
@@ -30,11 +30,11 @@ def test_sixteen_prompts_match_colocated(tiny_llama, colocated, backend):
         assert c.generate_many(prompts) == expected
         c.wait_idle()
         stats = c.d.worker.stats()
-        assert stats["kv_landed"] == len(prompts) and stats["kv_recomputed"] == 0
-        assert stats["kv_bytes_received"] == sum(LENGTHS) * c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
+        assert stats.kv_landed == len(prompts) and stats.kv_recomputed == 0
+        assert stats.kv_bytes_received == sum(LENGTHS) * c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_MEMORY)
 def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend):
     turn1 = prompt(40, seed=7)
     with Cluster(tiny_llama, backend) as c:
@@ -52,7 +52,7 @@ def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend)
         per_token = c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
         assert sent == (len(turn2) - last["num_cached_tokens"]) * per_token
         stats = c.d.worker.stats()
-        assert stats["kv_landed"] == 2 and stats["kv_recomputed"] == 0  # the KV came, nothing recomputed
+        assert stats.kv_landed == 2 and stats.kv_recomputed == 0  # the KV came, nothing recomputed
         c.wait_idle()
 
 
@@ -72,7 +72,7 @@ def test_seeded_sampling_matches_colocated(tiny_llama, colocated):
     prompts = [prompt(n, seed=n) for n in (7, 30, 61)]
     sampling = dict(temperature=0.9, top_p=0.9, seed=1234)
     expected = reference(colocated, prompts, max_tokens=10, **sampling)
-    with Cluster(tiny_llama, "tcp") as c:
+    with Cluster(tiny_llama, "memory") as c:
         assert [c.generate(p, max_tokens=10, **sampling)[0] for p in prompts] == expected
         assert c.d.worker.stats().kv_landed == len(prompts)
         c.wait_idle()
@@ -94,9 +94,9 @@ def test_small_decode_pool_preempts_instead_of_deadlocking(tiny_llama, colocated
     # room for about three requests: reservations wait for headroom, growing decodes get preempted
     prompts = [prompt(40, seed=i) for i in range(8)]
     expected = reference(colocated, prompts, max_tokens=30)
-    with Cluster(tiny_llama, "tcp", decode={"kv_cache_memory": "128KiB", "decode_headroom_tokens": 16}) as c:
+    with Cluster(tiny_llama, "memory", decode={"kv_cache_memory": "128KiB", "decode_headroom_tokens": 16}) as c:
         assert c.generate_many(prompts, max_tokens=30) == expected
         c.wait_idle()
         stats = c.d.worker.stats()
-        assert stats["kv_blocks_total"] == 32
-        assert stats["kv_landed"] + stats["kv_recomputed"] == len(prompts)
+        assert stats.kv_blocks_total == 32
+        assert stats.kv_landed + stats.kv_recomputed == len(prompts)

@@ -163,7 +163,7 @@ def assert_idle(ws) -> None:
         time.sleep(0.01)
     for w in all_:
         stats = w.worker.stats()
-        assert stats["engine_failures"] == 0 and stats["requests_failed"] == 0, stats
+        assert stats.engine_failures == 0 and stats.requests_failed == 0, stats
 
 
 def encode(body: object) -> bytes:

@@ -72,7 +72,7 @@ def test_disaggregated_resume_matches(tiny_llama, colocated, kind):
         assert r.status_code == 200, r.text
         assert [t for line in r.json() for t in line["outputs"][0]["token_ids"]] == full[6:]
         stats = c.d.worker.stats()
-        assert stats["kv_landed"] == 1 and stats["kv_recomputed"] == 0
+        assert stats.kv_landed == 1 and stats.kv_recomputed == 0
         c.wait_idle()
 
 

@@ -146,22 +146,22 @@ def test_a_request_the_engine_did_not_take_in_time_never_runs(worker, monkeypatc
         gate.set()
     wait_for(lambda: w.loop._calls.qsize() == 0, what="the engine's queue drained")
     stats = w.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
     assert generate(worker.url).status_code == 200
 
 
 def test_stats_do_not_wait_for_a_stalled_engine(worker):
     w = worker.worker
     fresh = w.stats()
-    assert fresh["engine_alive"] and "stale" not in fresh
+    assert fresh.engine_alive and not fresh.stale
     gate = threading.Event()
     w.loop.call(lambda: gate.wait(30))
     try:
         stale = w.stats()  # answers from the last snapshot instead of waiting
-        assert stale["stale"] and stale["kv_blocks_total"] == fresh["kv_blocks_total"]
+        assert stale.stale and stale.kv_blocks_total == fresh.kv_blocks_total
     finally:
         gate.set()
-    assert "stale" not in w.stats()
+    assert not w.stats().stale
 
 
 def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):

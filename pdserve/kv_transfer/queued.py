@@ -1,0 +1,236 @@
+"""What the socket senders (tcp, and the in-place writers: shared memory, NIXL) share: a
+`ControlLink` to the decode peer, and a thread that runs the engine thread's calls as jobs in order.
+
+Lifecycle of a sender:
+1. The backend prepares (`_setup`: e.g. maps the peer's memory), then the link connects; a refusal
+   raises `TransferError` and undoes the preparation.
+2. The engine thread queues jobs (jobs.py) and returns at once; the sender thread runs them in
+   order, merging writes of consecutive layers of the same positions. `flush()` waits until the
+   queue is empty, so the source memory of every write may be reused.
+3. An ABORT from the peer stops the lease's jobs, is reported through `on_peer_abort`, and is
+   acknowledged after the job in flight.
+4. A broken link, or `close()`, fails every request still pending, each reported with no fence.
+How a write's bytes reach the peer is the backend's (`_write`): tcp.py sends them in the frame,
+in_place.py copies them into the peer's memory and sends the frame alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import torch
+
+from pdserve.kv_transfer.api import PeerAbort
+from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, TransferStatus, cut_runs
+from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader
+from pdserve.kv_transfer.control import ControlLink
+from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, WriteJob
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+
+class QueuedSender:
+    backend = ""  # the name in offers and in HELLO
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        peer: dict,
+        token: str = "",
+        name: str = "prefill",
+        encoding: str = "raw",
+        on_peer_abort: PeerAbort = lambda request_id, fence: None,
+        limits: FrameLimits = FrameLimits(),
+    ) -> None:
+        self.layout = layout
+        self.kv_cache = kv_cache
+        self.encoding = encoding
+        self.on_peer_abort = on_peer_abort
+        self.limits = limits
+        self._status: dict[str, TransferStatus] = {}
+        self._aborted_fences: set[int] = set()
+        self._jobs: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self.bytes_sent = 0
+        self._setup(peer)
+        try:
+            self.link = ControlLink(peer, layout, self.backend, token, name, limits)
+        except TransferError:
+            self._teardown()
+            raise
+        threading.Thread(target=self._send_loop, name=f"kv-send-{self.backend}", daemon=True).start()
+        self.link.start_reading(self._on_frame, self.close)
+
+    # -- what a backend adds -------------------------------------------------------------------
+
+    def _setup(self, peer: dict) -> None:
+        """Backend-specific preparation before connecting (e.g. mapping the peer's memory)."""
+
+    def _teardown(self) -> None:
+        """Undo `_setup`, once no write can run any more."""
+
+    def _write(self, job: WriteJob) -> None:
+        """Get the job's KV to the peer and tell it so (sender thread)."""
+        raise NotImplementedError
+
+    def _max_layers_per_write(self, num_tokens: int) -> int:
+        """How many layers of `num_tokens` positions one merged write may carry."""
+        raise NotImplementedError
+
+    def _claim(self, lease: Lease) -> bool:
+        """Bind the lease to this sender on the peer (in-place writers, which queue a `ClaimJob`
+        in `prepare`); False if the peer refused."""
+        return True
+
+    def _on_ack(self, ack: AckHeader) -> None:
+        """Acknowledgements of claims (in-place writers); plain tcp gets none."""
+
+    def _forget_lease(self, lease: Lease) -> None:
+        """Backend-specific bookkeeping of a lease to drop."""
+
+    # -- the non-blocking interface (engine thread) ----------------------------------------------
+
+    def write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
+        """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs
+        (in pieces, if one would pass a quarter of the frame size limit)."""
+        self._status.setdefault(lease.request_id, TransferStatus.PENDING)
+        step = max(1, self.limits.max_payload_bytes // 4 // self.layout.slot_bytes)
+        for first in range(start, end, step):
+            last = min(end, first + step)
+            runs = src_runs if (first, last) == (start, end) else cut_runs(src_runs, first - start, last - start)
+            self._push(WriteJob(lease, range(layer, layer + 1), first, last, runs))
+
+    def check(self, lease: Lease) -> None:
+        """Raise ValueError if the lease names memory this sender cannot write."""
+
+    def prepare(self, lease: Lease) -> None:
+        """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
+
+    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0)) -> None:
+        """After the lease's writes: the first token, and (queue, compute) seconds spent here."""
+        self._push(NotifyJob(lease, first_token, times))
+
+    def abort(self, lease: Lease, reason: str) -> None:
+        self._push(AbortJob(lease, reason))
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._status.get(request_id, TransferStatus.PENDING)
+
+    def forget(self, lease: Lease) -> None:
+        """Drop the request's bookkeeping once everything queued for it went out."""
+        self._push(ForgetJob(lease))
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued job was sent (its source memory may then be reused)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._jobs and not self._busy or self._closed, timeout):
+                raise TransferError(f"KV writes to the decode worker did not drain within {timeout:.0f}s")
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.link.shutdown()
+
+    # -- sender thread -------------------------------------------------------------------------
+
+    def _push(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                if isinstance(job, (WriteJob, NotifyJob)):
+                    self._status[job.lease.request_id] = TransferStatus.FAILED
+                return
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closed)
+                if self._closed:
+                    self._fail_all()
+                    self._teardown()
+                    return
+                job = self._coalesce(self._jobs.popleft())
+                self._busy = True
+            try:
+                self._run(job)
+            except (OSError, TransferError) as e:
+                log.warning("KV link to the decode worker (%s) failed: %s", self.backend, e)
+                self.close()
+            except Exception:  # a bug must not leave requests waiting on a dead thread
+                log.exception("KV sender (%s) failed", self.backend)
+                self.close()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _coalesce(self, job: Job) -> Job:
+        """Merge queued writes of the next layers of the same positions into one job (one copy,
+        one transfer, one frame), up to a quarter of the frame size limit. Called under the lock."""
+        if not isinstance(job, WriteJob):
+            return job
+        max_layers = self._max_layers_per_write(job.end - job.start)
+        while self._jobs and len(job.layers) < max_layers:
+            nxt = self._jobs[0]
+            if not (isinstance(nxt, WriteJob) and job.continued_by(nxt)):
+                break
+            self._jobs.popleft()
+            job = job.merged(nxt)
+        return job
+
+    def _run(self, job: Job) -> None:
+        if isinstance(job, AckJob):
+            self.link.send(AckHeader(job.request_id, job.fence, ok=True))
+            return
+        lease = job.lease
+        if isinstance(job, ForgetJob):
+            self._status.pop(lease.request_id, None)
+            self._aborted_fences.discard(lease.fence)
+            self._forget_lease(lease)
+            return
+        if lease.fence in self._aborted_fences:
+            return  # the peer gave this lease up: nothing more goes to it
+        if isinstance(job, WriteJob):
+            self._write(job)
+        elif isinstance(job, ClaimJob):
+            self._claim(lease)
+        elif isinstance(job, NotifyJob):
+            self.link.send(NotifyHeader(lease.request_id, lease.fence, job.first_token, lease.end, *job.times))
+            self._status[lease.request_id] = TransferStatus.DONE
+        elif isinstance(job, AbortJob):
+            self._aborted_fences.add(lease.fence)
+            self.link.send(AbortHeader(lease.request_id, lease.fence, job.reason))
+            self._status[lease.request_id] = TransferStatus.ABORTED
+
+    def _fail_all(self) -> None:
+        for request_id, status in self._status.items():
+            if status == TransferStatus.PENDING:
+                self._status[request_id] = TransferStatus.FAILED
+                self.on_peer_abort(request_id, None)
+
+    # -- reader thread -------------------------------------------------------------------------
+
+    def _on_frame(self, header: Header) -> None:
+        if isinstance(header, AbortHeader):
+            with self._cond:
+                self._aborted_fences.add(header.fence)
+            if self._status.get(header.request_id) == TransferStatus.PENDING:
+                self._status[header.request_id] = TransferStatus.ABORTED
+            self.on_peer_abort(header.request_id, header.fence)
+            # after whatever write is in flight: the ack promises no more writes follow
+            self._push(AckJob(header.request_id, header.fence))
+        elif isinstance(header, AckHeader):
+            self._on_ack(header)
+        else:
+            raise FrameError(f"unexpected {type(header).__name__} from a decode peer")
