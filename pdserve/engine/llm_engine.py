@@ -21,6 +21,7 @@ from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.layers.sampler import skip_draws
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import CompletionOutput, RequestOutput
@@ -207,12 +208,9 @@ class LLMEngine:
 
     def _skip_draws(self, req: Request, num_tokens: int) -> None:
         """Advance a seeded request's generator past `num_tokens` samples drawn elsewhere, so that it
-        goes on exactly as if it had sampled them here."""
-        if req.generator is None or req.params.greedy:
-            return
-        row = torch.empty(self.model_config.vocab_size)  # the sampler draws one row per token
-        for _ in range(num_tokens):
-            row.exponential_(generator=req.generator)
+        goes on exactly as if it had sampled them here. (A greedy request never uses its draws.)"""
+        if req.generator is not None and not req.params.greedy:
+            skip_draws(req.generator, self.model_config.vocab_size, num_tokens)
 
     def _max_total_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size

@@ -7,9 +7,10 @@ from typing import Callable
 import torch
 
 from pdserve.engine.compiled_step import CompiledDecode
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from pdserve.layers.sampler import Sampler
+from pdserve.layers.sampler import Sampler, SamplingBatch
 from pdserve.models.llama import LlamaForCausalLM
 
 
@@ -66,10 +67,14 @@ class ModelRunner:
         logits, sample_rows = self.forward(step, on_layer)
         sampled: list[int | None] = [None] * len(step.requests)
         if logits is not None:
-            tokens = self.sampler(logits, [step.requests[i] for i in sample_rows])
+            tokens = self.sample(logits, [step.requests[i] for i in sample_rows])
             for row, token in zip(sample_rows, tokens):
                 sampled[row] = token
         return sampled
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One token for each request, from its row of `logits` ([rows, vocab] float32)."""
+        return self.sampler(logits, sampling_batch(requests, self.device))
 
     def _prepare(self, step: SchedulerOutput):
         bs = self.block_size
@@ -142,6 +147,31 @@ class ModelRunner:
             q_pos = torch.arange(start, context_len, device=self.device).unsqueeze(1)
             mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= q_pos
         return PrefillChunk(query_start, n, context_len, blocks, mask)
+
+
+def sampling_batch(requests: list[Request], device: torch.device) -> SamplingBatch | None:
+    """The requests' sampling settings as the sampler takes them, one row each. None when every
+    request is greedy (most decode steps): the sampler then only takes the argmax, and building
+    nothing here keeps that step cheap."""
+    if all(r.params.greedy for r in requests):
+        return None
+    params = [r.params for r in requests]
+    batch = SamplingBatch(
+        greedy=torch.tensor([p.greedy for p in params], device=device),
+        temperatures=_float_row([1.0 if p.greedy else p.temperature for p in params], device),
+        generators=[r.generator for r in requests],
+    )
+    if any(p.top_k for p in params):
+        batch.top_ks = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+    if any(p.top_p < 1.0 for p in params):
+        batch.top_ps = _float_row([p.top_p for p in params], device)
+    if any(p.min_p for p in params):
+        batch.min_ps = _float_row([p.min_p for p in params], device)
+    return batch
+
+
+def _float_row(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def decode_groups(lens: list[int], max_waste: float = 2.0, min_pad: int = 512) -> list[list[int]]:

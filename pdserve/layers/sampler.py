@@ -1,56 +1,82 @@
-"""Token sampling for a batch of requests with different settings.
+"""Token sampling for a batch of rows with different settings.
 
 Greedy rows take the argmax. Other rows: temperature, then top-k, top-p and min-p cuts, then a
 draw by the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p exactly and
-lets a seeded request draw its noise from its own generator, independent of its batch mates.
+lets a seeded row draw its noise from its own generator, independent of its batch mates.
+
+The sampler sees tensors and generators only; whoever batches the requests builds a
+`SamplingBatch` for it (or none at all when every row is greedy, the common decode step).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pdserve.engine.request import Request
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """The per-row settings of a batch with at least one row that samples."""
+
+    greedy: torch.Tensor  # [rows] bool: the row takes the argmax
+    temperatures: torch.Tensor  # [rows] float; 1.0 on greedy rows
+    # one per row, greedy rows included (each row draws its noise): a seeded row's own generator,
+    # or None for the sampler's
+    generators: list[torch.Generator | None]
+    top_ks: torch.Tensor | None = None  # [rows] int64; 0 or >= the vocabulary size: no cut; None: no row cuts
+    top_ps: torch.Tensor | None = None  # [rows] float in (0, 1]; 1: no cut; None: no row cuts
+    min_ps: torch.Tensor | None = None  # [rows] float in [0, 1]; 0: no cut; None: no row cuts
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        # logits: [rows, vocab] float32, one row per request
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch | None = None) -> list[int]:
+        """One token per row of `logits` ([rows, vocab] float32). No batch: every row is greedy."""
         greedy = logits.argmax(dim=-1)
-        if all(r.params.greedy for r in requests):
+        if batch is None:
             return greedy.tolist()
-        device = logits.device
-        temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in requests], device=device)
-        logits = logits / temps.unsqueeze(1)
-        top_ks = [r.params.top_k for r in requests]
-        if any(top_ks):
-            logits = _apply_top_k(logits, top_ks)
+        logits = logits / batch.temperatures.unsqueeze(1)
+        if batch.top_ks is not None:
+            logits = _apply_top_k(logits, batch.top_ks)
         probs = logits.softmax(dim=-1)
-        min_ps = [r.params.min_p for r in requests]
-        if any(min_ps):
-            probs = _apply_min_p(probs, torch.tensor(min_ps, device=device))
-        top_ps = [r.params.top_p for r in requests]
-        if any(p < 1.0 for p in top_ps):
-            probs = _apply_top_p(probs, torch.tensor(top_ps, device=device))
+        if batch.min_ps is not None:
+            probs = _apply_min_p(probs, batch.min_ps)
+        if batch.top_ps is not None:
+            probs = _apply_top_p(probs, batch.top_ps)
         # Drawn on the CPU, where the per-request generators live, so results match across devices.
-        noise = _exponential_noise(probs.shape, requests, self.generator).to(device)
+        noise = _exponential_noise(probs.shape, batch.generators, self.generator).to(logits.device)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([r.params.greedy for r in requests], device=device)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        return torch.where(batch.greedy, greedy, sampled).tolist()
 
 
-def _exponential_noise(shape: torch.Size, requests: list[Request], default: torch.Generator) -> torch.Tensor:
+def skip_draws(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:
+    """Advance a seeded row's generator past `num_tokens` tokens sampled elsewhere (on another
+    worker, or before a resume), so that it goes on exactly as if it had sampled them here."""
+    row = torch.empty(vocab_size)
+    for _ in range(num_tokens):
+        _draw_row(row, generator)
+
+
+def _exponential_noise(
+    shape: torch.Size, generators: list[torch.Generator | None], default: torch.Generator
+) -> torch.Tensor:
     noise = torch.empty(shape)
-    for i, req in enumerate(requests):
-        noise[i].exponential_(generator=req.generator or default)
+    for i, generator in enumerate(generators):
+        _draw_row(noise[i], generator or default)
     return noise
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+def _draw_row(row: torch.Tensor, generator: torch.Generator) -> None:
+    # A sampled token costs its generator exactly one row of vocabulary-size draws: skip_draws relies on it.
+    row.exponential_(generator=generator)
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    ks = torch.where((top_ks > 0) & (top_ks < vocab), top_ks, vocab)
     kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 

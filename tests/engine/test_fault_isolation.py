@@ -31,11 +31,11 @@ def run_all(llm, ids: list[str]) -> dict[str, object]:
 class FailingSampler:
     """Samples as usual (drawing every seeded request's noise), then raises when `bad` is in the batch."""
 
-    def __init__(self, sampler, bad: str) -> None:
-        self.sampler, self.bad = sampler, bad
+    def __init__(self, sample, bad: str) -> None:
+        self.sample, self.bad = sample, bad
 
     def __call__(self, logits, requests):
-        tokens = self.sampler(logits, requests)
+        tokens = self.sample(logits, requests)
         if any(r.request_id.startswith(self.bad) for r in requests):
             raise RuntimeError("this request breaks the sampler")
         return tokens
@@ -47,7 +47,7 @@ def test_a_request_that_breaks_the_step_fails_alone(llm):
         llm.engine.add_request(f"clean-{i}", prompt, p)
     expected = {k: v.outputs[0].token_ids for k, v in run_all(llm, [f"clean-{i}" for i in range(3)]).items()}
 
-    llm.engine.runner.sampler = FailingSampler(llm.engine.runner.sampler, "bad")
+    llm.engine.runner.sample = FailingSampler(llm.engine.runner.sample, "bad")
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
         llm.engine.add_request(f"clean-{i}", prompt, p)
         if i == 1:
@@ -62,7 +62,7 @@ def test_a_request_that_breaks_the_step_fails_alone(llm):
 
 
 def test_all_completions_of_a_failing_request_end_with_it(llm):
-    llm.engine.runner.sampler = FailingSampler(llm.engine.runner.sampler, "bad#1")
+    llm.engine.runner.sample = FailingSampler(llm.engine.runner.sample, "bad#1")
     llm.engine.add_request("bad", PROMPTS[1], GREEDY.clone(n=3))
     llm.engine.add_request("good", PROMPTS[2], GREEDY)
     outs = run_all(llm, ["bad", "good"])

@@ -6,6 +6,7 @@ from tokenizers import pre_tokenizers
 
 from pdserve import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_runner import sampling_batch
 from pdserve.engine.request import Request
 from pdserve.layers.sampler import Sampler
 from tests.factories import assert_engine_idle, make_llm
@@ -55,14 +56,14 @@ def test_top_k_top_p_min_p_restrict_the_support():
         (SamplingParams(temperature=1.0, min_p=0.3), {0, 1}),  # .23/.64 >= .3, .09/.64 < .3
         (SamplingParams(temperature=1.0), {0, 1, 2, 3, 4, 5}),
     ]:
-        got = set(sampler(logits, row_requests(params, 400)))
+        got = set(sampler(logits, sampling_batch(row_requests(params, 400), logits.device)))
         assert got <= allowed and len(got) >= min(2, len(allowed)), (params, got)
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     logits = torch.randn(6, 50)
     reqs = [Request(f"m{i}", [1], SamplingParams(temperature=0 if i % 2 else 1.0), 10) for i in range(6)]
-    got = Sampler(seed=0)(logits, reqs)
+    got = Sampler(seed=0)(logits, sampling_batch(reqs, logits.device))
     for i in range(1, 6, 2):
         assert got[i] == int(logits[i].argmax())
 
