@@ -30,3 +30,20 @@ def hf_models(tiny_models: dict[str, Path]):
         name: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         for name, path in tiny_models.items()
     }
+
+
+@pytest.fixture(scope="module")
+def router_cluster(tiny_llama):
+    """A router with one prefill and one decode worker (tcp), all in this process on 127.0.0.1;
+    prompts of 8 tokens or more are prefilled remotely."""
+    # imported here: the model-free tests never load the servers
+    from pdserve.router.policy import DisaggregationPolicy
+    from tests.router_server import RouterServer
+    from tests.worker.cluster import Cluster
+
+    policy = DisaggregationPolicy(min_remote_tokens=8)
+    with Cluster(tiny_llama, "tcp") as pair, RouterServer(tiny_llama, disaggregation=policy) as rs:
+        rs.join(pair.p)
+        rs.join(pair.d)
+        yield {"url": rs.url, "router": rs.router, "p": pair.p, "d": pair.d, "model": tiny_llama,
+               "members": rs.members}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
@@ -55,6 +56,20 @@ def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
     args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=256)
     args.update(engine_args)
     return LLM(str(model_dir), **args)
+
+
+def engine_config(model_dir: Path, role: str, **overrides: Any) -> EngineConfig:
+    """A worker's engine: the tiny model's defaults, prefill in chunks of 32 tokens."""
+    args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)
+    args.update(overrides)
+    return EngineConfig(model=str(model_dir), role=role, **args)
+
+
+def offline_text(llm: LLM, prompt: str, max_tokens: int, **sampling: Any) -> str:
+    """The text an engine in this process gives (greedy unless `sampling` says otherwise): what a
+    served request must match."""
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, **sampling})
+    return llm.generate(prompt, sp)[0].outputs[0].text
 
 
 def make_request(

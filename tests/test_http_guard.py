@@ -12,17 +12,13 @@ import pytest
 from fastapi import FastAPI, Request
 
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
 from pdserve.net import ServerLimits
-from pdserve.router.app import Router, RouterConfig
-from pdserve.router.app import create_app as router_app
-from pdserve.tokenizer import Tokenizer
 from pdserve.worker.server import ServerThread
 from pdserve.worker.server import create_app as worker_app
 from pdserve.worker.worker import Worker
+from tests.factories import engine_config
 from tests.http_raw import closed_by_server, connect, head, read_response, trickle
-from tests.worker.cluster import engine_config
+from tests.router_server import RouterServer
 
 LIMIT = 4096
 SLOW_BODY = BodyLimits(max_bytes=LIMIT, timeout_s=1.0, chunk_timeout_s=0.5)
@@ -31,12 +27,8 @@ KEY, TOKEN = "sk-test", "worker-secret"
 
 @pytest.fixture(scope="module")
 def router(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    config = RouterConfig(model_name="tiny", max_model_len=64, api_key=KEY, worker_token=TOKEN, max_body_bytes=LIMIT)
-    r = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(router_app(r), lifespan="on").start()
-    yield http.url
-    http.stop()
+    with RouterServer(tiny_llama, max_model_len=64, api_key=KEY, worker_token=TOKEN, max_body_bytes=LIMIT) as rs:
+        yield rs.url
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,21 @@ import asyncio
 import contextlib
 import json
 import socket
-import time
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
 from pdserve.net import ServerLimits, tcp_listener
-from pdserve.router.app import Router, RouterConfig
 from pdserve.router.app import create_app as router_app
-from pdserve.tokenizer import Tokenizer
 from pdserve.worker.server import ServerThread
 from pdserve.worker.server import create_app as worker_app
 from pdserve.worker.worker import Worker
+from tests.factories import engine_config
 from tests.http_raw import closed_by_server, connect, head, read_response, trickle
-from tests.worker.cluster import engine_config
+from tests.router_server import make_router
+from tests.wait import wait_for
 
 
 def test_accepted_connections_detect_dead_peers():
@@ -56,10 +53,7 @@ def test_a_taken_port_is_a_clear_error():
 def app(request, tiny_llama):
     """The real apps, each with a path any client may GET."""
     if request.param == "router":
-        arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-        router = Router(RouterConfig(model_name="tiny", max_model_len=64), Tokenizer.from_dir(tiny_llama),
-                        model_fingerprint(arch), arch.vocab_size)
-        yield router_app(router), "/v1/models"
+        yield router_app(make_router(tiny_llama, max_model_len=64)), "/v1/models"
         return
     worker = Worker(engine_config(tiny_llama, "both"), ["tcp"])
     worker.start()
@@ -98,7 +92,7 @@ def test_past_the_concurrency_limit_requests_get_503(app):
     with serving(app, max_concurrency=2, head_timeout_s=60) as http:
         connections = http.server.server_state.connections
         idle = [connect(http.url) for _ in range(2)]
-        wait_for(lambda: len(connections) == 2)
+        wait_for(lambda: len(connections) == 2, 10, "both idle connections held")
         with connect(http.url) as sock:
             sock.sendall(head("GET", path))
             status, headers, body = read_response(sock)
@@ -108,7 +102,7 @@ def test_past_the_concurrency_limit_requests_get_503(app):
             assert closed_by_server(sock)
         for sock in idle:
             sock.close()
-        wait_for(lambda: not connections)
+        wait_for(lambda: not connections, 10, "every connection closed")
         assert httpx.get(http.url + path).status_code == 200
 
 
@@ -150,10 +144,3 @@ def test_server_limits_are_checked():
         ServerLimits(max_concurrency=0)
     with pytest.raises(ValueError, match="head_timeout_s"):
         ServerLimits(head_timeout_s=0)
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the server did not get there"
-        time.sleep(0.01)

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from pdserve.bench.serving import main
-from tests.router.test_router_e2e import cluster  # noqa: F401 (the fixture)
 
 FIELDS = ("num_requests", "completed", "failed", "ttft", "tpot", "itl", "e2e", "request_throughput",
           "output_throughput", "goodput", "sla_attainment_pct")
@@ -31,9 +30,9 @@ def check_run(run: dict, num_requests: int, output_len: int | None = None) -> No
     assert set(run["phases_ms"]) == {"queue", "prefill", "transfer", "decode"}
 
 
-def test_bench_single_point_writes_json_and_plots(cluster, tmp_path, capsys):  # noqa: F811
+def test_bench_single_point_writes_json_and_plots(router_cluster, tmp_path, capsys):
     out, plots = tmp_path / "r.json", tmp_path / "plots"
-    code = main(["--url", cluster["url"], "--num-requests", "6", "--request-rate", "inf", "--concurrency", "3",
+    code = main(["--url", router_cluster["url"], "--num-requests", "6", "--request-rate", "inf", "--concurrency", "3",
                  "--input-len", "300", "--output-len", "6", "--seed", "3", "--result-json", str(out),
                  "--plot-dir", str(plots)])
     assert code == 0
@@ -43,14 +42,14 @@ def test_bench_single_point_writes_json_and_plots(cluster, tmp_path, capsys):  #
     assert len(result["runs"]) == 1
     assert (plots / "latency_cdf.png").stat().st_size > 10_000
     assert "| load |" in capsys.readouterr().out
-    assert cluster["router"].admission.requests == 0
+    assert router_cluster["router"].admission.requests == 0
 
 
-def test_bench_sweep_with_sessions_and_shared_prefixes(cluster, tmp_path):  # noqa: F811
+def test_bench_sweep_with_sessions_and_shared_prefixes(router_cluster, tmp_path):
     out, plots = tmp_path / "r.json", tmp_path / "plots"
-    code = main(["--url", cluster["url"], "--num-requests", "6", "--request-rate", "20,40", "--input-len", "8-24",
-                 "--output-len", "4+-1", "--shared-prefix-len", "16", "--num-prefixes", "2", "--turns", "2",
-                 "--result-json", str(out), "--plot-dir", str(plots)])
+    code = main(["--url", router_cluster["url"], "--num-requests", "6", "--request-rate", "20,40",
+                 "--input-len", "8-24", "--output-len", "4+-1", "--shared-prefix-len", "16", "--num-prefixes", "2",
+                 "--turns", "2", "--result-json", str(out), "--plot-dir", str(plots)])
     assert code == 0
     result = json.loads(out.read_text())
     assert [r["load"]["request_rate"] for r in result["runs"]] == [20, 40]
@@ -59,9 +58,9 @@ def test_bench_sweep_with_sessions_and_shared_prefixes(cluster, tmp_path):  # no
     assert (plots / "goodput_vs_load.png").stat().st_size > 10_000
 
 
-def test_bench_refuses_bad_flags(cluster, capsys):  # noqa: F811
+def test_bench_refuses_bad_flags(router_cluster, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["--url", cluster["url"], "--input-len", "lots"])
+        main(["--url", router_cluster["url"], "--input-len", "lots"])
     assert e.value.code == 2 and "a length is N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--url", cluster["url"], "--request-rate", "1,2", "--concurrency", "1,2"])
+        main(["--url", router_cluster["url"], "--request-rate", "1,2", "--concurrency", "1,2"])

@@ -85,10 +85,3 @@ def settle(sock: socket.socket) -> None:
     """Wait until the receiver has handled everything sent so far (a claim round trip)."""
     send(sock, ClaimHeader("nobody", 0))
     assert not receive(sock).ok
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come true"
-        time.sleep(0.01)

@@ -16,7 +16,8 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.shm import SharedKVPool, ShmSender, shm_available
 from pdserve import wire
 from pdserve.worker.prefill import MAX_SPARE_BLOCKS, PrefillRole
-from tests.kv_transfer.raw_peer import BLOCK, LAYOUT, NUM_BLOCKS, TOKEN, next_event, wait_until
+from tests.kv_transfer.raw_peer import BLOCK, LAYOUT, NUM_BLOCKS, TOKEN, next_event
+from tests.wait import wait_for
 
 
 def test_slot_runs_refuse_negative_block_ids():
@@ -39,7 +40,7 @@ def test_an_in_place_writer_never_writes_outside_the_named_blocks(bad_table):
         with pytest.raises(ValueError, match="names slots|negative"):
             refused.check(bad)  # how a prefill worker refuses such a lease: 400
         refused.write(bad, 0, 0, 8, [(0, 8)])  # were it queued anyway, the copy is refused
-        wait_until(lambda: refused.poll("bad") == TransferStatus.FAILED)
+        wait_for(lambda: refused.poll("bad") == TransferStatus.FAILED, 10, "the refused copy failed")
         assert pool.tensor.abs().sum() == 0  # not a byte landed anywhere
 
         # the same path with a good table lands, so the refusal above was the ids, nothing else

@@ -14,8 +14,9 @@ from pdserve.kv_transfer.listener import PeerLimits
 from pdserve.worker import decode as decode_module
 from pdserve.worker.decode import DecodeRole, holder_id
 from tests.kv_transfer.raw_peer import (
-    connect, kv_data, make_receiver, next_event, open_lease, receive, send, settle, wait_until,
+    connect, kv_data, make_receiver, next_event, open_lease, receive, send, settle,
 )
+from tests.wait import wait_for
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ def test_the_decode_loop_cuts_off_a_writer_that_never_acknowledges(role):
             role.poll()  # one turn of the engine loop
             time.sleep(0.02)
             return not engine.block_manager.holders
-        wait_until(released)
+        wait_for(released, 10, "the blocks released")
         assert rx.num_forced_disconnects == 1 and role.stats()["kv_forced_disconnects"] == 1
         sock.close()
     finally:
@@ -181,7 +182,7 @@ def test_a_first_token_outside_the_vocabulary_is_recomputed_instead(role, first_
         for layer in range(2):
             send(sock, WriteHeader(lease.request_id, lease.fence, layer, 0, 8), kv_data(8, 1))
         send(sock, NotifyHeader(lease.request_id, lease.fence, first_token, 8))
-        wait_until(lambda: (role.poll(), engine.landed or engine.recomputed)[1])
+        wait_for(lambda: (role.poll(), engine.landed or engine.recomputed)[1], 10, "the KV landed or recomputed")
         assert engine.landed == ([(lease.request_id, first_token)] if landed else [])
         assert engine.recomputed == ([] if landed else [lease.request_id])
         assert not engine.block_manager.holders  # either way no holder keeps the blocks

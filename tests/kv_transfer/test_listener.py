@@ -8,7 +8,8 @@ import socket
 import pytest
 
 from pdserve.kv_transfer.listener import Listener, PeerLimits
-from tests.kv_transfer.raw_peer import closed_by_peer, connect, make_receiver, wait_until
+from tests.kv_transfer.raw_peer import closed_by_peer, connect, make_receiver
+from tests.wait import wait_for
 
 QUICK = PeerLimits(accept_backoff_s=0.01)
 
@@ -31,7 +32,7 @@ def test_connections_past_the_cap_are_closed_at_once_and_counted():
         assert closed_by_peer(extra)
         assert rx.num_refused_connections == 1 and rx.num_connections == 2
         first.close()
-        wait_until(lambda: rx.num_connections == 1)
+        wait_for(lambda: rx.num_connections == 1, 10, "the connection accepted")
         third = connect(rx)  # a freed place is taken again
         assert rx.num_refused_connections == 1
         for sock in (second, third, extra):
@@ -84,7 +85,7 @@ def test_a_thread_that_will_not_start_drops_only_its_connection():
             assert closed_by_peer(unlucky)
         assert served(listener)
         assert listener.num_failed_accepts == 1
-        wait_until(lambda: listener.num_connections == 0)  # the failed one holds no place
+        wait_for(lambda: listener.num_connections == 0, 10, "no connection held")  # the failed one holds no place
     finally:
         listener.close()
 

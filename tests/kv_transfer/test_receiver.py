@@ -15,6 +15,7 @@ from pdserve.kv_transfer.codec import (
     PREFIX, AckHeader, ClaimHeader, FrameLimits, HelloHeader, NotifyHeader, WriteHeader, encode_frame, read_frame,
 )
 from pdserve.kv_transfer.receiver import EventKind, KVReceiver
+from tests.wait import wait_for
 
 LAYOUT = KVLayout("m" * 64, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
 BLOCK = 4
@@ -206,15 +207,9 @@ def test_sender_statuses_worst_first(rx):
         sender.flush()
         assert event(rx).kind == EventKind.LANDED and sender.poll("r0") == TransferStatus.DONE
         rx.close_lease(aborted.fence, "client gone")  # the abort reaches the sender ...
-        deadline = time.monotonic() + 5
-        while sender.poll("r1") != TransferStatus.ABORTED:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: sender.poll("r1") == TransferStatus.ABORTED, 5, "the sender to see the abort")
         assert event(rx).kind == EventKind.RELEASABLE  # ... and blocks are free
         rx.close()  # the decode side goes away
-        deadline = time.monotonic() + 5
-        while sender.poll("r2") != TransferStatus.FAILED:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: sender.poll("r2") == TransferStatus.FAILED, 5, "the sender to see the receiver gone")
     finally:
         sender.close()

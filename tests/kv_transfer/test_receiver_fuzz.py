@@ -19,8 +19,9 @@ from pdserve.kv_transfer.codec import (
 from pdserve.kv_transfer.leases import EventKind
 from pdserve.kv_transfer.quant import ENCODINGS
 from tests.kv_transfer.raw_peer import (
-    BLOCK, LAYOUT, TOKEN, connect, hello_bytes, kv_data, make_receiver, next_event, open_lease, send, wait_until,
+    BLOCK, LAYOUT, TOKEN, connect, hello_bytes, kv_data, make_receiver, next_event, open_lease, send,
 )
+from tests.wait import wait_for
 
 VICTIM_BLOCKS = (1, 2)  # a lease open while the junk arrives: writes to it may land
 CHECK_BLOCKS = (5, 6)  # the well-formed peer's lease, opened afterwards
@@ -123,7 +124,7 @@ def send_junk(rx, say_hello: bool, junk: list[bytes]) -> None:
                 pass
         except OSError:
             pass  # it hung up first
-    wait_until(lambda: rx.num_connections == 0)
+    wait_for(lambda: rx.num_connections == 0, 10, "the receiver hanging up")
 
 
 def outside(kv: torch.Tensor, blocks) -> torch.Tensor:

@@ -10,24 +10,18 @@ its greedy text, and once each example is over no worker holds a request, a leas
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.policy import DisaggregationPolicy
-from pdserve.tokenizer import Tokenizer
-from pdserve.worker.registration import RouterMembership
-from pdserve.worker.server import ServerThread
 from tests.openai_shape import assert_openai_error, bearer, note
-from tests.worker.cluster import WorkerServer
+from tests.router_server import MODEL, RouterServer
+from tests.wait import wait_for
+from tests.worker.cluster import Cluster
 
-MODEL = "tiny"
 API_KEY = "sk-fuzz-key"
 TOKEN = "fuzz-worker-token"
 TIMEOUT_S = 30.0  # no answer within this is a hang, and a failure
@@ -45,32 +39,18 @@ def fuzz(max_examples: int):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    config = RouterConfig(model_name=MODEL, max_model_len=arch.max_position_embeddings, lease_s=2.0,
-                          api_key=API_KEY, worker_token=TOKEN,
-                          disaggregation=DisaggregationPolicy(min_remote_tokens=8))
-    router = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    p = WorkerServer(tiny_llama, "prefill", ["tcp"], TOKEN)
-    d = WorkerServer(tiny_llama, "decode", ["tcp"], TOKEN, block_size=8)
-    members = [RouterMembership(http.url, w.url, role, w.worker.layout.model_hash, w.worker.stats, TOKEN).start()
-               for w, role in ((p, "prefill"), (d, "decode"))]
-    deadline = time.monotonic() + 20
-    while len(router.registry.workers()) < 2:
-        assert time.monotonic() < deadline, "workers did not register"
-        time.sleep(0.05)
+    policy = DisaggregationPolicy(min_remote_tokens=8)
     # a connection per request: a server that drops one after an answer cannot fail the next example
-    client = httpx.Client(base_url=http.url, timeout=TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0))
-    r = client.post("/v1/completions", json=KNOWN_GOOD, headers=bearer(API_KEY))
-    assert r.status_code == 200, r.text
-    yield {"router": router, "p": p, "d": d, "client": client,
-           "model_hash": router.registry.model_hash, "reference": r.json()["choices"][0]["text"]}
-    client.close()
-    for m in members:
-        m.stop()
-    http.stop()
-    p.stop()
-    d.stop()
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with (Cluster(tiny_llama, "tcp", token=TOKEN) as pair,
+          RouterServer(tiny_llama, api_key=API_KEY, worker_token=TOKEN, disaggregation=policy) as rs,
+          httpx.Client(base_url=rs.url, timeout=TIMEOUT_S, limits=no_reuse) as client):
+        rs.join(pair.p)
+        rs.join(pair.d)
+        r = client.post("/v1/completions", json=KNOWN_GOOD, headers=bearer(API_KEY))
+        assert r.status_code == 200, r.text
+        yield {"router": rs.router, "p": pair.p, "d": pair.d, "client": client,
+               "model_hash": rs.router.registry.model_hash, "reference": r.json()["choices"][0]["text"]}
 
 
 def send(cluster, method: str, path: str, content: bytes | None = None, headers: dict | None = None) -> tuple:
@@ -161,12 +141,11 @@ def assert_still_serves(cluster) -> None:
 
 def assert_nothing_leaks(cluster) -> None:
     router, p, d = cluster["router"], cluster["p"], cluster["d"]
-    deadline = time.monotonic() + 15  # aborts of requests whose clients left reach the workers within a second or two
-    while not (p.is_idle() and d.is_idle() and router.admission.requests == 0 and not router.live):
-        assert time.monotonic() < deadline, (
-            f"not idle: prefill {p.worker.stats()}, decode {d.worker.stats()}, "
-            f"router holds {router.admission.requests} requests, {router.admission.tokens} tokens, {list(router.live)}")
-        time.sleep(0.01)
+    # aborts of requests whose clients left reach the workers within a second or two
+    wait_for(lambda: p.is_idle() and d.is_idle() and router.admission.requests == 0 and not router.live, 15,
+             "idle workers and router", state=lambda: (
+                 f"prefill {p.worker.stats()}, decode {d.worker.stats()}, router holds {router.admission.requests} "
+                 f"requests, {router.admission.tokens} tokens, {list(router.live)}"))
     assert router.admission.tokens == 0
 
 

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import pytest
 
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.policy import DecodeWeights, HotSpotRelief
-from pdserve.tokenizer import Tokenizer
-from pdserve.worker.registration import RouterMembership
-from pdserve.worker.server import ServerThread
-from tests.router.test_router_e2e import offline_text
-from tests.factories import make_llm
+from tests.factories import make_llm, offline_text
+from tests.router_server import RouterServer
+from tests.wait import wait_for
 from tests.worker.cluster import WorkerServer
 
 PROMPTS = [f"request {i} tells a long story about ships and the sea " * 2 for i in range(3)]
@@ -28,29 +22,11 @@ MAX_TOKENS = 300
 
 @pytest.fixture()
 def two_decoders(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    config = RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, lease_s=1.5,
-                          decode_weights=DecodeWeights(hot_kv_usage=0.25),
-                          relief=HotSpotRelief(target_max_kv_usage=0.2, min_remaining_tokens=16))
-    router = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, kv_cache_memory="1MiB")
-    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    members = []
-
-    def register(w):
-        members.append(RouterMembership(http.url, w.url, "decode", w.worker.layout.model_hash, w.worker.stats).start())
-        deadline = time.monotonic() + 20
-        while not any(e.url == w.url and e.heartbeats for e in router.registry.workers()):
-            assert time.monotonic() < deadline, "the worker did not register"
-            time.sleep(0.02)
-
-    yield router, http.url, hot, cool, register
-    for m in members:
-        m.stop()
-    http.stop()
-    hot.stop()
-    cool.stop()
+    with (WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, kv_cache_memory="1MiB") as hot,
+          WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as cool,
+          RouterServer(tiny_llama, lease_s=1.5, decode_weights=DecodeWeights(hot_kv_usage=0.25),
+                       relief=HotSpotRelief(target_max_kv_usage=0.2, min_remaining_tokens=16)) as rs):
+        yield rs.router, rs.url, hot, cool, rs.join
 
 
 def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_decoders):
@@ -73,10 +49,7 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
 
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(stream, p) for p in PROMPTS]
-        deadline = time.monotonic() + 30
-        while hot.worker.stats().running < len(PROMPTS):
-            assert time.monotonic() < deadline, "the requests did not start"
-            time.sleep(0.01)
+        wait_for(lambda: hot.worker.stats().running >= len(PROMPTS), 30, "the requests to start")
         register(cool)  # now there is somewhere to go
         texts = [f.result(timeout=120) for f in futures]
 
@@ -86,8 +59,6 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     stats = cool.worker.stats()
     assert stats.kv_landed == moved and stats.kv_recomputed == 0  # the KV came from the hot worker
     assert hot.worker.stats().kv_notified == moved
-    deadline = time.monotonic() + 10
-    while not (hot.is_idle() and cool.is_idle()):
-        assert time.monotonic() < deadline, (hot.worker.stats(), cool.worker.stats())
-        time.sleep(0.05)
+    wait_for(lambda: hot.is_idle() and cool.is_idle(), 10, "both workers idle",
+             state=lambda: (hot.worker.stats(), cool.worker.stats()))
     assert not router.live and router.admission.requests == 0

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -11,45 +10,15 @@ import openai
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
-from pdserve.router.policy import DisaggregationPolicy
-from pdserve.tokenizer import Tokenizer
 from pdserve.worker.registration import RouterMembership
-from pdserve.worker.server import ServerThread
-from tests.factories import make_llm
-from tests.worker.cluster import WorkerServer
-
-MODEL = "tiny"
+from tests.factories import make_llm, offline_text
+from tests.router_server import MODEL, RouterServer
+from tests.wait import wait_for
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    config = RouterConfig(model_name=MODEL, max_model_len=arch.max_position_embeddings, lease_s=2.0,
-                          disaggregation=DisaggregationPolicy(min_remote_tokens=8))
-    router = Router(config, Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    p = WorkerServer(tiny_llama, "prefill", ["tcp"])
-    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    members = [RouterMembership(http.url, w.url, role, w.worker.layout.model_hash, w.worker.stats).start()
-               for w, role in ((p, "prefill"), (d, "decode"))]
-    deadline = time.monotonic() + 20
-    while len(router.registry.workers()) < 2:
-        assert time.monotonic() < deadline, "workers did not register"
-        time.sleep(0.05)
-    yield {"url": http.url, "router": router, "p": p, "d": d, "model": tiny_llama, "members": members}
-    for m in members:
-        m.stop()
-    http.stop()
-    p.stop()
-    d.stop()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0)
+def client(router_cluster):
+    return openai.OpenAI(base_url=router_cluster["url"] + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +26,17 @@ def offline(tiny_llama):
     return make_llm(tiny_llama)
 
 
-def offline_text(llm, prompt: str, max_tokens: int, **kw) -> str:
-    sp = SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, **kw})
-    return llm.generate(prompt, sp)[0].outputs[0].text
-
-
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a longer prompt " * 3]
 
 
-def test_completions_match_offline(client, offline, cluster):
-    landed = cluster["d"].worker.stats().kv_landed
+def test_completions_match_offline(client, offline, router_cluster):
+    landed = router_cluster["d"].worker.stats().kv_landed
     for prompt in PROMPTS:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         assert r.choices[0].text == offline_text(offline, prompt, 12)
         assert r.usage.prompt_tokens == len(offline.get_tokenizer().encode(prompt))
         assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
-    assert cluster["d"].worker.stats().kv_landed > landed  # the prompts went through the prefill worker
+    assert router_cluster["d"].worker.stats().kv_landed > landed  # the prompts went through the prefill worker
 
 
 def test_streaming_with_usage(client, offline):
@@ -145,8 +109,8 @@ def test_seeded_sampling_is_reproducible(client):
     ("just a string", 400, "body"),
     (None, 400, "body"),
 ])
-def test_bad_requests(cluster, body, status, fragment):
-    r = httpx.post(cluster["url"] + "/v1/completions", json=body)
+def test_bad_requests(router_cluster, body, status, fragment):
+    r = httpx.post(router_cluster["url"] + "/v1/completions", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"]
@@ -159,9 +123,9 @@ def test_bad_requests(cluster, body, status, fragment):
     (b'{"model": "tiny", "prompt": "\\ud800 a lone surrogate"}', "surrogate"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
 ])
-def test_json_that_python_reads_but_no_tokenizer_takes(cluster, raw, fragment):
+def test_json_that_python_reads_but_no_tokenizer_takes(router_cluster, raw, fragment):
     path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
-    r = httpx.post(cluster["url"] + path, content=raw, headers={"Content-Type": "application/json"})
+    r = httpx.post(router_cluster["url"] + path, content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
 
@@ -175,50 +139,50 @@ def test_json_that_python_reads_but_no_tokenizer_takes(cluster, raw, fragment):
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/nothing", {}, 404, "Not Found"),
 ])
-def test_bad_chat_requests(cluster, path, body, status, fragment):
-    r = httpx.post(cluster["url"] + path, json=body)
+def test_bad_chat_requests(router_cluster, path, body, status, fragment):
+    r = httpx.post(router_cluster["url"] + path, json=body)
     assert r.status_code == status, r.text
     if fragment:
         assert fragment in r.json()["error"]["message"]
 
 
-def test_bad_bytes_and_sizes(cluster):
-    url = cluster["url"] + "/v1/completions"
+def test_bad_bytes_and_sizes(router_cluster):
+    url = router_cluster["url"] + "/v1/completions"
     headers = {"content-type": "application/json"}
     for raw in (b"{not json", b'{"model": "tiny", "prompt": "\xff\xfe"', b"\xff\xfe\x00", b""):
         r = httpx.post(url, content=raw, headers=headers)
         assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(url, content=b"x" * (9 << 20), headers=headers)
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
-    assert httpx.get(cluster["url"] + "/health").json()["status"] == "ok"  # and it stays healthy
+    assert httpx.get(router_cluster["url"] + "/health").json()["status"] == "ok"  # and it stays healthy
 
 
-def test_models_and_health(client, cluster):
+def test_models_and_health(client, router_cluster):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(cluster["url"] + "/health").json()["workers"] == 2
+    assert httpx.get(router_cluster["url"] + "/health").json()["workers"] == 2
 
 
-def test_client_disconnect_frees_both_workers(cluster):
+def test_client_disconnect_frees_both_workers(router_cluster):
     prompt = "a long story about the sea " * 6
-    with httpx.stream("POST", cluster["url"] + "/v1/completions", timeout=30,
+    with httpx.stream("POST", router_cluster["url"] + "/v1/completions", timeout=30,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
                             "ignore_eos": True}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-    deadline = time.monotonic() + 10  # the abort reaches the workers well within a second or two
-    while not (cluster["p"].is_idle() and cluster["d"].is_idle()):
-        assert time.monotonic() < deadline, (cluster["p"].worker.stats(), cluster["d"].worker.stats())
-        time.sleep(0.05)
-    assert cluster["router"].admission.requests == 0
+    p, d = router_cluster["p"], router_cluster["d"]
+    # the abort reaches the workers well within a second or two
+    wait_for(lambda: p.is_idle() and d.is_idle(), 10, "both workers idle",
+             state=lambda: (p.worker.stats(), d.worker.stats()))
+    assert router_cluster["router"].admission.requests == 0
 
 
-def test_overload_gets_429_and_every_admitted_request_completes(cluster):
+def test_overload_gets_429_and_every_admitted_request_completes(router_cluster):
     import concurrent.futures
 
     import threading
 
-    router = cluster["router"]
+    router = router_cluster["router"]
     router.admission.max_requests = 2
     held, done = [], threading.Event()
 
@@ -230,7 +194,7 @@ def test_overload_gets_429_and_every_admitted_request_completes(cluster):
     watcher.start()
     try:
         def one(i):
-            return httpx.post(cluster["url"] + "/v1/completions", timeout=60,
+            return httpx.post(router_cluster["url"] + "/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": f"request {i} " * 5, "max_tokens": 16, "temperature": 0,
                                     "ignore_eos": True})
         with concurrent.futures.ThreadPoolExecutor(40) as pool:  # 20x what the router admits
@@ -251,32 +215,26 @@ def test_overload_gets_429_and_every_admitted_request_completes(cluster):
 
 
 def test_api_key(tiny_llama):
-    arch = ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    router = Router(RouterConfig(model_name=MODEL, max_model_len=64, api_key="sk-local"),
-                    Tokenizer.from_dir(tiny_llama), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    try:
-        r = httpx.post(http.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    with RouterServer(tiny_llama, max_model_len=64, api_key="sk-local") as rs:
+        r = httpx.post(rs.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        r = httpx.post(http.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+        r = httpx.post(rs.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
                        headers={"Authorization": "Bearer sk-local"})
         assert r.status_code == 503  # the key is right; no worker lives
         assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"] == "1"
-    finally:
-        http.stop()
 
 
-def test_metrics(client, cluster):
+def test_metrics(client, router_cluster):
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
     list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True))
-    deadline = time.monotonic() + 10
-    while True:  # KV bytes come with the workers' next heartbeats
-        text = httpx.get(cluster["url"] + "/metrics").text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                  if line and not line.startswith("#")}
-        if values["pdserve_kv_bytes_received"] > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(router_cluster["url"] + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+    # KV bytes come with the workers' next heartbeats
+    wait_for(lambda: scrape()["pdserve_kv_bytes_received"] > 0, 10, "the KV bytes in a heartbeat", interval=0.1)
+    values = scrape()
     assert values["pdserve_ttft_seconds_count"] >= 2 and values["pdserve_e2e_seconds_count"] >= 2
     assert values['pdserve_requests_total{outcome="ok"}'] >= 2
     assert values["pdserve_generated_tokens_total"] >= 12 and values["pdserve_disaggregated_requests_total"] >= 1
@@ -288,10 +246,10 @@ def test_metrics(client, cluster):
     assert values['pdserve_phase_seconds_sum{phase="transfer"}'] > 0  # a prompt's KV came from the prefill worker
 
 
-def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, cluster, offline):
+def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, router_cluster, offline):
     from pdserve.router.policy import WorkerLoad
 
-    router, members = cluster["router"], cluster["members"]
+    router, members = router_cluster["router"], router_cluster["members"]
     members[1].stop()  # the real decode worker's heartbeats pause, and it is made to look busy ...
     real = next(w for w in router.registry.workers("decode"))
     real.load = WorkerLoad(running=40, waiting=50, kv_blocks_total=100)
@@ -302,18 +260,19 @@ def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(
         assert out.choices[0].text == offline_text(offline, PROMPTS[0], 5)
         assert router.registry.get(dead.worker_id) is None  # dropped at its first failure
     finally:
-        d = cluster["d"]
-        members[1] = RouterMembership(cluster["url"], d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
+        d = router_cluster["d"]
+        members[1] = RouterMembership(router_cluster["url"], d.url, "decode", d.worker.layout.model_hash,
+                                      d.worker.stats).start()
 
 
-def test_sse_keepalive_while_the_request_waits(cluster):
-    router, d = cluster["router"], cluster["d"]
+def test_sse_keepalive_while_the_request_waits(router_cluster):
+    router, d = router_cluster["router"], router_cluster["d"]
     router.config.keepalive_s = 0.05
     hold = __import__("threading").Event()
     d.worker.loop.call(lambda: hold.wait(10))  # the decode worker is busy for a while
     try:
         lines = []
-        with httpx.stream("POST", cluster["url"] + "/v1/completions", timeout=30, json={
+        with httpx.stream("POST", router_cluster["url"] + "/v1/completions", timeout=30, json={
                 "model": MODEL, "prompt": "wait for me", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
             for line in r.iter_lines():
                 if line:
@@ -327,7 +286,7 @@ def test_sse_keepalive_while_the_request_waits(cluster):
         router.config.keepalive_s = 5.0
 
 
-def test_a_chat_prompt_that_fills_the_context_is_refused(cluster):
-    r = httpx.post(cluster["url"] + "/v1/chat/completions", json={
+def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
+    r = httpx.post(router_cluster["url"] + "/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]

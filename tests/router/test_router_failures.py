@@ -11,37 +11,26 @@ import time
 import httpx
 import pytest
 
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.policy import DisaggregationPolicy
-from pdserve.tokenizer import Tokenizer
-from pdserve.worker.server import ServerThread
-from tests.worker.test_worker_process import AUTH, TOKEN, spawn
+from tests.router_server import RouterServer
+from tests.wait import wait_for
+from tests.worker.processes import AUTH, TOKEN, spawn
 
 
 @contextlib.contextmanager
 def cluster_of_processes(model, roles: list[str], **config):
     """An in-process router and worker processes registered with it; everything stopped after."""
-    arch = ArchConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    router = Router(RouterConfig(model_name="tiny", max_model_len=arch.max_position_embeddings, worker_token=TOKEN,
-                                 **config),
-                    Tokenizer.from_dir(model), model_fingerprint(arch), arch.vocab_size)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    workers = []
-    try:
-        workers += [spawn(model, role, "--router", http.url) for role in roles]
-        deadline = time.monotonic() + 20
-        while len(router.registry.workers()) < len(roles):
-            assert time.monotonic() < deadline, "workers did not register"
-            time.sleep(0.05)
-        yield router, http.url, workers
-    finally:
-        for proc, _ in workers:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-        http.stop()
+    with RouterServer(model, worker_token=TOKEN, **config) as rs:
+        workers = []
+        try:
+            workers += [spawn(model, role, "--router", rs.url) for role in roles]
+            wait_for(lambda: len(rs.router.registry.workers()) >= len(roles), 20, "the workers to register")
+            yield rs.router, rs.url, workers
+        finally:
+            for proc, _ in workers:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(10)
 
 
 def test_decode_killed_mid_stream(tiny_llama):
@@ -63,10 +52,9 @@ def test_decode_killed_mid_stream(tiny_llama):
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))
         assert error["error"]["type"] == "server_error" and "failed mid-request" in error["error"]["message"]
-        deadline = time.monotonic() + 10  # the worker was dropped at its failure
-        while any(w.role == "decode" for w in router.registry.workers()):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        # the worker was dropped at its failure
+        wait_for(lambda: not any(w.role == "decode" for w in router.registry.workers()), 10,
+                 "the killed decode worker dropped")
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "still there?", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1  # prefill serves colocated

@@ -8,50 +8,25 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
 from pdserve.http_clients import StallGuardedStreamingResponse
-from pdserve.kv_transfer.base import model_fingerprint
-from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
 from pdserve.router.streams import LiveStream, WorkerLost
-from pdserve.tokenizer import Tokenizer
-from pdserve.worker.registration import RouterMembership
 from pdserve.worker.server import ServerThread
 from tests.http_raw import connect, head
+from tests.router_server import MODEL, RouterServer, make_router
+from tests.wait import wait_for
 from tests.worker.cluster import WorkerServer
-
-MODEL = "tiny"
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached"
-        time.sleep(0.02)
-
-
-def make_router(model, **config) -> Router:
-    arch = ArchConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    return Router(RouterConfig(model_name=MODEL, max_model_len=arch.max_position_embeddings, lease_s=2.0, **config),
-                  Tokenizer.from_dir(model), model_fingerprint(arch), arch.vocab_size)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    router = make_router(tiny_llama)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    member = RouterMembership(http.url, d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
-    wait_for(lambda: len(router.registry.workers()) == 1, what="registration")
-    yield {"url": http.url, "router": router, "d": d}
-    member.stop()
-    http.stop()
-    d.stop()
+    with WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as d, RouterServer(tiny_llama) as rs:
+        rs.join(d)
+        yield {"url": rs.url, "router": rs.router, "d": d}
 
 
 def completion(url: str, **body) -> httpx.Response:
@@ -64,7 +39,7 @@ def test_the_request_that_broke_the_engine_fails_alone(cluster):
     assert bad.status_code == 400 and "seed" in bad.json()["error"]["message"]
     good = completion(cluster["url"], prompt="hello", max_tokens=4, temperature=0, ignore_eos=True)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
-    wait_for(cluster["d"].is_idle, what="idle decode worker")
+    wait_for(cluster["d"].is_idle, 30, "idle decode worker")
 
 
 def test_a_request_that_finds_every_queue_full_waits_in_the_router(cluster, monkeypatch):
@@ -92,7 +67,7 @@ def test_a_request_that_finds_every_queue_full_waits_in_the_router(cluster, monk
         if not stream:
             assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
     assert metrics.requeued._value.get() - before == 4
-    wait_for(cluster["d"].is_idle, what="idle decode worker")
+    wait_for(cluster["d"].is_idle, 30, "idle decode worker")
 
 
 def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llama):
@@ -101,29 +76,28 @@ def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llam
     without the worker ever refusing one."""
     from pdserve.worker.worker import QueueFullError
 
-    router = make_router(tiny_llama)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    d = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, max_num_seqs=2, worker_args={"max_queued": 1})
-    refused, real = [], d.worker.generate
+    with WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, max_num_seqs=2,
+                      worker_args={"max_queued": 1}) as d, RouterServer(tiny_llama) as rs:
+        router = rs.router
+        refused, real = [], d.worker.generate
 
-    async def counting(*args, **kwargs):
-        try:
-            return await real(*args, **kwargs)
-        except QueueFullError:
-            refused.append(1)
-            raise
-    d.worker.generate = counting
-    member = RouterMembership(http.url, d.url, "decode", d.worker.layout.model_hash, d.worker.stats).start()
-    try:
+        async def counting(*args, **kwargs):
+            try:
+                return await real(*args, **kwargs)
+            except QueueFullError:
+                refused.append(1)
+                raise
+        d.worker.generate = counting
+        rs.join(d)
         wait_for(lambda: router.registry.workers() and router.registry.workers()[0].load.capacity == 3,
-                 what="a heartbeat with the worker's capacity")
+                 30, "a heartbeat with the worker's capacity")
         entry = router.registry.workers()[0]
         most = [0]
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(timeout=120) as client:
                 async def one(i: int) -> int:
-                    r = await client.post(http.url + "/v1/completions", json={
+                    r = await client.post(rs.url + "/v1/completions", json={
                         "model": MODEL, "prompt": f"request {i}", "max_tokens": 6, "ignore_eos": True,
                         "n": 1 + i % 2, "stream": i % 3 == 0})
                     most[0] = max(most[0], entry.in_flight)
@@ -134,11 +108,7 @@ def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llam
         assert statuses == [200] * 16
         assert not refused and most[0] <= 3
         assert entry.in_flight == 0 and not router.line and router.admission.requests == 0
-        wait_for(d.is_idle, what="idle decode worker")
-    finally:
-        member.stop()
-        http.stop()
-        d.stop()
+        wait_for(d.is_idle, 30, "idle decode worker")
 
 
 def test_a_request_still_without_room_at_its_queue_timeout_gets_503(cluster, monkeypatch):
@@ -177,13 +147,13 @@ def test_a_non_streaming_client_that_leaves_stops_its_request(cluster):
     try:
         sock.sendall(head("POST", "/v1/completions", "Content-Type: application/json",
                           f"Content-Length: {len(body)}") + body)
-        wait_for(lambda: len(router.live) == 1, what="the request reaching the decode worker")
+        wait_for(lambda: len(router.live) == 1, 30, "the request reaching the decode worker")
     finally:
         sock.close()
-    wait_for(lambda: not router.live and router.admission.requests == 0, what="the router letting go")
+    wait_for(lambda: not router.live and router.admission.requests == 0, 30, "the router letting go")
     gate.set()
-    wait_for(lambda: d.worker.stats().requests_aborted == aborted + 1, what="the worker's abort")
-    wait_for(d.is_idle, what="idle decode worker")
+    wait_for(lambda: d.worker.stats().requests_aborted == aborted + 1, 30, "the worker's abort")
+    wait_for(d.is_idle, 30, "idle decode worker")
 
 
 class SilentWorker:
@@ -215,23 +185,21 @@ def test_a_silent_stream_ends_alone_and_its_worker_stays(tiny_llama):
     """A stream whose worker says nothing for the silence deadline gives up on it (retried
     elsewhere, here nowhere: 503). The worker is not dropped: its other streams go on, and the
     reaper drops it only if its heartbeats stop."""
-    router = make_router(tiny_llama, worker_silence_s=0.5)
-    http = ServerThread(create_app(router), lifespan="on").start()
-    silent = SilentWorker()
-    try:
-        entry = router.registry.register(silent.url, "decode", router.registry.model_hash)
-        bystander = LiveStream("other", 1, 4, 4, worker_id=entry.worker_id)
-        router.live["other"] = bystander
-        r = completion(http.url, prompt="hello", max_tokens=4)
-        assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]  # retried, none left
-        assert [w.worker_id for w in router.registry.workers()] == [entry.worker_id]
-        assert bystander.inbox.empty()
-        text = httpx.get(http.url + "/metrics").text
-        assert "pdserve_silent_streams_total 1.0" in text and "pdserve_workers_dropped_total 0.0" in text
-    finally:
-        router.live.pop("other", None)
-        silent.close()
-        http.stop()
+    with RouterServer(tiny_llama, worker_silence_s=0.5) as rs:
+        router, silent = rs.router, SilentWorker()
+        try:
+            entry = router.registry.register(silent.url, "decode", router.registry.model_hash)
+            bystander = LiveStream("other", 1, 4, 4, worker_id=entry.worker_id)
+            router.live["other"] = bystander
+            r = completion(rs.url, prompt="hello", max_tokens=4)
+            assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]  # retried, none left
+            assert [w.worker_id for w in router.registry.workers()] == [entry.worker_id]
+            assert bystander.inbox.empty()
+            text = httpx.get(rs.url + "/metrics").text
+            assert "pdserve_silent_streams_total 1.0" in text and "pdserve_workers_dropped_total 0.0" in text
+        finally:
+            router.live.pop("other", None)
+            silent.close()
 
 
 def test_dropping_a_worker_ends_every_stream_it_held(tiny_llama):
@@ -253,7 +221,7 @@ def test_dropping_a_worker_ends_every_stream_it_held(tiny_llama):
 def test_metrics_show_each_workers_pool(cluster):
     d = cluster["d"]
     total = d.worker.stats().kv_blocks_total
-    wait_for(lambda: cluster["router"].registry.workers()[0].heartbeats > 0, what="a heartbeat")
+    wait_for(lambda: cluster["router"].registry.workers()[0].heartbeats > 0, 30, "a heartbeat")
     text = httpx.get(cluster["url"] + "/metrics").text
     wid = cluster["router"].registry.workers()[0].worker_id
     assert f'pdserve_worker_kv_blocks_total{{role="decode",worker="{wid}"}} {float(total)}' in text
@@ -327,9 +295,9 @@ def test_a_streamed_client_that_leaves_aborts_its_request_on_the_worker(cluster,
                 if line.startswith("data: {"):
                     w.loop.call(lambda: gate.wait(30))  # the request cannot run on while its client leaves
                     break
-        wait_for(lambda: sent, what="the router's abort")
+        wait_for(lambda: sent, 30, "the router's abort")
     finally:
         gate.set()
-    wait_for(lambda: w.stats().requests_aborted > before, what="the abort on the worker")
-    wait_for(cluster["d"].is_idle, what="idle decode worker")
+    wait_for(lambda: w.stats().requests_aborted > before, 30, "the abort on the worker")
+    wait_for(cluster["d"].is_idle, 30, "idle decode worker")
     assert sent[0].endswith("-0")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 
-from pdserve.config import EngineConfig
 from pdserve.kv_transfer.nixl import nixl_available
 from pdserve.worker.server import ServerThread, create_app
 from pdserve.worker.worker import Worker
+from tests.factories import engine_config
+from tests.wait import wait_for
 
 BACKENDS = ["tcp", "shm"] + (["nixl"] if nixl_available() else [])
 # and the in-process one: the same leases, fences and aborts without a KV socket (both workers of a
@@ -21,22 +21,24 @@ BACKENDS = ["tcp", "shm"] + (["nixl"] if nixl_available() else [])
 WITH_MEMORY = BACKENDS + ["memory"]
 
 
-def engine_config(model: Path, role: str, **overrides: Any) -> EngineConfig:
-    args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)
-    args.update(overrides)
-    return EngineConfig(model=str(model), role=role, **args)
-
-
 def prompt(length: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + j * 7 + length) % 250 + 1 for j in range(length)]
 
 
 class WorkerServer:
+    """`with WorkerServer(model, "decode", ["tcp"]) as w:` one worker and its HTTP endpoint."""
+
     def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None, **engine):
         self.worker = Worker(engine_config(model, role, **engine), transfer, token=token, **(worker_args or {}))
         self.worker.start()
         self.server = ServerThread(create_app(self.worker, token)).start()
         self.url = self.server.url
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         self.server.stop()
@@ -59,12 +61,14 @@ class WorkerServer:
 
 
 class Cluster:
-    """`with Cluster(model, "tcp") as c:` one prefill worker, one decode worker."""
+    """`with Cluster(model, "tcp") as c:` one prefill worker, one decode worker. `backend` is the KV
+    transfer backend, or several in order of preference ("tcp,shm"), as `--transfer` takes them."""
 
     def __init__(self, model: Path, backend: str, prefill: dict | None = None, decode: dict | None = None,
                  token: str = "", decode_worker: dict | None = None) -> None:
-        self.p = WorkerServer(model, "prefill", [backend], token, **(prefill or {}))
-        self.d = WorkerServer(model, "decode", [backend], token, worker_args=decode_worker,
+        transfer = backend.split(",")
+        self.p = WorkerServer(model, "prefill", transfer, token, **(prefill or {}))
+        self.d = WorkerServer(model, "decode", transfer, token, worker_args=decode_worker,
                               **{"block_size": 8, **(decode or {})})
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(timeout=60, headers=self.headers)
@@ -108,8 +112,5 @@ class Cluster:
 
     def wait_idle(self, timeout: float = 15.0) -> None:
         """Both workers back to no request, no lease, every block free (the leak check)."""
-        deadline = time.monotonic() + timeout
-        while not (self.p.is_idle() and self.d.is_idle()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not idle: prefill {self.p.worker.stats()}, decode {self.d.worker.stats()}")
-            time.sleep(0.05)
+        wait_for(lambda: self.p.is_idle() and self.d.is_idle(), timeout, "both workers idle",
+                 state=lambda: f"prefill {self.p.worker.stats()}, decode {self.d.worker.stats()}")

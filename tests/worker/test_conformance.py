@@ -10,6 +10,7 @@ import pytest
 
 from pdserve import SamplingParams
 from tests.factories import make_llm
+from tests.wait import wait_for
 from tests.worker.cluster import BACKENDS, WITH_MEMORY, Cluster, prompt
 
 LONG = 120  # 4 prefill chunks of 32 tokens
@@ -54,14 +55,6 @@ def start_stream(c: Cluster, tokens, **kw):
     return t, box
 
 
-def wait_for(predicate, timeout=10.0):
-    import time
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def abort_the_waiting_request(c: Cluster, stream: threading.Thread, box: dict) -> None:
     """Abort, through decode's endpoint, the request awaiting its KV; its stream ends with 'abort'."""
     rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
@@ -76,7 +69,7 @@ def test_abort_while_prefill_is_queued(tiny_llama, backend):
         hold = threading.Event()
         c.p.worker.loop.call(lambda: hold.wait(20))  # the prefill engine is busy
         t, box = start_stream(c, prompt(LONG), max_tokens=4)
-        wait_for(lambda: c.d.worker.engine.scheduler.waiting_for_kv)
+        wait_for(lambda: c.d.worker.engine.scheduler.waiting_for_kv, 10, "the request waiting for its KV")
         abort_the_waiting_request(c, t, box)
         hold.set()
         c.wait_idle()
@@ -138,7 +131,8 @@ def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, backend):
         t, box = start_stream(c, prompt(LONG, seed=3), max_tokens=4)
         assert reached.wait(20)
         c.d.worker.receiver.close()  # decode's KV side goes down
-        wait_for(lambda: not any(s.alive for s in c.p.worker.prefill._senders.values()))
+        wait_for(lambda: not any(s.alive for s in c.p.worker.prefill._senders.values()), 10,
+                 "every prefill sender closed")
         release.set()
         t.join(30)
         c.wait_idle()  # prefill aborted its request and freed its blocks

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.openai_shape import assert_openai_error, bearer, note
-from tests.worker.cluster import WorkerServer, prompt
+from tests.wait import wait_for
+from tests.worker.cluster import Cluster, WorkerServer, prompt
 
 TOKEN = "fuzz-worker-token"
 TIMEOUT_S = 30.0  # no answer within this is a hang, and a failure
@@ -46,21 +46,19 @@ def closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    both = WorkerServer(tiny_llama, "both", ["tcp", "shm"], TOKEN)
-    p = WorkerServer(tiny_llama, "prefill", ["tcp", "shm"], TOKEN)
-    d = WorkerServer(tiny_llama, "decode", ["tcp", "shm"], TOKEN, block_size=8)
     # a connection per request: a server that drops one after an answer cannot fail the next example
-    client = httpx.Client(timeout=TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0))
-    ws = {"both": both, "prefill": p, "decode": d, "client": client, "closed_port": closed_port(),
-          "model_hash": p.worker.layout.model_hash}
-    reference = generated(ws, both)
-    assert len(reference) == GOOD_SAMPLING["max_tokens"]
-    ws["reference"] = reference
-    assert generated(ws, d, prefill_url=p.url) == reference  # the disaggregated path agrees
-    yield ws
-    client.close()
-    for w in (both, p, d):
-        w.stop()
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with (WorkerServer(tiny_llama, "both", ["tcp", "shm"], TOKEN) as both,
+          Cluster(tiny_llama, "tcp,shm", token=TOKEN) as pair,
+          httpx.Client(timeout=TIMEOUT_S, limits=no_reuse) as client):
+        p, d = pair.p, pair.d
+        ws = {"both": both, "prefill": p, "decode": d, "client": client, "closed_port": closed_port(),
+              "model_hash": p.worker.layout.model_hash}
+        reference = generated(ws, both)
+        assert len(reference) == GOOD_SAMPLING["max_tokens"]
+        ws["reference"] = reference
+        assert generated(ws, d, prefill_url=p.url) == reference  # the disaggregated path agrees
+        yield ws
 
 
 def send(ws, method: str, url: str, content: bytes | None = b"", secret=TOKEN, allow_5xx=lambda payload: False):
@@ -157,10 +155,9 @@ def assert_still_generates(ws, *targets: str) -> None:
 def assert_idle(ws) -> None:
     """No worker holds a request, a lease, a shipment or a block, and no engine step failed."""
     all_ = [ws["both"], ws["prefill"], ws["decode"]]
-    deadline = time.monotonic() + 15  # aborts and fallbacks settle within a second or two
-    while not all(w.is_idle() for w in all_):
-        assert time.monotonic() < deadline, {name: ws[name].worker.stats() for name in ("both", "prefill", "decode")}
-        time.sleep(0.01)
+    # aborts and fallbacks settle within a second or two
+    wait_for(lambda: all(w.is_idle() for w in all_), 15, "every worker idle",
+             state=lambda: {name: ws[name].worker.stats() for name in ("both", "prefill", "decode")})
     for w in all_:
         stats = w.worker.stats()
         assert stats.engine_failures == 0 and stats.requests_failed == 0, stats

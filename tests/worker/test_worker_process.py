@@ -3,11 +3,8 @@ worker killed outright, the decode worker stopped by SIGTERM."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -16,26 +13,9 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.kv_transfer.shm import reap_stale_pools
 from tests.factories import make_llm
+from tests.wait import wait_for
 from tests.worker.cluster import BACKENDS, prompt
-
-
-TOKEN = "worker-process-test-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def spawn(model, role, *extra):
-    cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--model", str(model), "--role", role, "--port", "0",
-           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--block-size", "4", "--threads", "1", *extra]
-    env = {**os.environ, "PDSERVE_TOKEN": TOKEN}  # prefill and decode share it; never on the command line
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
-    reader.start()
-    reader.join(120)
-    assert line and line[0], f"worker did not start: {proc.stderr.read() if proc.poll() is not None else 'timeout'}"
-    ready = json.loads(line[0])
-    assert ready["event"] == "ready"
-    return proc, ready
+from tests.worker.processes import AUTH, spawn
 
 
 def test_workers_as_processes(tiny_llama):
@@ -71,16 +51,15 @@ def test_workers_as_processes(tiny_llama):
                 proc.wait(10)
 
 
-def poll(url: str, predicate, timeout: float = 30.0, interval: float = 0.003) -> dict:
-    import time
+def poll(url: str, predicate, what: str) -> dict:
+    """The worker's stats once `predicate` holds of them; polled often, for states that last milliseconds."""
+    seen: dict = {}
 
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(url + "/stats", timeout=5, headers=AUTH).json()
-        if predicate(stats):
-            return stats
-        assert time.monotonic() < deadline, f"not reached: {stats}"
-        time.sleep(interval)
+    def reached() -> bool:
+        seen["stats"] = httpx.get(url + "/stats", timeout=5, headers=AUTH).json()
+        return predicate(seen["stats"])
+    wait_for(reached, 30, what, state=lambda: seen["stats"], interval=0.003)
+    return seen["stats"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,14 +81,15 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
         t = threading.Thread(target=lambda: box.update(
             r=httpx.post(d_ready["url"] + "/v1/generate", json=body, timeout=120, headers=AUTH)))
         t.start()
-        poll(d_ready["url"], lambda s: s["kv_bytes_received"] > 0 and s["waiting_for_kv"] == 1)
+        poll(d_ready["url"], lambda s: s["kv_bytes_received"] > 0 and s["waiting_for_kv"] == 1,
+             "the first of the prompt's KV on the decode worker")
         p.send_signal(signal.SIGSTOP)  # frozen mid-transfer: check that it is, then kill it
         assert httpx.get(d_ready["url"] + "/stats", headers=AUTH).json()["kv_landed"] == 0, "prefill finished too soon"
         p.kill()
         t.join(60)
         got = box["r"].json()
         assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
-        stats = poll(d_ready["url"], lambda s: s["kv_blocks_used"] == 0)
+        stats = poll(d_ready["url"], lambda s: s["kv_blocks_used"] == 0, "every decode block free")
         assert stats["kv_recomputed"] == 1 and stats["kv_landed"] == 0
 
         p2, p2_ready = spawn(tiny_llama, "prefill", "--transfer", backend, *slow)
@@ -122,9 +102,11 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
             except httpx.HTTPError:
                 pass
         threading.Thread(target=doomed, daemon=True).start()
-        poll(p2_ready["url"], lambda s: s["kv_bytes_sent"] > 0 and s["running"] == 1)
+        poll(p2_ready["url"], lambda s: s["kv_bytes_sent"] > 0 and s["running"] == 1,
+             "the prefill worker sending KV")
         d.kill()
-        poll(p2_ready["url"], lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0)
+        poll(p2_ready["url"], lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0,
+             "an idle prefill worker")
         if "shm" in d_ready["kv"]:  # the killed worker could not remove its pool: the next one on this host does
             d.wait(10)
             reap_stale_pools()

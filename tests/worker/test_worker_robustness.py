@@ -13,12 +13,11 @@ import httpx
 import pytest
 
 from pdserve.outputs import CompletionOutput, RequestOutput
-from pdserve.router.app import create_app
 from pdserve.worker.output_stream import OutputStream
 from pdserve.worker.registration import RouterMembership
-from pdserve.worker.server import ServerThread
 from tests.http_raw import connect, head
-from tests.router.test_router_limits import make_router, wait_for
+from tests.router_server import RouterServer
+from tests.wait import wait_for
 from tests.worker.cluster import WorkerServer, prompt
 
 
@@ -61,9 +60,8 @@ def test_keepalive_lines_while_waiting_and_an_error_when_the_engine_stops():
 
 @pytest.fixture
 def worker(tiny_llama):
-    w = WorkerServer(tiny_llama, "both", ["tcp"])
-    yield w
-    w.stop()
+    with WorkerServer(tiny_llama, "both", ["tcp"]) as w:
+        yield w
 
 
 def generate(url: str, **sampling) -> httpx.Response:
@@ -96,8 +94,8 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
     time.sleep(0.2)  # the request is in, waiting for the engine
     sock.close()
     gate.set()
-    wait_for(lambda: w.stats().requests_aborted == 1, what="the abort")
-    wait_for(worker.is_idle, what="an idle worker")
+    wait_for(lambda: w.stats().requests_aborted == 1, 30, "the abort")
+    wait_for(worker.is_idle, 30, "an idle worker")
     assert w.stats().num_steps < 500  # it never ran to its max_tokens
 
 
@@ -122,14 +120,14 @@ def test_a_burst_waits_for_the_engine_without_holding_threads(worker):
 
     sender = threading.Thread(target=asyncio.run, args=(send_all(),))
     sender.start()
-    wait_for(lambda: w.loop._calls.qsize() >= burst, what="every request waiting for the engine")
+    wait_for(lambda: w.loop._calls.qsize() >= burst, 30, "every request waiting for the engine")
     grown = threading.active_count() - threads_before
     gate.set()
     sender.join(60)
     assert not sender.is_alive()
     assert grown < 8, f"{grown} threads waited for the engine"
     assert [r.status_code for r in results] == [200] * burst
-    wait_for(worker.is_idle, what="an idle worker")
+    wait_for(worker.is_idle, 30, "an idle worker")
 
 
 def test_a_request_the_engine_did_not_take_in_time_never_runs(worker, monkeypatch):
@@ -144,7 +142,7 @@ def test_a_request_the_engine_did_not_take_in_time_never_runs(worker, monkeypatc
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
     finally:
         gate.set()
-    wait_for(lambda: w.loop._calls.qsize() == 0, what="the engine's queue drained")
+    wait_for(lambda: w.loop._calls.qsize() == 0, 30, "the engine's queue drained")
     stats = w.stats()
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
     assert generate(worker.url).status_code == 200
@@ -165,22 +163,21 @@ def test_stats_do_not_wait_for_a_stalled_engine(worker):
 
 
 def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):
-    router = make_router(tiny_llama)
-    http = ServerThread(create_app(router), lifespan="on").start()
     failures = [TimeoutError("the engine did not answer in time"), RuntimeError("boom")]
 
     def stats() -> dict:
         if failures:
             raise failures.pop(0)
         return {"running": 0, "kv_blocks_total": 8}
-    member = RouterMembership(http.url, "http://127.0.0.1:5", "decode", router.registry.model_hash, stats).start()
-    try:
-        wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0
-                 and member.status == "registered", what="a heartbeat after the failures")
-        assert not failures
-    finally:
-        member.stop()
-        http.stop()
+    with RouterServer(tiny_llama) as rs:
+        router = rs.router
+        member = RouterMembership(rs.url, "http://127.0.0.1:5", "decode", router.registry.model_hash, stats).start()
+        try:
+            wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0
+                     and member.status == "registered", 30, "a heartbeat after the failures")
+            assert not failures
+        finally:
+            member.stop()
 
 
 def test_health_says_when_the_engine_is_gone(worker):
