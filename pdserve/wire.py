@@ -41,6 +41,7 @@ Prompt = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_SEQUENCE_TOK
 Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?$")]
 Fence = Annotated[int, Meta(ge=0, le=MAX_FENCE)]
 Count = Annotated[int, Meta(ge=0, le=1 << 62)]
+Size = Annotated[int, Meta(ge=0, le=1 << 40)]  # requests, sequences, blocks: far below this in any pool
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
@@ -305,14 +306,14 @@ class WorkerStats(Message):
 
     role: Role = "both"
     model_hash: ModelHash = ""
-    running: Count = 0
-    waiting: Count = 0
-    waiting_for_kv: Count = 0
+    running: Size = 0
+    waiting: Size = 0
+    waiting_for_kv: Size = 0
     queued_prefill_tokens: Count = 0
     kv_blocks_total: Annotated[int, Meta(ge=1, le=1 << 40)] = 1
-    kv_blocks_used: Count = 0
-    kv_blocks_free: Count = 0
-    capacity: Count = 0  # sequences it holds at most, running and queued (0: not said)
+    kv_blocks_used: Size = 0
+    kv_blocks_free: Size = 0
+    capacity: Size = 0  # sequences it holds at most, running and queued (0: not said)
     step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
     num_steps: Count = 0
     num_preemptions: Count = 0
@@ -323,7 +324,7 @@ class WorkerStats(Message):
     engine_failures: Count = 0
     stale: bool = False  # the engine was busy: the last snapshot, not a fresh one
     # decode side
-    kv_leases_open: Count = 0
+    kv_leases_open: Size = 0
     kv_landed: Count = 0
     kv_recomputed: Count = 0
     kv_stale_writes: Count = 0
@@ -331,10 +332,10 @@ class WorkerStats(Message):
     kv_refused_connections: Count = 0
     kv_forced_disconnects: Count = 0
     # prefill side
-    kv_shipments: Count = 0
+    kv_shipments: Size = 0
     kv_notified: Count = 0
     kv_bytes_sent: Count = 0
-    kv_peers: Count = 0
+    kv_peers: Size = 0
 
     def as_dict(self) -> dict[str, object]:
         return msgspec.structs.asdict(self)

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus

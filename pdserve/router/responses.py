@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
 from pdserve.router.metrics import RequestClock

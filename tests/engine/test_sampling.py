@@ -5,7 +5,7 @@ import torch
 from tokenizers import pre_tokenizers
 
 from pdserve import SamplingParams
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import sampling_batch
 from pdserve.engine.request import Request
 from pdserve.layers.sampler import Sampler

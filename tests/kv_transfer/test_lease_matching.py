@@ -4,7 +4,6 @@ all; fences are random, so naming another request's lease takes more than counti
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +12,7 @@ from pdserve.kv_transfer.leases import EventKind
 from pdserve.kv_transfer.listener import PeerLimits
 from pdserve.worker import decode as decode_module
 from pdserve.worker.decode import DecodeRole, holder_id
+from tests.kv_transfer.fake_engine import FakeEngine, FakeRequest
 from tests.kv_transfer.raw_peer import (
     connect, kv_data, make_receiver, next_event, open_lease, receive, send, settle,
 )
@@ -111,38 +111,6 @@ def test_a_fence_in_use_is_never_drawn_again(role, monkeypatch):
     draws = iter([5, 5, 0, 7])
     monkeypatch.setattr(decode_module.secrets, "randbits", lambda bits: next(draws))
     assert [role._new_fence(), role._new_fence()] == [5, 7]
-
-
-class FakeBlocks:
-    def __init__(self) -> None:
-        self.holders: set[str] = set()
-
-    def hand_over(self, request_id: str, holder: str) -> None:
-        self.holders.add(holder)
-
-    def release(self, holder: str) -> None:
-        self.holders.discard(holder)
-
-
-class FakeEngine:
-    """What DecodeRole touches of the engine when a lease ends."""
-
-    def __init__(self) -> None:
-        self.block_manager = FakeBlocks()
-        self.model_config = SimpleNamespace(vocab_size=100)
-        self.landed: list[tuple[str, int]] = []
-        self.recomputed: list[str] = []
-
-    def kv_landed(self, request_id: str, first_token: int, prefill_times) -> None:
-        self.landed.append((request_id, first_token))
-
-    def kv_failed(self, request_id: str) -> None:
-        self.recomputed.append(request_id)
-
-
-class FakeRequest:
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
 
 
 def test_the_decode_loop_cuts_off_a_writer_that_never_acknowledges(role):

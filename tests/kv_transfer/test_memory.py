@@ -16,7 +16,7 @@ from pdserve.kv_transfer.memory import MemorySender, publish, withdraw
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, sender_types
 from pdserve.worker.decode import DecodeRole
 from tests.kv_transfer.raw_peer import BLOCK, LAYOUT, NUM_BLOCKS, TOKEN, make_receiver
-from tests.kv_transfer.test_lease_matching import FakeEngine
+from tests.kv_transfer.fake_engine import FakeEngine
 
 SHAPE = (LAYOUT.num_layers, NUM_BLOCKS * BLOCK, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
