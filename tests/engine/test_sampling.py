@@ -83,6 +83,16 @@ def test_stop_string_cuts_text_exactly(llm):
     assert_engine_idle(llm)
 
 
+def test_token_ids_only_when_not_detokenizing(llm):
+    """What a worker runs: the same tokens, no text (the router makes it)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_text = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    ids_only = llm.generate(PROMPTS[0], params.clone(detokenize=False))[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and with_text.text
+    assert ids_only.text == "" and ids_only.finish_reason == "length"
+    assert_engine_idle(llm)
+
+
 def test_streamed_deltas_rebuild_text_and_never_split_characters(llm):
     tok = llm.get_tokenizer()
     # Token ids that are single bytes of multi-byte characters make the decoder see partial UTF-8.
