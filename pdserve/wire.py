@@ -134,11 +134,13 @@ class GenerateRequest(Message, kw_only=True):
     stream: bool = True
 
 
-class AbortRequest(Message):
-    """POST /v1/abort (a request) and /v1/prefill/abort (a lease: with its fence)."""
+class AbortRequest(Message, omit_defaults=True):
+    """POST /v1/abort: a request, or (`index`) one completion of n that the router found its stop
+    string in; POST /v1/prefill/abort: a lease, with its fence."""
 
     request_id: RequestId
     fence: Fence | None = None
+    index: Annotated[int, Meta(ge=0, lt=MAX_N)] | None = None
 
 
 class Aborted(Message):

@@ -230,6 +230,20 @@ class LLMEngine:
         self._aborted.append(self._make_output(parent, changed=set()))
         self._forget(parent)
 
+    def stop_completion(self, request_id: str, index: int) -> None:
+        """End completion `index` of a request of n as stopped (its reader found a stop string in
+        the text) while the others go on; idempotent. Ending the last one ends the request."""
+        parent = self._parents.get(request_id)
+        if parent is None or not 0 <= index < len(parent.sequences):
+            return
+        req = parent.sequences[index].request
+        if req.status.finished:
+            return
+        self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if all(seq.request.status.finished for seq in parent.sequences):
+            self._aborted.append(self._make_output(parent, changed=set()))
+            self._forget(parent)
+
     def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0)) -> bool:
         """A prefill worker filled the request's reserved blocks and sampled `first_token`.
         Its output comes from the next step(). False if the request is no longer waiting for it."""

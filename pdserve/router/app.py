@@ -41,7 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
-from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, worker_lines
+from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, abort_on_worker, worker_lines
 from pdserve.router.waiting_line import WaitingLine
 from pdserve.tokenizer import Tokenizer
 
@@ -235,6 +235,13 @@ class Router:
                     let_go()
         finally:
             self.live.pop(request_id, None)
+
+    def stop_completion(self, request_id: str, index: int) -> None:
+        """The router found completion `index`'s stop string: its worker stops computing it."""
+        live = self.live.get(request_id)
+        worker = self.registry.get(live.worker_id) if live is not None else None
+        if worker is not None:
+            abort_on_worker(self.http, worker.url, live.worker_request_id, self._worker_headers, index)
 
     def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
                        ) -> tuple[Any, Any] | None:

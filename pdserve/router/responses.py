@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,11 +34,14 @@ class Detokenizers:
     character split between them is not lost), with stop strings cut exactly: a stop string ends
     its completion here, and the tokens a worker still sends for it are dropped, not counted."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+                 stop_on_worker: Callable[[int], None] = lambda index: None) -> None:
         self.params = SamplingParams(stop=stop)
+        self.stop_on_worker = stop_on_worker
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.by_index: dict[int, IncrementalDetokenizer] = {}
         self.num_tokens = 0  # completion tokens taken, over all completions
+        self.stopped: list[int] = []  # completions whose stop string was found here, not yet told
 
     def delta(self, out: CompletionDelta) -> tuple[str, str | None]:
         """(new text, finish reason) of one completion's output line."""
@@ -53,6 +56,8 @@ class Detokenizers:
             self.num_tokens += 1
             if d.stop_string is not None:
                 reason = "stop"
+                if out.finish_reason is None:
+                    self.stopped.append(out.index)
                 break
         if reason is not None:
             d.flush()
@@ -60,10 +65,15 @@ class Detokenizers:
 
     def line(self, item: OutputLine, clock: RequestClock) -> list[tuple[int, str, str | None]]:
         """(index, new text, finish reason) of each completion in a worker's line; the tokens
-        taken reach the request's clock."""
+        taken reach the request's clock, and a completion stopped here while others go on is
+        stopped on the worker (`stop_on_worker(index)`; once all are, the stream itself ends)."""
         before = self.num_tokens
         deltas = [(out.index, *self.delta(out)) for out in item.outputs]
         clock.output_line(self.num_tokens - before, item.phase_times)
+        stopped, self.stopped = self.stopped, []
+        if not self.finished:
+            for index in stopped:
+                self.stop_on_worker(index)
         return deltas
 
     @property
@@ -73,7 +83,6 @@ class Detokenizers:
 
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
-    stop = req.stop_strings()
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
@@ -84,15 +93,15 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         router.admission.release(request_id)
         raise
     stream = router.worker_stream(request_id, ids, sampling, req.priority)
+    detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
+                         lambda index: router.stop_completion(request_id, index))
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        detok = Detokenizers(router.tokenizer, ids, stop)
         return StallGuardedStreamingResponse(
             _sse(router, request_id, req, stream, clock, detok, chat, include_usage),
             stall_s=router.config.client_stall_s, media_type="text/event-stream")
     outcome = "error"
-    detok = Detokenizers(router.tokenizer, ids, stop)
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
 
@@ -100,7 +109,8 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
                 for index, text, reason in detok.line(item, clock):
-                    reasons[index] = reason
+                    if reason is not None or index not in reasons:  # a stopped completion stays stopped
+                        reasons[index] = reason
                     texts.setdefault(index, []).append(text)
                 if detok.finished:
                     break

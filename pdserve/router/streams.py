@@ -140,13 +140,15 @@ async def get_within(queue: asyncio.Queue, timeout: float):
 _aborts: set[asyncio.Task] = set()  # in flight; held so that none is collected before it ends
 
 
-def abort_on_worker(http: httpx.AsyncClient, url: str, request_id: str, headers: dict) -> None:
-    """Tell a worker to drop a request, in the background (idempotent there; a failure only logged:
-    a worker that cannot be reached has dropped it anyway, or the reaper will drop the worker)."""
+def abort_on_worker(http: httpx.AsyncClient, url: str, request_id: str, headers: dict,
+                    index: int | None = None) -> None:
+    """Tell a worker to drop a request (or only its completion `index`), in the background
+    (idempotent there; a failure only logged: a worker that cannot be reached has dropped it
+    anyway, or the reaper will drop the worker)."""
     async def send() -> None:
         try:
-            await http.post(url + "/v1/abort", content=wire.encode(wire.AbortRequest(request_id=request_id)),
-                            headers=headers, timeout=10)
+            abort = wire.AbortRequest(request_id=request_id, index=index)
+            await http.post(url + "/v1/abort", content=wire.encode(abort), headers=headers, timeout=10)
         except httpx.HTTPError as e:
             log.info("abort of %s on %s failed: %s", request_id, url, e)
 

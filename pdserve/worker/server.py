@@ -2,7 +2,7 @@
 
 Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 naming the field):
 - POST /v1/generate   GenerateRequest -> NDJSON OutputLines (output_token_ids resumes a request begun elsewhere)
-- POST /v1/abort      AbortRequest
+- POST /v1/abort      AbortRequest (a request, or one completion of n: `index`)
 - POST /v1/prefill    PrefillLease, a decode worker's (any role: decode workers serve it for migrations)
 - POST /v1/prefill/abort AbortRequest with the lease's fence
 - GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
@@ -81,7 +81,10 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
     @app.post("/v1/abort", dependencies=guarded)
     async def abort(request: Request):
         body = await message_body(request, wire.AbortRequest)
-        worker.abort(body.request_id)
+        if body.index is None:
+            worker.abort(body.request_id)
+        else:
+            worker.stop_completion(body.request_id, body.index)
         return answer(wire.Aborted(request_id=body.request_id))
 
     @app.post("/v1/prefill", dependencies=guarded)

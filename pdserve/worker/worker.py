@@ -188,6 +188,9 @@ class Worker:
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self.engine.abort(request_id))
 
+    def stop_completion(self, request_id: str, index: int) -> None:
+        self.loop.call(lambda: self.engine.stop_completion(request_id, index))
+
     async def accept_prefill(self, body: wire.PrefillLease) -> tuple[str, str]:
         """Check a lease and queue its prefill; returns (engine request id, backend). The checks and
         a first connection to the decode worker run on a thread; the wait for the engine does not."""

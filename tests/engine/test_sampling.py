@@ -93,6 +93,33 @@ def test_token_ids_only_when_not_detokenizing(llm):
     assert_engine_idle(llm)
 
 
+def test_one_completion_of_n_stops_while_the_others_go_on(llm):
+    """A router that finds a completion's stop string stops that one only; stopping the last one
+    ends the request, with its final output and every block back."""
+    engine = llm.engine
+    params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True, detokenize=False)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+    outs = engine.step()
+    engine.stop_completion("r", 0)
+    engine.stop_completion("r", 0)  # idempotent
+    engine.stop_completion("r", 7)  # no such completion: nothing happens
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    last = outs[-1].outputs
+    assert outs[-1].finished and [c.finish_reason for c in last] == ["stop", "length", "length"]
+    assert len(last[0].token_ids) < 3 and len(last[1].token_ids) == len(last[2].token_ids) == 20
+    assert_engine_idle(llm)
+
+    engine.add_request("s", {"prompt_token_ids": [5, 6, 7, 8]}, params.clone(n=2))
+    outs = engine.step()
+    engine.stop_completion("s", 1)
+    engine.stop_completion("s", 0)  # the last one: the request ends now
+    outs += engine.step()
+    assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["stop", "stop"]
+    assert not engine.has_unfinished_requests()
+    assert_engine_idle(llm)
+
+
 def test_streamed_deltas_rebuild_text_and_never_split_characters(llm):
     tok = llm.get_tokenizer()
     # Token ids that are single bytes of multi-byte characters make the decoder see partial UTF-8.

@@ -65,6 +65,29 @@ def test_chat_and_stop_strings(client, offline):
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_ends_only_its_own_completion(client, offline):
+    """The router owns the text: it finds completion 0's stop string, cuts its text, stops it on
+    the worker and counts its tokens up to the stop; completion 1 runs to its length."""
+    kw = dict(n=2, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    full = [c.text for c in offline.generate(PROMPTS[0], SamplingParams(**kw))[0].outputs]
+    stop = next(full[0][i:i + 3] for i in range(2, len(full[0]) - 3)
+                if full[0][i:i + 3] not in full[1] and full[0][i:i + 3] not in full[0][:i + 2])
+    cut = offline.generate(PROMPTS[0], SamplingParams(**kw, stop=[stop]))[0].outputs
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=11, n=2,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.text for c in got] == [full[0][: full[0].index(stop)], full[1]]
+    assert [c.finish_reason for c in got] == ["stop", "length"]
+    assert r.usage.completion_tokens == len(cut[0].token_ids) + 16
+    texts, reasons = ["", ""], [[], []]
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=11,
+                                           n=2, stop=[stop], stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == [c.text for c in got] and reasons == [["stop"], ["length"]]
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
