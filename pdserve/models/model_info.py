@@ -31,7 +31,10 @@ def load_model_info(model: str | Path) -> ModelInfo:
 
         entry = cache_entry(path)
         if (entry / "config.json").is_file() and (entry / "tokenizer.json").is_file():
-            return read_hf_info(entry)
+            try:
+                return read_hf_info(entry)
+            except (OSError, ValueError):  # damaged: the GGUF itself says the same, more slowly
+                pass
         from gguf import GGUFReader
 
         from pdserve.models.gguf_info import read_gguf_info

@@ -255,7 +255,7 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
 
 
 def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path, gguf_path, ours):
-    monkeypatch.setattr(default_model, "load_gguf", lambda path: ours)
+    monkeypatch.setattr(gguf_reader, "load_gguf", lambda path: ours)
     stat = gguf_path.stat()
     entry = tmp_path / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     entry.mkdir()
@@ -520,3 +520,5 @@ def test_model_info_is_the_checkpoint_without_weights(monkeypatch, tmp_path, ggu
         if source == "gguf":
             default_model.load_checkpoint_cached(gguf_path)  # writes the cache entry read next
             assert (default_model.cache_entry(gguf_path) / "config.json").is_file()
+    (default_model.cache_entry(gguf_path) / "config.json").write_text("{")  # a damaged entry: read the GGUF
+    assert load_model_info(gguf_path).hf_config == ours.hf_config
