@@ -1,12 +1,17 @@
-"""`pdserve serve`: the one-command local cluster, router and workers as child processes.
+"""`pdserve serve`: the one-command local cluster, router and workers as supervised child processes.
 
 Lifecycle:
 1. Start the router (a fresh worker token for this cluster), wait for its ready line.
 2. Start the workers (N prefill, M decode, K colocated) registered with it, each with its share of
    the cores (pinned with `--pin-cpus`), and show progress until every one is ready and registered.
-3. Print the URL and an example request, then wait.
-4. On SIGINT/SIGTERM, or when any child dies: stop every child (SIGTERM, then SIGKILL after a grace
-   period) and exit, non-zero if a child failed.
+   A child that fails here fails the start: the command exits 1 (a wrong flag or model shows at once).
+3. Print the URL and an example request, then supervise (`supervisor.py`): a child that exits is
+   started again after a backoff, and a crash loop is reported, never given up on in silence. The
+   router comes back on the same address, and the workers register with it again on their next
+   heartbeat; while a pool is empty the router serves colocated on the survivors. A worker sent
+   SIGTERM drains (finishes its requests, leaves the router) and exits 0: it is started again, so
+   SIGTERM to each worker in turn is a rolling restart. Nothing a child does ends this command.
+4. On SIGINT/SIGTERM: stop every child (SIGTERM, then SIGKILL after a grace period) and exit 0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,42 +29,9 @@ from pathlib import Path
 import httpx
 
 from pdserve.credentials import API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.supervisor import RestartPolicy, Supervisor
 
 STOP_GRACE_S = 15.0
-
-
-class Child:
-    def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str]) -> None:
-        self.name = name
-        self.cpus = cpus
-        self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
-            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        self.ready: dict | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if self.ready is None and line.startswith("{"):
-                try:
-                    self.ready = json.loads(line)
-                except ValueError:
-                    pass
-
-    def wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while self.ready is None:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s")
-            time.sleep(0.05)
-        return self.ready
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
+    g.add_argument("--max-restart-backoff", type=float, default=30.0,
+                   help="seconds between restarts of a child that keeps exiting (the backoff doubles up to this)")
 
 
 def _cpu_shares(num_workers: int) -> list[list[int]]:
@@ -103,61 +76,70 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32), API_KEY_ENV: api_key}  # a fresh token per cluster
     model = ["--model", args.model] if args.model else []
     say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    children: list[Child] = []
+
+    def report(event: dict) -> None:  # a machine-readable line, and a sentence for people
+        print(json.dumps(event), flush=True)
+        say(_describe(event))
+
+    sup = Supervisor(env, RestartPolicy(max_backoff_s=args.max_restart_backoff), report)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     code = 0
     try:
         t0 = time.perf_counter()
-        router = Child("router", ["router", *model, "--host", args.host, "--port", str(args.port),
-                                  "--max-tokens-default", str(args.max_tokens_default),
-                                  "--max-queued-requests", str(args.max_queued_requests),
-                                  "--queue-timeout", str(args.queue_timeout)], None, env)
-        children.append(router)
-        url = router.wait_ready(args.ready_timeout)["url"]
+        router = sup.start("router", ["router", *model, "--host", args.host, "--port", str(args.port),
+                                      "--max-tokens-default", str(args.max_tokens_default),
+                                      "--max-queued-requests", str(args.max_queued_requests),
+                                      "--queue-timeout", str(args.queue_timeout)])
+        url = router.child.wait_ready(args.ready_timeout)["url"]
+        _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
         say(f"router ready at {url}")
         shares = _cpu_shares(len(roles))
+        workers = []
         for i, role in enumerate(roles):
             argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
                     "--transfer", args.transfer, "--threads", str(_threads(args, shares[i])), *engine_argv]
             if args.record_steps:
                 Path(args.record_steps).mkdir(parents=True, exist_ok=True)
                 argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]
-            children.append(Child(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None, env))
-        for child in children[1:]:
-            info = child.wait_ready(args.ready_timeout)
-            say(f"{child.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
+            workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
+        for w in workers:
+            info = w.child.wait_ready(args.ready_timeout)
+            say(f"{w.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
         _wait_registered(url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
         model_name = httpx.get(url + "/v1/models", headers=_auth(api_key)).json()["data"][0]["id"]
-        members = [{"name": c.name, "url": c.ready["url"], "pid": c.proc.pid, "cpus": c.cpus} for c in children]
+        members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus}
+                   for m in sup.members]
         print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "processes": members}),
               flush=True)
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
         while not stopping.wait(0.5):
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                say(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping the cluster")
-                code = 1
-                break
+            sup.check()
     except RuntimeError as e:
         say(str(e))
         code = 1
     finally:
         say("stopping")
-        for child in reversed(children):
-            child.stop()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+        sup.stop(STOP_GRACE_S)
         print(json.dumps({"event": "stopped"}), flush=True)
     return code
+
+
+def _describe(event: dict) -> str:
+    kind, name = event["event"], event["name"]
+    if kind == "exited":
+        return f"{name} exited with code {event['code']}; starting it again in {event['restart_in_s']}s"
+    if kind == "restarted":
+        return f"{name} started again (restart {event['restarts']}, pid {event['pid']})"
+    return (f"{name} is crash-looping: {event['exits']} exits within {event['window_s']:.0f}s; "
+            f"starting it again every {event['restart_every_s']:.0f}s until it stays up")
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> None:
+    argv[argv.index(flag) + 1] = value
 
 
 def _auth(api_key: str) -> dict:

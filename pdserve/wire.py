@@ -12,6 +12,7 @@ the HTTP edges answer it with a 400 before any handler sees the message.
     decode ──AbortRequest (with its fence)─► prefill worker
     worker ──Registration─────────────────► router ──► Registered
     worker ──Heartbeat(WorkerStats)───────► router (every third of the lease)
+    worker ──Deregistration───────────────► router (a drained worker leaving)
 
 Text never crosses: workers stream token ids, and the router alone turns them into text and
 applies stop strings (router/responses.py).
@@ -325,6 +326,7 @@ class WorkerStats(Message):
     engine_alive: bool = True
     engine_failures: Count = 0
     stale: bool = False  # the engine was busy: the last snapshot, not a fresh one
+    draining: bool = False  # finishing what it holds, taking nothing new: route elsewhere
     # decode side
     kv_leases_open: Size = 0
     kv_landed: Count = 0
@@ -348,3 +350,9 @@ class Heartbeat(Message):
 
     worker_id: Annotated[str, Meta(max_length=64)]
     stats: WorkerStats
+
+
+class Deregistration(Message):
+    """POST /internal/deregister: a drained worker leaves now, not when its lease runs out."""
+
+    worker_id: Annotated[str, Meta(max_length=64)]

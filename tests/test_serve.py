@@ -14,6 +14,8 @@ import time
 import httpx
 import openai
 
+from tests.wait import wait_for
+
 
 def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
     steps = tmp_path / "steps"
@@ -72,3 +74,106 @@ def test_serve_threads_flag_wins_over_the_share_of_cores():
 
     assert _threads(Namespace(threads=1), [0, 1]) == 1
     assert _threads(Namespace(threads=None), [0, 1]) == 2
+
+
+class Cluster:
+    """`pdserve serve` as a process, its stdout events and stderr lines collected as they come."""
+
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.events: list[dict] = []
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.events.extend(json.loads(line) for line in self.proc.stdout),
+                         daemon=True).start()
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+
+    def event(self, kind: str, name: str | None = None, after: int = 0) -> dict | None:
+        return next((e for e in self.events[after:] if e["event"] == kind and name in (None, e.get("name"))), None)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Load:
+    """Requests one after another from a thread until stopped; each outcome kept with its phase."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.model, self.phase, self.outcomes = model, "", []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            phase = self.phase
+            try:
+                r = self.client.completions.create(model=self.model, prompt="the quick brown fox", max_tokens=8,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+                self.outcomes.append((phase, r.usage.completion_tokens == 8))
+            except openai.OpenAIError:
+                self.outcomes.append((phase, False))
+                time.sleep(0.2)
+
+    def count(self, phase: str) -> tuple[int, int]:
+        """(answered in full, failed) in `phase`."""
+        mine = [ok for p, ok in self.outcomes if p == phase]
+        return sum(mine), len(mine) - sum(mine)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(90)
+        assert not self._thread.is_alive(), "a request hung"
+
+
+def test_the_cluster_heals_itself(tiny_llama):
+    """A drained decode worker (SIGTERM) leaves without failing a request and comes back; a killed
+    worker and a killed router come back too (the router on its address, the workers registering
+    with it again); the command itself stays up throughout and exits 0 at the end."""
+    c = Cluster("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "2", "--dtype", "float32",
+                "--kv-cache-memory", "8MiB", "--max-restart-backoff", "1")
+    try:
+        wait_for(lambda: c.event("ready") or c.proc.poll() is not None, 240, "the cluster", state=lambda: c.log[-5:])
+        ready = c.event("ready")
+        assert ready is not None, c.log[-20:]
+        url, pids = ready["url"], {p["name"]: p["pid"] for p in ready["processes"]}
+        health = lambda: httpx.get(url + "/health", timeout=2).json()  # noqa: E731
+        load = Load(url, ready["model"])
+
+        def phase(name: str, victim: str, sig: int, code: int) -> None:
+            load.phase, seen = name, len(c.events)
+            wait_for(lambda: load.count(name)[0] >= 2, 60, f"requests before {name}")
+            os.kill(pids[victim], sig)
+            wait_for(lambda: c.event("restarted", victim, seen), 120, f"{victim} restarted", state=lambda: c.log[-5:])
+            assert c.event("exited", victim, seen)["code"] == code
+            pids[victim] = c.event("restarted", victim, seen)["pid"]
+            wait_for(lambda: _answers(health) and health()["workers"] == 3, 120, f"3 workers after {name}",
+                     state=lambda: c.log[-5:])
+            done = load.count(name)[0]
+            wait_for(lambda: load.count(name)[0] >= done + 2, 60, f"requests after {name}")
+
+        phase("drain", "decode worker 1", signal.SIGTERM, 0)
+        assert load.count("drain")[1] == 0, c.log[-30:]  # a drain fails no request
+        assert any("drained in" in line for line in c.log)
+        # ... and the router never sent one to a worker that was gone: it left the registry first
+        assert not [line for line in c.log if "decode worker" in line and "failed" in line]
+        phase("kill a worker", "decode worker 2", signal.SIGKILL, -signal.SIGKILL)
+        phase("kill the router", "router", signal.SIGKILL, -signal.SIGKILL)
+        load.stop()
+        assert c.proc.poll() is None  # nothing a child did ended the command
+        assert not c.event("crash_loop")
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(60) == 0
+    finally:
+        c.close()
+
+
+def _answers(health) -> bool:
+    try:
+        health()
+        return True
+    except httpx.HTTPError:
+        return False

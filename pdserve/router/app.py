@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -35,7 +36,7 @@ from pdserve.http_errors import APIError, install_error_handlers, message_body, 
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.router import routing
 from pdserve.router.policy import (
-    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, choose_migrations,
+    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, WorkerLoad, choose_migrations,
 )
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
@@ -100,7 +101,7 @@ class Router:
         """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
         `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
         NoRoom when every decode worker holds as many sequences from here as it said it can."""
-        entries = {w.worker_id: w for w in self.registry.workers()}
+        entries = {w.worker_id: w for w in self.registry.workers() if not w.stats.draining}
         workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size)
                    for k, w in entries.items()]
         try:
@@ -295,8 +296,8 @@ class Router:
                    if w.heartbeats > self._relieved_at.get(w.worker_id, 0)}
         streams = [s.running() for s in self.live.values()
                    if s.n == 1 and s.move_to is None and s.worker_id in decodes]
-        moves = choose_migrations({k: w.load for k, w in decodes.items()}, streams, self.config.decode_weights,
-                                  self.config.relief)
+        loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
+        moves = choose_migrations(loads, streams, self.config.decode_weights, self.config.relief)
         for stream_id, target in moves:
             live = self.live.get(stream_id)
             if live is None:
@@ -392,7 +393,22 @@ def create_app(router: Router) -> FastAPI:
             raise APIError(404, "unknown worker: register again", "not_found_error") from None
         return {"ok": True}
 
+    @app.post("/internal/deregister")
+    async def deregister(request: Request):
+        check_worker_token(request)
+        body = await message_body(request, wire.Deregistration)
+        entry = router.registry.remove(body.worker_id)
+        if entry is not None:
+            log.info("worker %s left (drained): %s at %s", entry.worker_id, entry.role, entry.url)
+        return {"ok": True}
+
     return app
+
+
+def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:
+    """A draining worker looks full: its running requests move off it, and none moves onto it."""
+    load = worker.load
+    return dataclasses.replace(load, kv_blocks_used=load.kv_blocks_total) if worker.stats.draining else load
 
 
 async def _reap(router: Router) -> None:

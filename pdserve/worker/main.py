@@ -34,6 +34,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="append every engine step's shape and time to this JSONL file (for `pdserve profile "
                         "--from-steps`)")
     g.add_argument("--router", default=None, help="register with this router and renew the lease by heartbeat")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a worker sent SIGTERM finishes its requests before it stops anyway")
     add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared secret for the control endpoint and KV connections "
                     "(none: one is made and written to a file, on a loopback address without --router only)")
 
@@ -54,6 +56,7 @@ def worker_token(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from pdserve.models.registry import resolve_model
+    from pdserve.worker.drain import Drain
     from pdserve.worker.server import create_app
     from pdserve.worker.worker import Worker
 
@@ -85,8 +88,9 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                       token, worker.config.block_size).start()
         worker.router_status = lambda: membership.status
     server = http_server(create_app(worker, token), WORKER_LIMITS)
-    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: let that land here, so the
-    # worker still stops cleanly (connections closed, shared KV pool removed) and exits 0.
+    server.handle_exit = Drain(worker, server, membership, args.drain_timeout).handle_signal
+    # uvicorn re-raises a signal it stopped on: let that land here, so the worker still stops
+    # cleanly (connections closed, shared KV pool removed) and exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:

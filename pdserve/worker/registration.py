@@ -9,7 +9,9 @@ Lifecycle:
    a stats call that fails, are logged (the first of a streak at once, then every
    `REPORT_EVERY_S`) and retried; `status` says how the last attempt went (the worker's
    /health shows it).
-4. `stop()` ends the thread; the router drops the worker when its lease runs out.
+4. `beat_now()` sends the next heartbeat at once (a draining worker says so without delay).
+5. `leave()` ends the thread and deregisters: the router drops the worker now. `stop()` ends the
+   thread only; the router drops the worker when its lease runs out.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RouterMembership:
         self._failing_since: float | None = None
         self._last_report = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-heartbeat", daemon=True)
 
     def start(self) -> RouterMembership:
@@ -52,7 +55,22 @@ class RouterMembership:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
+
+    def beat_now(self) -> None:
+        self._wake.set()
+
+    def leave(self) -> None:
+        self.stop()
+        if self.worker_id is None:
+            return
+        try:
+            with httpx.Client(timeout=5.0, headers=self.headers) as http:
+                http.post(self.router_url + "/internal/deregister",
+                          content=wire.encode(wire.Deregistration(worker_id=self.worker_id)))
+        except httpx.HTTPError as e:  # the router drops it when its lease runs out instead
+            log.warning("router %s: could not deregister: %s", self.router_url, e)
 
     def _run(self) -> None:
         with httpx.Client(timeout=5.0, headers=self.headers) as http:
@@ -63,7 +81,8 @@ class RouterMembership:
                 except Exception as e:  # whatever failed, the next beat tries again
                     self.worker_id = None
                     self._failed(e)
-                self._stop.wait(self.interval)
+                self._wake.wait(self.interval)
+                self._wake.clear()
 
     def _failed(self, e: Exception) -> None:
         now = time.monotonic()

@@ -29,7 +29,7 @@ from pdserve.errors import LayoutMismatch, TransferError
 from pdserve.net import WORKER_LIMITS, ServerLimits, http_server, tcp_listener
 from pdserve.worker.metrics import render_metrics
 from pdserve.worker.output_stream import KEEPALIVE_S, OutputStream
-from pdserve.worker.worker import EngineBusyError, QueueFullError, RoleNotServedError, Worker
+from pdserve.worker.worker import DrainingError, EngineBusyError, QueueFullError, RoleNotServedError, Worker
 
 _ids = itertools.count()
 
@@ -61,7 +61,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
                                   body.prefill_url, body.output_token_ids)
         except ValueError as e:
             return error(400, str(e))
-        except (QueueFullError, EngineBusyError) as e:
+        except (QueueFullError, EngineBusyError, DrainingError) as e:
             return error(503, str(e), "overloaded")
         except RoleNotServedError as e:
             return error(404, str(e))
@@ -121,7 +121,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
 
     @app.get("/health")
     async def health():
-        return JSONResponse(worker.health(), 200 if worker.healthy else 503)
+        return JSONResponse(worker.health(), 200 if worker.healthy and not worker.draining else 503)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics():

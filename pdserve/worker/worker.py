@@ -48,6 +48,10 @@ class EngineBusyError(RuntimeError):
     """The engine thread did not take the request in time (a long step, or it stopped)."""
 
 
+class DrainingError(RuntimeError):
+    """The worker is draining: it finishes what it has and takes nothing new."""
+
+
 ADMIT_TIMEOUT_S = 30.0  # how long a request waits for the engine thread to take it before a 503
 STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
 
@@ -123,6 +127,7 @@ class Worker:
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
         self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
+        self.draining = False
         self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
 
     def start(self) -> None:
@@ -156,6 +161,8 @@ class Worker:
         engine does not take it within ADMIT_TIMEOUT_S. No thread waits meanwhile: a burst of
         requests queues on the engine thread, not on a thread pool, and each is taken between
         two steps."""
+        if self.draining:
+            raise DrainingError("the worker is draining; send the request elsewhere")
         if prefill_url and self.decode is None:
             raise RoleNotServedError(f"a {self.config.role} worker does not take KV from a prefill worker")
 
@@ -187,6 +194,17 @@ class Worker:
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self.engine.abort(request_id))
+
+    def drain(self) -> None:
+        """Take no new request from now on (its heartbeats say so: the router routes elsewhere, and
+        moves its running requests off with their KV); what it holds runs to its end. Leases are
+        still served: they are how its requests' KV leaves. Idempotent."""
+        self.draining = True
+
+    def idle(self) -> bool:
+        """Nothing running, queued, waiting for KV, or shipping KV."""
+        s = self.stats()
+        return not (s.stale or s.running or s.waiting or s.waiting_for_kv or s.kv_shipments or s.kv_leases_open)
 
     def stop_completion(self, request_id: str, index: int) -> None:
         self.loop.call(lambda: self.engine.stop_completion(request_id, index))
@@ -224,7 +242,8 @@ class Worker:
 
     def health(self) -> dict:
         """For /health: the engine's state, and how the last exchange with the router went."""
-        out = {"status": "ok" if self.healthy else "engine stopped", "role": self.config.role}
+        status = "engine stopped" if not self.healthy else "draining" if self.draining else "ok"
+        out = {"status": status, "role": self.config.role}
         if self.router_status is not None:
             out["router"] = self.router_status()
         return out
@@ -260,6 +279,7 @@ class Worker:
             "requests_failed": self.engine.num_failed,
             "engine_alive": True,  # this ran on the engine thread
             "engine_failures": self.loop.num_failures,
+            "draining": self.draining,
         }
         for part in (self.decode, self.prefill):
             if part is not None:

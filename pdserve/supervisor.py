@@ -1,0 +1,169 @@
+"""Child processes kept alive: what `pdserve serve` runs its router and workers under.
+
+Lifecycle of one supervised child:
+1. Started; its first JSON line on stdout is its ready line (`ready`).
+2. It exits, whatever the reason (a crash, SIGKILL, a drain that ended in exit 0): the supervisor
+   reports it and starts it again after a backoff that doubles with each exit in the recent
+   window, so a child that keeps dying is not restarted in a tight loop.
+3. Past `crash_loop_exits` exits in the window it is reported as crash-looping (once, on entering
+   that state) and restarted at the longest backoff from then on: never given up on in silence.
+   A child that stays up `stable_s` is healthy again; its backoff starts over.
+4. `stop()`: no more restarts; every child gets SIGTERM, then SIGKILL after a grace period.
+
+The decision (how long to wait, whether it is a crash loop) is `RestartPolicy`, a pure function of
+the exit times, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    window_s: float = 120.0  # exits within this long of each other count together
+    crash_loop_exits: int = 5  # this many exits in the window: a crash loop, reported
+    stable_s: float = 60.0  # up this long: earlier exits are forgotten
+
+    def recent(self, exits: list[float], now: float) -> list[float]:
+        return [t for t in exits if now - t <= self.window_s]
+
+    def backoff(self, exits: list[float], now: float) -> float:
+        """Seconds to wait before starting again a child whose exits (monotonic times, the last
+        one just now) are `exits`."""
+        n = len(self.recent(exits, now))
+        if n >= self.crash_loop_exits:
+            return self.max_backoff_s
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, n - 1))
+
+    def crash_looping(self, exits: list[float], now: float) -> bool:
+        return len(self.recent(exits, now)) >= self.crash_loop_exits
+
+
+class Child:
+    """One process of `pdserve` (`python -m pdserve.cli ARGV`), its ready line read as it comes."""
+
+    def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str]) -> None:
+        self.name = name
+        self.cpus = cpus
+        self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
+            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.ready: dict | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if self.ready is None and line.startswith("{"):
+                try:
+                    self.ready = json.loads(line)
+                except ValueError:
+                    pass
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s")
+            time.sleep(0.05)
+        return self.ready
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+
+@dataclass(eq=False)
+class Supervised:
+    """A child and what the supervisor knows of it."""
+
+    name: str
+    argv: list[str]
+    cpus: list[int] | None
+    child: Child | None = None
+    exits: list[float] = field(default_factory=list)  # monotonic times of its recent exits
+    started_at: float = 0.0
+    restart_at: float | None = None  # when to start it again (it is down until then)
+    restarts: int = 0
+    crash_looping: bool = False
+
+
+class Supervisor:
+    """Starts children and keeps them running: call `check()` every so often (the launcher's loop).
+    `report(event)` gets every exit, restart and crash loop, as a dict with an "event" key."""
+
+    def __init__(self, env: dict[str, str], policy: RestartPolicy = RestartPolicy(),
+                 report: Callable[[dict], None] = lambda event: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.env, self.policy, self.report, self.clock = env, policy, report, clock
+        self.members: list[Supervised] = []
+        self.stopping = False
+
+    def start(self, name: str, argv: list[str], cpus: list[int] | None = None) -> Supervised:
+        member = Supervised(name, argv, cpus)
+        self._launch(member)
+        self.members.append(member)
+        return member
+
+    def _launch(self, member: Supervised) -> None:
+        member.child = Child(member.name, member.argv, member.cpus, self.env)
+        member.started_at, member.restart_at = self.clock(), None
+
+    def check(self) -> None:
+        """Notice exits, schedule and perform restarts."""
+        if self.stopping:
+            return
+        now = self.clock()
+        for m in self.members:
+            if m.restart_at is None and m.child is not None and not m.child.alive:
+                self._exited(m, now)
+            elif m.restart_at is not None and now >= m.restart_at:
+                m.restarts += 1
+                self._launch(m)
+                self.report({"event": "restarted", "name": m.name, "restarts": m.restarts,
+                             "pid": m.child.proc.pid})
+            elif m.child is not None and m.child.alive and m.exits and now - m.started_at >= self.policy.stable_s:
+                m.exits.clear()  # up long enough: healthy again
+                m.crash_looping = False
+
+    def _exited(self, m: Supervised, now: float) -> None:
+        m.exits = self.policy.recent(m.exits, now) + [now]
+        delay = self.policy.backoff(m.exits, now)
+        m.restart_at = now + delay
+        self.report({"event": "exited", "name": m.name, "code": m.child.proc.returncode,
+                     "restart_in_s": round(delay, 2)})
+        if self.policy.crash_looping(m.exits, now) and not m.crash_looping:
+            m.crash_looping = True
+            self.report({"event": "crash_loop", "name": m.name, "exits": len(m.exits),
+                         "window_s": self.policy.window_s, "restart_every_s": self.policy.max_backoff_s})
+
+    def stop(self, grace_s: float) -> None:
+        """No more restarts; SIGTERM to every child (the last started first), SIGKILL after `grace_s`."""
+        self.stopping = True
+        children = [m.child for m in self.members if m.child is not None]
+        for child in reversed(children):
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()

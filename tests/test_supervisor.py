@@ -1,0 +1,83 @@
+"""The supervisor's restart rule (a pure function of exit times) and its loop over real processes,
+driven by an injected clock: exits are restarted after a doubling backoff, a crash loop is reported
+once and never given up on, and a child that stays up is forgiven its past exits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve.supervisor import RestartPolicy, Supervisor
+from tests.wait import wait_for
+
+POLICY = RestartPolicy(first_backoff_s=0.5, max_backoff_s=8.0, window_s=100.0, crash_loop_exits=4, stable_s=50.0)
+
+
+def test_the_backoff_doubles_with_recent_exits_up_to_its_bound():
+    exits: list[float] = []
+    delays = []
+    for t in range(6):
+        exits.append(float(t))
+        delays.append(POLICY.backoff(exits, float(t)))
+    assert delays == [0.5, 1.0, 2.0, 8.0, 8.0, 8.0]  # the 4th exit in the window: a crash loop, the longest wait
+    assert [POLICY.crash_looping(exits[:n], float(n - 1)) for n in range(1, 7)] == [False] * 3 + [True] * 3
+    assert POLICY.backoff([0.0, 1.0, 2.0], 150.0) == 0.5  # outside the window, earlier exits do not count
+    assert POLICY.backoff([0.0, 1.0, 2.0, 150.0], 150.0) == 0.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def supervisor():
+    events: list[dict] = []
+    clock = Clock()
+    sup = Supervisor({**os.environ, "PDSERVE_TOKEN": "t" * 32}, POLICY, events.append, clock)
+    yield sup, events, clock
+    sup.stop(5.0)
+
+
+def test_a_child_that_keeps_exiting_is_restarted_and_its_crash_loop_reported(supervisor):
+    sup, events, clock = supervisor
+    member = sup.start("bad", ["no-such-command"])  # argparse refuses it: exit code 2 at once
+    for n in range(1, 7):
+        wait_for(lambda: (sup.check() or True) and len([e for e in events if e["event"] == "exited"]) == n, 60,
+                 f"exit {n}", state=lambda: events)
+        clock.now += POLICY.max_backoff_s  # the backoff passes
+        sup.check()
+        assert events[-1]["event"] == "restarted" and events[-1]["restarts"] == n
+    exited = [e for e in events if e["event"] == "exited"]
+    assert [e["code"] for e in exited] == [2] * 6
+    assert [e["restart_in_s"] for e in exited][:4] == [0.5, 1.0, 2.0, 8.0]
+    loops = [e for e in events if e["event"] == "crash_loop"]
+    assert len(loops) == 1 and loops[0]["name"] == "bad" and loops[0]["exits"] == 4  # reported once
+    assert member.restarts == 6 and member.crash_looping  # and it is still being restarted
+
+
+def test_a_child_up_long_enough_is_healthy_again(supervisor, tiny_llama):
+    sup, events, clock = supervisor
+    member = sup.start("router", ["no-such-command"])
+    wait_for(lambda: (sup.check() or True) and events, 60, "the first exit")
+    member.argv = ["router", "--model", str(tiny_llama), "--port", "0"]  # fixed: from now on it stays up
+    clock.now += 1.0
+    sup.check()
+    assert member.exits and events[-1]["event"] == "restarted"
+    member.child.wait_ready(60)
+    clock.now += POLICY.stable_s
+    sup.check()
+    assert member.child.alive and not member.exits and not member.crash_looping
+
+
+def test_nothing_is_restarted_once_stopping(supervisor):
+    sup, events, clock = supervisor
+    sup.start("bad", ["no-such-command"])
+    sup.stop(5.0)
+    clock.now += 100
+    sup.check()
+    assert [e["event"] for e in events] == []
