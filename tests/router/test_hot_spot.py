@@ -62,3 +62,36 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     wait_for(lambda: hot.is_idle() and cool.is_idle(), 10, "both workers idle",
              state=lambda: (hot.worker.stats(), cool.worker.stats()))
     assert not router.live and router.admission.requests == 0
+
+
+def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_llama):
+    """Draining makes a worker look full to hot-spot relief: its running requests move to another
+    decode worker, which takes their KV from it, and every stream goes on with the same text."""
+    offline = make_llm(tiny_llama)
+    expected = [offline_text(offline, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+    with (WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as draining,
+          WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as other,
+          RouterServer(tiny_llama, lease_s=1.5, relief=HotSpotRelief(min_remaining_tokens=16)) as rs):
+        rs.join(draining)  # alone at first: every request starts there
+
+        def complete(prompt: str) -> str:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(rs.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(complete, p) for p in PROMPTS]
+            wait_for(lambda: draining.worker.stats().running >= len(PROMPTS), 30, "the requests to start")
+            rs.join(other)
+            draining.worker.drain()
+            texts = [f.result(timeout=120) for f in futures]
+
+        assert texts == expected
+        moved = rs.router.metrics.migrations.labels("hot_spot")._value.get()
+        assert moved >= 1 and other.worker.stats().kv_landed == moved  # the KV came from the draining one
+        assert draining.worker.stats().kv_notified == moved
+        r = httpx.post(draining.url + "/v1/generate", json={"prompt_token_ids": [1, 2, 3]})
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]  # nothing new is taken
+        wait_for(lambda: draining.is_idle() and other.is_idle(), 10, "both workers idle")
+        assert draining.worker.idle() and not rs.router.live
