@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.credentials import API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
 from pdserve.supervisor import RestartPolicy, Supervisor
 
 STOP_GRACE_S = 15.0
@@ -43,6 +43,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
+    add_secret_args(g, "admin-key", ADMIN_KEY_ENV, "the router's admin API key (none: no admin API)")
     g.add_argument("--max-tokens-default", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
@@ -73,7 +74,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     if not roles:
         raise ValueError("a cluster needs at least one worker")
     api_key = read_secret(args.api_key_file, API_KEY_ENV)
-    env = {**os.environ, TOKEN_ENV: secrets.token_hex(32), API_KEY_ENV: api_key}  # a fresh token per cluster
+    env = {**os.environ, TOKEN_ENV: secrets.token_hex(32), API_KEY_ENV: api_key,  # a fresh token per cluster
+           ADMIN_KEY_ENV: read_secret(args.admin_key_file, ADMIN_KEY_ENV)}
     model = ["--model", args.model] if args.model else []
     say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 

@@ -16,6 +16,7 @@ the exit times, so it is tested without processes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -50,6 +51,20 @@ class RestartPolicy:
         return len(self.recent(exits, now)) >= self.crash_loop_exits
 
 
+def _in_child(cpus: list[int] | None) -> None:
+    """Run in the child before it starts: its cores, and SIGTERM (a drain) should the supervisor
+    itself die, even by SIGKILL, so that no child outlives it (Linux; elsewhere skipped)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 class Child:
     """One process of `pdserve` (`python -m pdserve.cli ARGV`), its ready line read as it comes."""
 
@@ -58,7 +73,7 @@ class Child:
         self.cpus = cpus
         self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
             [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            preexec_fn=lambda: _in_child(cpus))
         self.ready: dict | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -79,8 +79,8 @@ def test_serve_threads_flag_wins_over_the_share_of_cores():
 class Cluster:
     """`pdserve serve` as a process, its stdout events and stderr lines collected as they come."""
 
-    def __init__(self, *flags: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", *flags],
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", *flags], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.events: list[dict] = []
         self.log: list[str] = []
@@ -93,8 +93,12 @@ class Cluster:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            self.proc.send_signal(signal.SIGTERM)  # it stops its children
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
+                self.proc.wait(10)
 
 
 class Load:
@@ -130,11 +134,13 @@ class Load:
 
 
 def test_the_cluster_heals_itself(tiny_llama):
-    """A drained decode worker (SIGTERM) leaves without failing a request and comes back; a killed
-    worker and a killed router come back too (the router on its address, the workers registering
-    with it again); the command itself stays up throughout and exits 0 at the end."""
+    """A drained decode worker (SIGTERM, or the router's admin API) leaves without failing a request
+    and comes back; a killed worker and a killed router come back too (the router on its address,
+    the workers registering with it again); the command itself stays up throughout and exits 0."""
+    admin_key = "admin-" + "k" * 32
     c = Cluster("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "2", "--dtype", "float32",
-                "--kv-cache-memory", "8MiB", "--max-restart-backoff", "1")
+                "--kv-cache-memory", "8MiB", "--max-restart-backoff", "1",
+                env={**os.environ, "PDSERVE_ADMIN_KEY": admin_key})
     try:
         wait_for(lambda: c.event("ready") or c.proc.poll() is not None, 240, "the cluster", state=lambda: c.log[-5:])
         ready = c.event("ready")
@@ -143,10 +149,17 @@ def test_the_cluster_heals_itself(tiny_llama):
         health = lambda: httpx.get(url + "/health", timeout=2).json()  # noqa: E731
         load = Load(url, ready["model"])
 
-        def phase(name: str, victim: str, sig: int, code: int) -> None:
+        def admin_drain(pid: int) -> None:  # a worker of the first start: its URL is in the ready line
+            auth = {"Authorization": f"Bearer {admin_key}"}
+            worker_url = next(p["url"] for p in ready["processes"] if p["pid"] == pid)
+            workers = httpx.get(url + "/admin/workers", headers=auth).json()["workers"]
+            wid = next(w["id"] for w in workers if w["url"] == worker_url)
+            assert httpx.post(url + f"/admin/workers/{wid}/drain", headers=auth).status_code == 200
+
+        def phase(name: str, victim: str, act, code: int) -> None:
             load.phase, seen = name, len(c.events)
             wait_for(lambda: load.count(name)[0] >= 2, 60, f"requests before {name}")
-            os.kill(pids[victim], sig)
+            act(pids[victim])
             wait_for(lambda: c.event("restarted", victim, seen), 120, f"{victim} restarted", state=lambda: c.log[-5:])
             assert c.event("exited", victim, seen)["code"] == code
             pids[victim] = c.event("restarted", victim, seen)["pid"]
@@ -155,13 +168,15 @@ def test_the_cluster_heals_itself(tiny_llama):
             done = load.count(name)[0]
             wait_for(lambda: load.count(name)[0] >= done + 2, 60, f"requests after {name}")
 
-        phase("drain", "decode worker 1", signal.SIGTERM, 0)
+        phase("drain", "decode worker 1", lambda pid: os.kill(pid, signal.SIGTERM), 0)
         assert load.count("drain")[1] == 0, c.log[-30:]  # a drain fails no request
         assert any("drained in" in line for line in c.log)
         # ... and the router never sent one to a worker that was gone: it left the registry first
         assert not [line for line in c.log if "decode worker" in line and "failed" in line]
-        phase("kill a worker", "decode worker 2", signal.SIGKILL, -signal.SIGKILL)
-        phase("kill the router", "router", signal.SIGKILL, -signal.SIGKILL)
+        phase("admin drain", "decode worker 2", admin_drain, 0)
+        assert load.count("admin drain")[1] == 0, c.log[-30:]
+        phase("kill a worker", "decode worker 2", lambda pid: os.kill(pid, signal.SIGKILL), -signal.SIGKILL)
+        phase("kill the router", "router", lambda pid: os.kill(pid, signal.SIGKILL), -signal.SIGKILL)
         load.stop()
         assert c.proc.poll() is None  # nothing a child did ended the command
         assert not c.event("crash_loop")

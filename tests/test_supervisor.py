@@ -81,3 +81,37 @@ def test_nothing_is_restarted_once_stopping(supervisor):
     clock.now += 100
     sup.check()
     assert [e["event"] for e in events] == []
+
+
+def test_no_child_outlives_a_killed_supervisor(tiny_llama):
+    """Even SIGKILL to the supervisor's process leaves no orphan: each child is sent SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from pdserve.supervisor import Supervisor\n"
+        "sup = Supervisor({**os.environ, 'PDSERVE_TOKEN': 't' * 32})\n"
+        f"m = sup.start('router', ['router', '--model', {str(tiny_llama)!r}, '--port', '0'])\n"
+        "m.child.wait_ready(60)\n"
+        "print(m.child.proc.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert os.path.exists(f"/proc/{child}")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        wait_for(lambda: not _running(child), 30, "the orphaned child to stop")
+    finally:
+        parent.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has stopped
+    except FileNotFoundError:
+        return False

@@ -35,6 +35,7 @@ from pdserve.errors import OtherModel, RegistrationError
 from pdserve.http_errors import APIError, install_error_handlers, message_body, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.router import routing
+from pdserve.router.admin import add_admin_routes
 from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, WorkerLoad, choose_migrations,
 )
@@ -57,6 +58,7 @@ class RouterConfig:
     max_model_len: int
     api_key: str = ""
     worker_token: str = ""
+    admin_key: str = ""  # the admin API's Bearer key; none: no admin API
     lease_s: float = 10.0
     decode_weights: DecodeWeights = field(default_factory=DecodeWeights)
     disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)
@@ -193,7 +195,7 @@ class Router:
                                             prefill_url=p.url if p is not None else None)
                 moved = False
                 try:
-                    async for item in worker_lines(self.http, d.url, body, self._worker_headers, live,
+                    async for item in worker_lines(self.http, d.url, body, self.worker_headers, live,
                                                      self.config.worker_silence_s):
                         if live.n == 1:
                             out = item.outputs[0]
@@ -242,7 +244,7 @@ class Router:
         live = self.live.get(request_id)
         worker = self.registry.get(live.worker_id) if live is not None else None
         if worker is not None:
-            abort_on_worker(self.http, worker.url, live.worker_request_id, self._worker_headers, index)
+            abort_on_worker(self.http, worker.url, live.worker_request_id, self.worker_headers, index)
 
     def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
                        ) -> tuple[Any, Any] | None:
@@ -258,7 +260,7 @@ class Router:
         return await self.line.wait(lambda: self._route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
 
     @property
-    def _worker_headers(self) -> dict[str, str]:
+    def worker_headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.config.worker_token:
             headers["Authorization"] = f"Bearer {self.config.worker_token}"
@@ -308,7 +310,7 @@ class Router:
             live.move_to = decodes[target]
             try:  # the hot worker stops it; its last line ends the call, and the stream moves on
                 await self.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
-                    request_id=live.worker_request_id)), headers=self._worker_headers, timeout=5.0)
+                    request_id=live.worker_request_id)), headers=self.worker_headers, timeout=5.0)
             except httpx.HTTPError:
                 live.move_to = None  # the worker is failing: the failure path takes over
 
@@ -332,7 +334,10 @@ def create_app(router: Router) -> FastAPI:
 
     # keys checked and bodies read within their limits before any handler parses a byte
     app.add_middleware(HTTPGuard, limits=BodyLimits(max_bytes=cfg.max_body_bytes), rules=(
-        BearerRule("/v1", cfg.api_key, "API key"), BearerRule("/internal", cfg.worker_token, "worker token")))
+        BearerRule("/v1", cfg.api_key, "API key"), BearerRule("/internal", cfg.worker_token, "worker token"),
+        BearerRule("/admin", cfg.admin_key, "admin key")))
+    if cfg.admin_key:  # no key, no admin routes: never open
+        add_admin_routes(app, router)
 
     def check_key(request: Request) -> None:
         require_bearer(request, cfg.api_key, "API key")
@@ -343,7 +348,8 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health():
         workers = router.registry.workers()
-        return {"status": "ok" if workers else "no workers", "workers": len(workers)}
+        roles = {role: sum(w.role == role for w in workers) for role in ("prefill", "decode", "both")}
+        return {"status": "ok" if workers else "no workers", "workers": len(workers), "roles": roles}
 
     @app.get("/metrics")
     async def metrics():

@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 
-from pdserve.credentials import API_KEY_ENV, TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret
+from pdserve.credentials import (
+    ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret,
+)
 
 
 def _fraction(text: str) -> float:
@@ -38,6 +40,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_secret_args(p, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
+    add_secret_args(p, "admin-key", ADMIN_KEY_ENV, "the admin API's Bearer key (none: no admin API)")
     add_secret_args(p, "token", TOKEN_ENV, "the workers' shared secret (none: one is made and written to a file, "
                     "on a loopback address only)")
     p.add_argument("--max-tokens-default", type=int, default=1024,
@@ -90,6 +93,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=api_key,
+                          admin_key=read_secret(args.admin_key_file, ADMIN_KEY_ENV),
                           worker_token=token, max_tokens_default=args.max_tokens_default, lease_s=args.lease, max_queued_requests=args.max_queued_requests,
                           queue_timeout_s=args.queue_timeout,
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,

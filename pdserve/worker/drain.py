@@ -1,4 +1,5 @@
-"""Draining a worker: SIGTERM (or SIGINT) makes it leave the cluster without failing a request.
+"""Draining a worker: SIGTERM (or SIGINT, or POST /v1/drain, which the router's admin API sends)
+makes it leave the cluster without failing a request.
 
 1. It takes no new request (503, which the router answers by routing elsewhere) and says so in an
    immediate heartbeat: the router stops choosing it, and hot-spot relief moves its running
@@ -29,14 +30,22 @@ class Drain:
                  timeout_s: float) -> None:
         self.worker, self.server, self.membership, self.timeout_s = worker, server, membership, timeout_s
         self.started = threading.Event()
+        self._lock = threading.Lock()
         self._force = type(server).handle_exit
 
     def handle_signal(self, sig: int, frame) -> None:
         """Installed as the server's signal handler: the first signal drains, a second one stops now."""
         if self.started.is_set():
             self._force(self.server, sig, frame)
-            return
-        self.started.set()
+        else:
+            self.begin()
+
+    def begin(self) -> None:
+        """Start draining, once; later calls change nothing."""
+        with self._lock:
+            if self.started.is_set():
+                return
+            self.started.set()
         threading.Thread(target=self._run, name="drain", daemon=True).start()
 
     def _run(self) -> None:

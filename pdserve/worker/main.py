@@ -88,7 +88,8 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                       token, worker.config.block_size).start()
         worker.router_status = lambda: membership.status
     server = http_server(create_app(worker, token), WORKER_LIMITS)
-    server.handle_exit = Drain(worker, server, membership, args.drain_timeout).handle_signal
+    drain = Drain(worker, server, membership, args.drain_timeout)
+    server.handle_exit, worker.begin_drain = drain.handle_signal, drain.begin
     # uvicorn re-raises a signal it stopped on: let that land here, so the worker still stops
     # cleanly (connections closed, shared KV pool removed) and exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

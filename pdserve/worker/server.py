@@ -5,6 +5,7 @@ Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 nami
 - POST /v1/abort      AbortRequest (a request, or one completion of n: `index`)
 - POST /v1/prefill    PrefillLease, a decode worker's (any role: decode workers serve it for migrations)
 - POST /v1/prefill/abort AbortRequest with the lease's fence
+- POST /v1/drain      take nothing new, finish what is held, leave the router, exit (worker/drain.py)
 - GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
 - GET  /stats (WorkerStats), /health, /metrics (Prometheus)
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. With a token
@@ -101,6 +102,11 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         except TransferError as e:
             return error(503, str(e), "kv_transfer_error")
         return answer(wire.PrefillAccepted(request_id=body.request_id, fence=body.fence, backend=backend))
+
+    @app.post("/v1/drain", dependencies=guarded)
+    async def drain():
+        worker.begin_drain()
+        return {"draining": True}
 
     @app.post("/v1/prefill/abort", dependencies=guarded)
     async def prefill_abort(request: Request):

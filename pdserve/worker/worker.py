@@ -128,6 +128,8 @@ class Worker:
         self.started_at = time.time()
         self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
         self.draining = False
+        # POST /v1/drain: drain in place; a worker process replaces it with draining, then exiting
+        self.begin_drain: Callable[[], None] = self.drain
         self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
 
     def start(self) -> None:

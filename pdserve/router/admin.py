@@ -1,0 +1,58 @@
+"""The router's admin API, for operators (and the P:D controller): which workers it has, and
+draining one. Served only when an admin key is set (`--admin-key-file` or PDSERVE_ADMIN_KEY),
+and only to Bearer holders of that key; without one the routes do not exist.
+
+- GET  /admin/workers               every registered worker: id, role, state, url, host, KV usage,
+                                    running and queued requests, seconds since its last heartbeat
+- POST /admin/workers/{id}/drain    the worker takes no new request, finishes (or hands over) what
+                                    it holds, leaves and exits 0 (`pdserve serve` starts it again)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi import FastAPI
+
+from pdserve.http_errors import APIError
+from pdserve.router.registry import WorkerEntry
+
+if TYPE_CHECKING:
+    from pdserve.router.app import Router
+
+
+def worker_view(entry: WorkerEntry, now: float) -> dict:
+    s = entry.stats
+    return {
+        "id": entry.worker_id, "role": entry.role, "state": "draining" if s.draining else "serving",
+        "url": entry.url, "host": urlsplit(entry.url).hostname, "kv_usage": round(entry.load.kv_usage, 4),
+        "running": s.running, "queued": s.waiting + s.waiting_for_kv,
+        "heartbeat_age_s": round(now - entry.last_heartbeat, 3),
+    }
+
+
+def add_admin_routes(app: FastAPI, router: Router) -> None:
+    def entry_of(worker_id: str) -> WorkerEntry:
+        entry = router.registry.get(worker_id)
+        if entry is None:
+            raise APIError(404, f"no worker {worker_id!r} is registered", "not_found_error", "worker_id")
+        return entry
+
+    @app.get("/admin/workers")
+    async def workers():
+        now = time.monotonic()
+        return {"workers": [worker_view(e, now) for e in router.registry.workers()]}
+
+    @app.post("/admin/workers/{worker_id}/drain")
+    async def drain(worker_id: str):
+        entry = entry_of(worker_id)
+        try:
+            r = await router.http.post(entry.url + "/v1/drain", headers=router.worker_headers, timeout=10.0)
+        except httpx.HTTPError:
+            raise APIError(502, f"worker {worker_id} could not be reached", "server_error") from None
+        if r.status_code != 200:
+            raise APIError(502, f"worker {worker_id} refused to drain (HTTP {r.status_code})", "server_error")
+        return {"id": worker_id, "state": "draining"}

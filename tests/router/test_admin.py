@@ -1,0 +1,66 @@
+"""The router's admin API: absent without a key, closed to anyone without it, and with it a view of
+every worker and a drain that reaches the worker."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.router_server import RouterServer
+from tests.wait import wait_for
+from tests.worker.cluster import WorkerServer
+
+KEY = "admin-" + "k" * 32
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    with (WorkerServer(tiny_llama, "prefill", ["tcp"]) as p, WorkerServer(tiny_llama, "decode", ["tcp"]) as d,
+          RouterServer(tiny_llama, admin_key=KEY, lease_s=1.5) as rs):
+        rs.join(p)
+        rs.join(d)
+        yield rs, p, d
+
+
+def admin(rs, method: str, path: str, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.request(method, rs.url + path, headers=headers, timeout=10)
+
+
+def test_no_admin_api_without_a_key(tiny_llama):
+    with RouterServer(tiny_llama) as rs:
+        assert httpx.get(rs.url + "/admin/workers").status_code == 404
+        assert httpx.post(rs.url + "/admin/workers/w0/drain").status_code == 404
+
+
+@pytest.mark.parametrize("key", [None, "wrong", KEY + "x"])
+def test_the_admin_api_wants_its_key(cluster, key):
+    rs, _, _ = cluster
+    for method, path in (("GET", "/admin/workers"), ("POST", "/admin/workers/w0/drain")):
+        r = admin(rs, method, path, key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_workers_and_health_show_the_cluster(cluster):
+    rs, p, d = cluster
+    workers = admin(rs, "GET", "/admin/workers").json()["workers"]
+    by_url = {w["url"]: w for w in workers}
+    assert set(by_url) == {p.url, d.url}
+    assert by_url[p.url]["role"] == "prefill" and by_url[d.url]["role"] == "decode"
+    for w in workers:
+        assert w["state"] == "serving" and w["host"] == "127.0.0.1" and 0 <= w["kv_usage"] <= 1
+        assert w["running"] == w["queued"] == 0 and w["heartbeat_age_s"] >= 0
+    health = httpx.get(rs.url + "/health").json()
+    assert health == {"status": "ok", "workers": 2, "roles": {"prefill": 1, "decode": 1, "both": 0}}
+
+
+def test_a_drain_reaches_the_worker_and_the_router_sees_it(cluster):
+    rs, p, _ = cluster
+    assert admin(rs, "POST", "/admin/workers/nobody/drain").status_code == 404
+    wid = next(w["id"] for w in admin(rs, "GET", "/admin/workers").json()["workers"] if w["url"] == p.url)
+    r = admin(rs, "POST", f"/admin/workers/{wid}/drain")
+    assert r.status_code == 200 and r.json() == {"id": wid, "state": "draining"}
+    assert p.worker.draining  # in this process a drain stays in place (a worker process then exits)
+    wait_for(lambda: {w["id"]: w["state"] for w in admin(rs, "GET", "/admin/workers").json()["workers"]}[wid]
+             == "draining", 10, "the router to see the drain")
+    assert httpx.get(p.url + "/health").status_code == 503
