@@ -352,6 +352,12 @@ class Heartbeat(Message):
     stats: WorkerStats
 
 
+class RoleChange(Message):
+    """POST /admin/workers/{id}/role on the router, and POST /v1/role on the worker it forwards to."""
+
+    role: Role
+
+
 class Deregistration(Message):
     """POST /internal/deregister: a drained worker leaves now, not when its lease runs out."""
 

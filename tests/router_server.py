@@ -55,6 +55,7 @@ class RouterServer:
         worker = w.worker
         member = RouterMembership(self.url, w.url, worker.config.role, worker.layout.model_hash, worker.stats,
                                   self.router.config.worker_token, worker.config.block_size).start()
+        worker.membership = member  # as a worker process does: a role change registers again
         self.members.append(member)
         wait_for(lambda: any(e.url == w.url and e.heartbeats for e in self.router.registry.workers()), 20,
                  f"the {worker.config.role} worker at {w.url} to register", state=lambda: member.status)

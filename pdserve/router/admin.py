@@ -6,22 +6,28 @@ and only to Bearer holders of that key; without one the routes do not exist.
                                     running and queued requests, seconds since its last heartbeat
 - POST /admin/workers/{id}/drain    the worker takes no new request, finishes (or hands over) what
                                     it holds, leaves and exits 0 (`pdserve serve` starts it again)
+- POST /admin/workers/{id}/role     {"role": "prefill" | "decode" | "both"}: the worker drains in
+                                    place, then registers again in that role, without restarting
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
-from pdserve.http_errors import APIError
+from pdserve import wire
+from pdserve.http_errors import APIError, message_body
 from pdserve.router.registry import WorkerEntry
 
 if TYPE_CHECKING:
     from pdserve.router.app import Router
+
+log = logging.getLogger("pdserve.router")
 
 
 def worker_view(entry: WorkerEntry, now: float) -> dict:
@@ -46,13 +52,26 @@ def add_admin_routes(app: FastAPI, router: Router) -> None:
         now = time.monotonic()
         return {"workers": [worker_view(e, now) for e in router.registry.workers()]}
 
-    @app.post("/admin/workers/{worker_id}/drain")
-    async def drain(worker_id: str):
+    async def forward(worker_id: str, path: str, body: wire.Message | None = None) -> None:
         entry = entry_of(worker_id)
         try:
-            r = await router.http.post(entry.url + "/v1/drain", headers=router.worker_headers, timeout=10.0)
+            r = await router.http.post(entry.url + path, content=wire.encode(body) if body else None,
+                                       headers=router.worker_headers, timeout=10.0)
         except httpx.HTTPError:
             raise APIError(502, f"worker {worker_id} could not be reached", "server_error") from None
+        if r.status_code == 409:
+            raise APIError(409, f"worker {worker_id} is draining or already changing its role", "conflict")
         if r.status_code != 200:
-            raise APIError(502, f"worker {worker_id} refused to drain (HTTP {r.status_code})", "server_error")
+            raise APIError(502, f"worker {worker_id} refused (HTTP {r.status_code})", "server_error")
+
+    @app.post("/admin/workers/{worker_id}/drain")
+    async def drain(worker_id: str):
+        await forward(worker_id, "/v1/drain")
         return {"id": worker_id, "state": "draining"}
+
+    @app.post("/admin/workers/{worker_id}/role")
+    async def role(worker_id: str, request: Request):
+        body = await message_body(request, wire.RoleChange)
+        await forward(worker_id, "/v1/role", body)
+        log.info("worker %s: role change to %s asked", worker_id, body.role)
+        return {"id": worker_id, "role": body.role, "state": "changing"}

@@ -26,9 +26,9 @@ log = logging.getLogger("pdserve.worker.drain")
 
 
 class Drain:
-    def __init__(self, worker: Worker, server: uvicorn.Server, membership: RouterMembership | None,
-                 timeout_s: float) -> None:
-        self.worker, self.server, self.membership, self.timeout_s = worker, server, membership, timeout_s
+    def __init__(self, worker: Worker, server: uvicorn.Server, timeout_s: float) -> None:
+        self.worker, self.server, self.timeout_s = worker, server, timeout_s
+        self.membership: RouterMembership | None = worker.membership
         self.started = threading.Event()
         self._lock = threading.Lock()
         self._force = type(server).handle_exit

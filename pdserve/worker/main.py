@@ -86,9 +86,9 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         from pdserve.worker.registration import RouterMembership
         membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
                                       token, worker.config.block_size).start()
-        worker.router_status = lambda: membership.status
+        worker.membership = membership
     server = http_server(create_app(worker, token), WORKER_LIMITS)
-    drain = Drain(worker, server, membership, args.drain_timeout)
+    drain = Drain(worker, server, args.drain_timeout)
     server.handle_exit, worker.begin_drain = drain.handle_signal, drain.begin
     # uvicorn re-raises a signal it stopped on: let that land here, so the worker still stops
     # cleanly (connections closed, shared KV pool removed) and exits 0.

@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 import httpx
+import msgspec
 
 from pdserve import wire
 from pdserve.errors import RegistrationError
@@ -60,6 +61,12 @@ class RouterMembership:
 
     def beat_now(self) -> None:
         self._wake.set()
+
+    def change_role(self, role: str) -> None:
+        """Register again, at once, in `role` (the router replaces the entry at this URL)."""
+        self.registration = msgspec.structs.replace(self.registration, role=role)
+        self.worker_id = None
+        self.beat_now()
 
     def leave(self) -> None:
         self.stop()

@@ -6,6 +6,7 @@ Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 nami
 - POST /v1/prefill    PrefillLease, a decode worker's (any role: decode workers serve it for migrations)
 - POST /v1/prefill/abort AbortRequest with the lease's fence
 - POST /v1/drain      take nothing new, finish what is held, leave the router, exit (worker/drain.py)
+- POST /v1/role       RoleChange: drain in place, then register again in the new role (no restart)
 - GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
 - GET  /stats (WorkerStats), /health, /metrics (Prometheus)
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. With a token
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -107,6 +109,14 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
     async def drain():
         worker.begin_drain()
         return {"draining": True}
+
+    @app.post("/v1/role", dependencies=guarded)
+    async def role(request: Request):
+        body = await message_body(request, wire.RoleChange)
+        if worker.draining:
+            return error(409, "the worker is draining or already changing its role", "conflict")
+        threading.Thread(target=worker.change_role, args=(body.role,), name="role-change", daemon=True).start()
+        return {"role": body.role, "state": "changing"}
 
     @app.post("/v1/prefill/abort", dependencies=guarded)
     async def prefill_abort(request: Request):

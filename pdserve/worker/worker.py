@@ -14,16 +14,18 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
 from pdserve import wire
-from pdserve.config import EngineConfig
+from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import KV_TRANSFER_DTYPES, KVLayout
@@ -35,6 +37,11 @@ from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
 
+
+if TYPE_CHECKING:
+    from pdserve.worker.registration import RouterMembership
+
+log = logging.getLogger("pdserve.worker")
 
 class QueueFullError(RuntimeError):
     """The worker's waiting queue is at its bound; try again later or elsewhere."""
@@ -98,39 +105,37 @@ class Worker:
         self.config = config
         self.transfer = list(transfer)
         self.max_queued = max_queued
-        role = config.role
-        self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype) if role in ("decode", "both") else None
-        # Every worker can ship KV out: prefill workers for their prompts, decode workers for the
-        # requests the router moves away from them (hot-spot relief).
+        # Every worker has both sides of a transfer, whatever its role: decode workers ship KV out
+        # too (for the requests hot-spot relief moves away), and a role is state, not identity
+        # (`change_role`): any worker can become a decode worker without restarting.
+        self.role = config.role
+        self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype)
         self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
-        hooks = _BothRoles(self.decode, self.prefill) if self.decode is not None else self.prefill
         self._pool: SharedKVPool | None = None
 
         def shared_pool(shape, dtype):
             self._pool = SharedKVPool(shape, dtype)
             return self._pool.tensor
 
-        use_shm = self.decode is not None and "shm" in self.transfer and shm_available() and config.device == "cpu"
-        self.engine = LLMEngine(config, hooks, shared_pool if use_shm else None)
+        use_shm = "shm" in self.transfer and shm_available() and config.device == "cpu"
+        self.engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None)
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
         self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
-        self.loop = EngineLoop(self.engine, self.decode.poll if self.decode else lambda: None, self._step_log)
-        self.receiver: KVReceiver | None = None
-        self.offers: dict[str, dict] = {}
-        if self.decode is not None:
-            self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
-            side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
-                              self._pool.path if self._pool is not None else None)
-            addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}  # frames go here
-            self.offers = offers(self.transfer, side, addr)
-            self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
+        self.loop = EngineLoop(self.engine, self.decode.poll, self._step_log)
+        self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
+        side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
+                          self._pool.path if self._pool is not None else None)
+        addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}  # frames go here
+        self.offers: dict[str, dict] = offers(self.transfer, side, addr)
+        self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
         self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
         self.draining = False
         # POST /v1/drain: drain in place; a worker process replaces it with draining, then exiting
         self.begin_drain: Callable[[], None] = self.drain
-        self.router_status: Callable[[], str] | None = None  # set when the worker registers with a router
+        self.membership: RouterMembership | None = None  # set when the worker registers with a router
+        self._role_change = threading.Lock()
 
     def start(self) -> None:
         self.loop.start()
@@ -138,8 +143,7 @@ class Worker:
     def stop(self) -> None:
         self.loop.stop()
         for part in (self.prefill, self.decode, self.receiver):
-            if part is not None:
-                part.close()
+            part.close()
         release(self.transfer, self.engine.runner.kv_cache)
         if self._pool is not None:
             self._pool.close()
@@ -165,8 +169,8 @@ class Worker:
         two steps."""
         if self.draining:
             raise DrainingError("the worker is draining; send the request elsewhere")
-        if prefill_url and self.decode is None:
-            raise RoleNotServedError(f"a {self.config.role} worker does not take KV from a prefill worker")
+        if prefill_url and self.role == "prefill":
+            raise RoleNotServedError("a prefill worker does not take KV from a prefill worker")
 
         received = time.monotonic()  # queueing starts now, not when the engine thread is free
 
@@ -203,6 +207,31 @@ class Worker:
         still served: they are how its requests' KV leaves. Idempotent."""
         self.draining = True
 
+    def change_role(self, role: str, timeout_s: float = 60.0) -> bool:
+        """Become a `role` worker without restarting (blocking: run it on a thread of its own).
+        Drained in place first: no new request, and the router, told at once, moves its running
+        requests to other decode workers with their KV; whatever is left runs to its end, for at
+        most `timeout_s`. Then the new role is announced by registering again. False if a change
+        is already under way."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not self._role_change.acquire(blocking=False):
+            return False
+        try:
+            was, self.draining = self.draining, True
+            if self.membership is not None:
+                self.membership.beat_now()
+            deadline = time.monotonic() + timeout_s
+            while not self.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log.info("role %s -> %s (%s)", self.role, role, "drained" if self.idle() else "drain timed out")
+            self.role, self.draining = role, was
+            if self.membership is not None:
+                self.membership.change_role(role)
+            return True
+        finally:
+            self._role_change.release()
+
     def idle(self) -> bool:
         """Nothing running, queued, waiting for KV, or shipping KV."""
         s = self.stats()
@@ -234,8 +263,8 @@ class Worker:
         self.loop.call(lambda: self.prefill.abort(request_id, fence))
 
     def kv_info(self) -> wire.KVInfo:
-        if self.decode is None:
-            raise RoleNotServedError(f"a {self.config.role} worker receives no KV")
+        if self.role == "prefill":
+            raise RoleNotServedError("a prefill worker receives no KV")
         return wire.KVInfo(layout=asdict(self.layout), backends=msgspec.convert(self.offers, wire.DecodeOffers))
 
     @property
@@ -245,9 +274,9 @@ class Worker:
     def health(self) -> dict:
         """For /health: the engine's state, and how the last exchange with the router went."""
         status = "engine stopped" if not self.healthy else "draining" if self.draining else "ok"
-        out = {"status": status, "role": self.config.role}
-        if self.router_status is not None:
-            out["router"] = self.router_status()
+        out = {"status": status, "role": self.role}
+        if self.membership is not None:
+            out["router"] = self.membership.status
         return out
 
     def stats(self) -> wire.WorkerStats:
@@ -263,7 +292,7 @@ class Worker:
     def _stats(self) -> wire.WorkerStats:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         out = {
-            "role": self.config.role,
+            "role": self.role,
             "model_hash": self.layout.model_hash,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
@@ -284,7 +313,6 @@ class Worker:
             "draining": self.draining,
         }
         for part in (self.decode, self.prefill):
-            if part is not None:
-                out.update(part.stats())
+            out.update(part.stats())
         return wire.WorkerStats(**out)
 

@@ -64,3 +64,45 @@ def test_a_drain_reaches_the_worker_and_the_router_sees_it(cluster):
     wait_for(lambda: {w["id"]: w["state"] for w in admin(rs, "GET", "/admin/workers").json()["workers"]}[wid]
              == "draining", 10, "the router to see the drain")
     assert httpx.get(p.url + "/health").status_code == 503
+
+
+def test_a_worker_changes_role_without_restarting(tiny_llama):
+    """decode -> prefill -> decode by the admin API: the same process (same URL), drained in place
+    each time, registered again in its new role; requests keep being answered, disaggregated
+    through it while it is a prefill worker."""
+    with (WorkerServer(tiny_llama, "decode", ["tcp"]) as flips, WorkerServer(tiny_llama, "decode", ["tcp"]) as d,
+          RouterServer(tiny_llama, admin_key=KEY, lease_s=1.5) as rs):
+        rs.join(flips)
+        rs.join(d)
+
+        def roles() -> dict[str, str]:
+            return {w["url"]: w["role"] for w in admin(rs, "GET", "/admin/workers").json()["workers"]}
+
+        def complete(i: int) -> None:  # a prompt long enough, and new, to be worth a prefill worker
+            body = {"model": "tiny", "prompt": [7 + i] + [(5 * j + i) % 400 + 1 for j in range(300)],
+                    "max_tokens": 4, "temperature": 0}
+            assert httpx.post(rs.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+        wid = next(w["id"] for w in admin(rs, "GET", "/admin/workers").json()["workers"] if w["url"] == flips.url)
+        assert admin(rs, "POST", f"/admin/workers/{wid}/role").status_code == 400  # no body
+        r = httpx.post(rs.url + f"/admin/workers/{wid}/role", json={"role": "router"},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+        r = httpx.post(rs.url + f"/admin/workers/{wid}/role", json={"role": "prefill"},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["state"] == "changing"
+        wait_for(lambda: roles() == {flips.url: "prefill", d.url: "decode"}, 30, "the new role", state=roles)
+        assert flips.worker.role == "prefill" and not flips.worker.draining
+        landed = d.worker.stats().kv_landed
+        for i in range(3):
+            complete(i)
+        assert d.worker.stats().kv_landed > landed  # prompts went through the flipped worker's prefill
+        assert httpx.get(rs.url + "/health").json()["roles"] == {"prefill": 1, "decode": 1, "both": 0}
+
+        wid = next(w["id"] for w in admin(rs, "GET", "/admin/workers").json()["workers"] if w["url"] == flips.url)
+        r = httpx.post(rs.url + f"/admin/workers/{wid}/role", json={"role": "decode"},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+        wait_for(lambda: roles() == {flips.url: "decode", d.url: "decode"}, 30, "decode again", state=roles)
+        complete(3)
+        wait_for(lambda: flips.is_idle() and d.is_idle(), 10, "both idle")
