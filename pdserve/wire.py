@@ -317,6 +317,7 @@ class WorkerStats(Message):
     kv_blocks_used: Size = 0
     kv_blocks_free: Size = 0
     capacity: Size = 0  # sequences it holds at most, running and queued (0: not said)
+    step_token_budget: Size = 0  # tokens one step computes at most: its prefill queue drains this fast a step
     step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
     num_steps: Count = 0
     num_preemptions: Count = 0

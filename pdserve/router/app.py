@@ -40,6 +40,7 @@ from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, WorkerLoad, choose_migrations,
 )
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.rebalance import ControllerState, RebalancePolicy, Signals, decide
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
@@ -75,6 +76,7 @@ class RouterConfig:
     migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
     migrate_hot_spots: bool = True  # move running requests off decode workers past the hot KV use
     relief: HotSpotRelief = field(default_factory=HotSpotRelief)
+    rebalance: RebalancePolicy | None = None  # the P:D controller moves workers between pools; None: off
 
 
 class Router:
@@ -90,6 +92,7 @@ class Router:
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
         self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
         self._relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
+        self.controller = ControllerState()
 
     # -- choosing workers -----------------------------------------------------------------------
 
@@ -288,6 +291,27 @@ class Router:
             if live.worker_id == entry.worker_id:
                 live.inbox.put_nowait(WorkerLost(f"worker {entry.url} was dropped: {reason}"))
 
+    async def rebalance(self) -> None:
+        """One round of the P:D controller: move one worker between the pools if the rule says so
+        (logged with its reason, counted in /metrics), by asking it to change its role."""
+        policy = self.config.rebalance
+        if policy is None:
+            return
+        workers = self.registry.workers()
+        decision = decide(pool_signals(workers), policy, self.controller, time.monotonic())
+        if decision.move is None:
+            return
+        old, new = ("decode", "prefill") if decision.move == "to_prefill" else ("prefill", "decode")
+        pool = [w for w in workers if w.role == old and not w.stats.draining]
+        worker = min(pool, key=lambda w: (w.stats.running + w.stats.waiting, w.stats.queued_prefill_tokens))
+        log.info("rebalance: %s %s -> %s: %s", worker.worker_id, old, new, decision.reason)
+        self.metrics.rebalances.labels(decision.move).inc()
+        try:
+            await self.http.post(worker.url + "/v1/role", content=wire.encode(wire.RoleChange(role=new)),
+                                 headers=self.worker_headers, timeout=10.0)
+        except httpx.HTTPError as e:
+            log.warning("rebalance: %s did not take its new role: %s", worker.worker_id, e)
+
     async def relieve_hot_spots(self) -> None:
         """Move requests off decode workers whose KV use is past the hot threshold, at most one per
         worker per heartbeat it sent (its load is only known again then)."""
@@ -411,6 +435,18 @@ def create_app(router: Router) -> FastAPI:
     return app
 
 
+def pool_signals(workers: list[WorkerEntry]) -> Signals:
+    """What the P:D controller reads of the registry: the serving prefill and decode workers."""
+    prefills = [w for w in workers if w.role == "prefill" and not w.stats.draining]
+    decodes = [w for w in workers if w.role == "decode" and not w.stats.draining]
+    queue_s = max((w.stats.queued_prefill_tokens / max(1, w.stats.step_token_budget)  # steps to go ...
+                   * w.stats.step_latency_ewma_ms / 1e3 for w in prefills), default=0.0)  # ... times a step
+    busy = [w for w in decodes if w.stats.running]
+    step_s = max((w.stats.step_latency_ewma_ms / 1e3 for w in busy), default=0.0)
+    kv = max((w.load.kv_usage for w in decodes), default=0.0)
+    return Signals(len(prefills), len(decodes), queue_s, step_s, kv)
+
+
 def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:
     """A draining worker looks full: its running requests move off it, and none moves onto it."""
     load = worker.load
@@ -425,3 +461,7 @@ async def _reap(router: Router) -> None:
             await router.relieve_hot_spots()
         except Exception:  # a round that fails must not end the reaper
             log.exception("hot-spot relief round failed")
+        try:
+            await router.rebalance()
+        except Exception:
+            log.exception("rebalance round failed")

@@ -57,6 +57,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="KV use past which a decode worker gets no new work and running requests move off it")
     p.add_argument("--no-hot-spot-migration", action="store_true",
                    help="keep running requests where they are, however hot their decode worker")
+    p.add_argument("--rebalance", action="store_true",
+                   help="the P:D controller: move workers between the prefill and decode pools as their pressure "
+                        "against the TTFT and TPOT targets says (off by default)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for SLA attainment metrics")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
 
@@ -86,6 +89,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     from pdserve.models.registry import resolve_model
     from pdserve.router.app import Router, RouterConfig
     from pdserve.router.policy import DecodeWeights
+    from pdserve.router.rebalance import RebalancePolicy
 
     path = resolve_model(args.model)
     info = load_model_info(path)  # no tensors: the router computes nothing with the model
@@ -98,7 +102,9 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
                           queue_timeout_s=args.queue_timeout,
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
                           migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
-                          decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage))
+                          decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage),
+                          rebalance=RebalancePolicy(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.hot_kv_usage)
+                          if args.rebalance else None)
     return Router(config, info.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 

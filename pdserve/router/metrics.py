@@ -51,6 +51,8 @@ class RouterMetrics:
                               registry=r)
         self.workers_dropped = Counter("pdserve_workers_dropped", "workers taken out of the registry (lease lapsed, "
                                        "or a request failed on them)", registry=r)
+        self.rebalances = Counter("pdserve_rebalances", "workers the P:D controller moved to the other pool, "
+                                  "by direction", ["direction"], registry=r)
         self.requeued = Counter("pdserve_requests_requeued", "times a request found every worker's queue full and "
                                 "waited in the router to try again", registry=r)
         self.silent_streams = Counter("pdserve_silent_streams", "streams given up on after their worker said nothing "

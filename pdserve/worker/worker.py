@@ -302,6 +302,7 @@ class Worker:
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_free": blocks.num_free_blocks,
             "capacity": self.capacity,
+            "step_token_budget": self.config.max_num_batched_tokens,
             "step_latency_ewma_ms": self.loop.step_latency_ewma_s * 1e3,
             "num_steps": self.loop.num_steps,
             "num_preemptions": sched.num_preemptions,

@@ -1,0 +1,89 @@
+"""The P:D controller: which way, if any, to move one worker between the prefill and decode pools.
+
+`decide` is a pure function of live signals, targets and its own small state, so that the router
+(`pdserve serve --rebalance`) and a simulated cluster can run the very same rule:
+- pressure of a pool = how close it runs to its target: prefill, the worst queue wait of a prefill
+  worker against the TTFT target; decode, the worse of the decode step time against the TPOT target
+  and of KV use against the hot threshold;
+- a worker moves from the relaxed pool to the pressed one only when one pool is past `high` while
+  the other is below `low` (the gap between them is the hysteresis), and has been for `confirm_s`;
+- after a move, nothing moves for `dwell_s`: the moved worker must drain and the signals settle
+  before they say anything about the new split. Neither pool is ever taken below its minimum.
+Every decision comes with its reason, in words, for the log.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Move = Literal["to_prefill", "to_decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    prefill_workers: int
+    decode_workers: int
+    prefill_queue_s: float  # the longest a prompt waits on a prefill worker now
+    decode_step_s: float  # the decode workers' step time: what each token costs a stream
+    decode_kv_usage: float  # the fullest decode worker's KV use, 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class RebalancePolicy:
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.1
+    hot_kv_usage: float = 0.85
+    high: float = 1.0  # a pool this pressed (1: at its target) needs a worker
+    low: float = 0.5  # a pool this relaxed can give one
+    confirm_s: float = 10.0  # a need must hold this long before a move
+    dwell_s: float = 60.0  # no move sooner than this after the last one
+    min_prefill: int = 1
+    min_decode: int = 1
+
+
+@dataclass(slots=True)
+class ControllerState:
+    last_move_at: float = -math.inf
+    wanted: Move | None = None  # what the signals have asked for since `since`
+    since: float = 0.0
+    moves: dict[str, int] = field(default_factory=lambda: {"to_prefill": 0, "to_decode": 0})
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    move: Move | None
+    reason: str
+
+
+def pressures(s: Signals, p: RebalancePolicy) -> tuple[float, float]:
+    """(prefill pressure, decode pressure): 1 means at target."""
+    prefill = s.prefill_queue_s / p.ttft_target_s
+    decode = max(s.decode_step_s / p.tpot_target_s, s.decode_kv_usage / p.hot_kv_usage)
+    return prefill, decode
+
+
+def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -> Decision:
+    """Whether to move a worker now; updates `state` (its want, and the move when there is one)."""
+    pp, dp = pressures(s, p)
+    said = f"prefill at {pp:.2f}x its target (queue {s.prefill_queue_s:.2f}s), decode at {dp:.2f}x " \
+           f"(step {s.decode_step_s * 1e3:.0f}ms, KV {s.decode_kv_usage:.0%}), split {s.prefill_workers}P:{s.decode_workers}D"
+    if pp > p.high and dp < p.low and s.decode_workers > p.min_decode:
+        want: Move | None = "to_prefill"
+    elif dp > p.high and pp < p.low and s.prefill_workers > p.min_prefill:
+        want = "to_decode"
+    else:
+        want = None
+    if want != state.wanted:
+        state.wanted, state.since = want, now
+    if want is None:
+        return Decision(None, f"balanced: {said}")
+    if now - state.since < p.confirm_s:
+        return Decision(None, f"{want} asked for {now - state.since:.0f}s of {p.confirm_s:.0f}: {said}")
+    if now - state.last_move_at < p.dwell_s:
+        return Decision(None, f"{want} held: {now - state.last_move_at:.0f}s since the last move of "
+                              f"{p.dwell_s:.0f}: {said}")
+    state.last_move_at, state.wanted = now, None
+    state.moves[want] += 1
+    return Decision(want, said)
