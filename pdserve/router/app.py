@@ -40,7 +40,9 @@ from pdserve.router.policy import (
     Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, WorkerLoad, choose_migrations,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.rebalance import ControllerState, RebalancePolicy, Signals, decide
+from pdserve.router.rebalance import (
+    ControllerState, PoolMember, RebalancePolicy, decide, new_role, pool_signals, to_move,
+)
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
@@ -291,20 +293,27 @@ class Router:
             if live.worker_id == entry.worker_id:
                 live.inbox.put_nowait(WorkerLost(f"worker {entry.url} was dropped: {reason}"))
 
+    def pool(self) -> list[PoolMember]:
+        """The workers the P:D controller counts and may move."""
+        return [PoolMember(w.worker_id, w.role, w.load) for w in self.registry.workers()
+                if w.role in ("prefill", "decode") and not w.stats.draining]
+
     async def rebalance(self) -> None:
         """One round of the P:D controller: move one worker between the pools if the rule says so
         (logged with its reason, counted in /metrics), by asking it to change its role."""
         policy = self.config.rebalance
         if policy is None:
             return
-        workers = self.registry.workers()
-        decision = decide(pool_signals(workers), policy, self.controller, time.monotonic())
+        members = self.pool()
+        signals = pool_signals(members, self.metrics.recent_ttft.p90(time.perf_counter()))
+        decision = decide(signals, policy, self.controller, time.monotonic())
         if decision.move is None:
             return
-        old, new = ("decode", "prefill") if decision.move == "to_prefill" else ("prefill", "decode")
-        pool = [w for w in workers if w.role == old and not w.stats.draining]
-        worker = min(pool, key=lambda w: (w.stats.running + w.stats.waiting, w.stats.queued_prefill_tokens))
-        log.info("rebalance: %s %s -> %s: %s", worker.worker_id, old, new, decision.reason)
+        member, new = to_move(members, decision.move), new_role(decision.move)
+        worker = self.registry.get(member.worker_id)
+        if worker is None:
+            return
+        log.info("rebalance: %s %s -> %s: %s", worker.worker_id, worker.role, new, decision.reason)
         self.metrics.rebalances.labels(decision.move).inc()
         try:
             await self.http.post(worker.url + "/v1/role", content=wire.encode(wire.RoleChange(role=new)),
@@ -433,18 +442,6 @@ def create_app(router: Router) -> FastAPI:
         return {"ok": True}
 
     return app
-
-
-def pool_signals(workers: list[WorkerEntry]) -> Signals:
-    """What the P:D controller reads of the registry: the serving prefill and decode workers."""
-    prefills = [w for w in workers if w.role == "prefill" and not w.stats.draining]
-    decodes = [w for w in workers if w.role == "decode" and not w.stats.draining]
-    queue_s = max((w.stats.queued_prefill_tokens / max(1, w.stats.step_token_budget)  # steps to go ...
-                   * w.stats.step_latency_ewma_ms / 1e3 for w in prefills), default=0.0)  # ... times a step
-    busy = [w for w in decodes if w.stats.running]
-    step_s = max((w.stats.step_latency_ewma_ms / 1e3 for w in busy), default=0.0)
-    kv = max((w.load.kv_usage for w in decodes), default=0.0)
-    return Signals(len(prefills), len(decodes), queue_s, step_s, kv)
 
 
 def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:

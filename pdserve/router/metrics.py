@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.router.rebalance import RecentTTFT
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _WORKER_GAUGES = {
     "kv_blocks_used": "KV blocks in use on the worker",
@@ -51,6 +53,7 @@ class RouterMetrics:
                               registry=r)
         self.workers_dropped = Counter("pdserve_workers_dropped", "workers taken out of the registry (lease lapsed, "
                                        "or a request failed on them)", registry=r)
+        self.recent_ttft = RecentTTFT()  # what the P:D controller reads (time.perf_counter)
         self.rebalances = Counter("pdserve_rebalances", "workers the P:D controller moved to the other pool, "
                                   "by direction", ["direction"], registry=r)
         self.requeued = Counter("pdserve_requests_requeued", "times a request found every worker's queue full and "
@@ -109,6 +112,7 @@ class RequestClock:
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)
+            self.metrics.recent_ttft.add(now, now - self.start)
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now

@@ -36,6 +36,7 @@ class WorkerLoad:
     kv_blocks_total: int = 1
     step_latency_ewma_ms: float = 0.0
     capacity: int = 0  # sequences it holds at most, running and queued (0: not said)
+    step_token_budget: int = 0  # tokens a step computes at most (0: not said)
 
     @classmethod
     def from_stats(cls, stats: WorkerStats) -> WorkerLoad:

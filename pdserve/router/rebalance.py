@@ -2,9 +2,13 @@
 
 `decide` is a pure function of live signals, targets and its own small state, so that the router
 (`pdserve serve --rebalance`) and a simulated cluster can run the very same rule:
-- pressure of a pool = how close it runs to its target: prefill, the worst queue wait of a prefill
-  worker against the TTFT target; decode, the worse of the decode step time against the TPOT target
-  and of KV use against the hot threshold;
+- pressure of a pool = how close it runs to its target: prefill, the worse of the recent first-token
+  times (p90 of the last `RecentTTFT.window_s`) and of the longest queue on a prefill worker, against
+  the TTFT target (measured TTFT also counts prompts that wait on decode workers, where the router
+  sends them when the prefill pool is saturated); decode, the worst of the decode step time against
+  the TPOT target, of KV use against the hot threshold, and of the prompt queue on a decode worker
+  against the TTFT target (a decode worker computing prompts is no spare capacity: in an overload
+  of both kinds nothing moves, since no split would help);
 - a worker moves from the relaxed pool to the pressed one only when one pool is past `high` while
   the other is below `low` (the gap between them is the hysteresis), and has been for `confirm_s`;
 - after a move, nothing moves for `dwell_s`: the moved worker must drain and the signals settle
@@ -15,8 +19,11 @@ Every decision comes with its reason, in words, for the log.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+from pdserve.router.policy import WorkerLoad
 
 Move = Literal["to_prefill", "to_decode"]
 
@@ -28,6 +35,9 @@ class Signals:
     prefill_queue_s: float  # the longest a prompt waits on a prefill worker now
     decode_step_s: float  # the decode workers' step time: what each token costs a stream
     decode_kv_usage: float  # the fullest decode worker's KV use, 0..1
+    recent_ttft_s: float = 0.0  # p90 of the first-token times measured lately
+    decode_queue_s: float = 0.0  # the longest prompt queue on a decode worker (its own prefills, or
+    # the prefill pool's overflow): prompt work that keeps it from being spare capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,18 +67,76 @@ class Decision:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class PoolMember:
+    """A worker the controller may count and move: a prefill or decode one, not draining."""
+
+    worker_id: str
+    role: str
+    load: WorkerLoad
+
+
+class RecentTTFT:
+    """First-token times of the last `window_s` seconds, for the prefill pressure."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._seen: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, ttft_s: float) -> None:
+        self._seen.append((now, ttft_s))
+
+    def p90(self, now: float) -> float:
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            self._seen.popleft()
+        if not self._seen:
+            return 0.0
+        ordered = sorted(t for _, t in self._seen)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def pool_signals(members: list[PoolMember], recent_ttft_s: float = 0.0) -> Signals:
+    """The signals of the router's view of its workers (or a simulated cluster's)."""
+    prefills = [m.load for m in members if m.role == "prefill"]
+    decodes = [m.load for m in members if m.role == "decode"]
+    step_s = max((w.step_latency_ewma_ms / 1e3 for w in decodes if w.running), default=0.0)
+    kv = max((w.kv_usage for w in decodes), default=0.0)
+    return Signals(len(prefills), len(decodes), _longest_queue_s(prefills), step_s, kv, recent_ttft_s,
+                   _longest_queue_s(decodes))
+
+
+def _longest_queue_s(loads: list[WorkerLoad]) -> float:
+    """How long the longest queue of prompt tokens takes: steps to go, times a step."""
+    return max((w.queued_prefill_tokens / max(1, w.step_token_budget) * w.step_latency_ewma_ms / 1e3
+                for w in loads), default=0.0)
+
+
+def to_move(members: list[PoolMember], move: Move) -> PoolMember:
+    """The worker to move: the least busy of the pool it leaves."""
+    leaving = "decode" if move == "to_prefill" else "prefill"
+    return min((m for m in members if m.role == leaving),
+               key=lambda m: (m.load.running + m.load.waiting, m.load.queued_prefill_tokens))
+
+
+def new_role(move: Move) -> str:
+    return "prefill" if move == "to_prefill" else "decode"
+
+
 def pressures(s: Signals, p: RebalancePolicy) -> tuple[float, float]:
     """(prefill pressure, decode pressure): 1 means at target."""
-    prefill = s.prefill_queue_s / p.ttft_target_s
-    decode = max(s.decode_step_s / p.tpot_target_s, s.decode_kv_usage / p.hot_kv_usage)
+    prefill = max(s.prefill_queue_s, s.recent_ttft_s) / p.ttft_target_s
+    decode = max(s.decode_step_s / p.tpot_target_s, s.decode_kv_usage / p.hot_kv_usage,
+                 s.decode_queue_s / p.ttft_target_s)
     return prefill, decode
 
 
 def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -> Decision:
     """Whether to move a worker now; updates `state` (its want, and the move when there is one)."""
     pp, dp = pressures(s, p)
-    said = f"prefill at {pp:.2f}x its target (queue {s.prefill_queue_s:.2f}s), decode at {dp:.2f}x " \
-           f"(step {s.decode_step_s * 1e3:.0f}ms, KV {s.decode_kv_usage:.0%}), split {s.prefill_workers}P:{s.decode_workers}D"
+    said = f"prefill at {pp:.2f}x its target (TTFT p90 {s.recent_ttft_s:.2f}s, queue {s.prefill_queue_s:.2f}s), " \
+           f"decode at {dp:.2f}x " \
+           f"(step {s.decode_step_s * 1e3:.0f}ms, KV {s.decode_kv_usage:.0%}, queue {s.decode_queue_s:.2f}s), " \
+           f"split {s.prefill_workers}P:{s.decode_workers}D"
     if pp > p.high and dp < p.low and s.decode_workers > p.min_decode:
         want: Move | None = "to_prefill"
     elif dp > p.high and pp < p.low and s.prefill_workers > p.min_prefill:

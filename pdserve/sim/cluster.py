@@ -26,6 +26,9 @@ from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad
+from pdserve.router.rebalance import (
+    ControllerState, PoolMember, RebalancePolicy, RecentTTFT, decide, new_role, pool_signals, to_move,
+)
 from pdserve.router.routing import Candidate, route
 from pdserve.sampling_params import SamplingParams
 from pdserve.engine.step_shape import step_shape
@@ -51,6 +54,10 @@ class Clock:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
 
+    @property
+    def pending(self) -> int:
+        return len(self._events)
+
 
 class SimWorker(RoleHooks):
     """One worker: the real scheduler and block manager, stepped by the clock."""
@@ -66,6 +73,11 @@ class SimWorker(RoleHooks):
         self.num_steps = 0
         self.busy_s = 0.0
         self.routed: dict[str, int] = {}  # prompts routed here, not yet in its scheduler: request id -> tokens
+        self.moving_to: str | None = None  # the P:D controller moves it: it drains, then takes this role
+
+    @property
+    def idle(self) -> bool:
+        return not (self.busy or self.routed or self.scheduler.has_unfinished())
 
     def load(self) -> WorkerLoad:
         """What the router would see: the scheduler now, plus the prompts routed here that its
@@ -73,7 +85,8 @@ class SimWorker(RoleHooks):
         s, b = self.scheduler, self.scheduler.blocks
         return WorkerLoad(len(s.running), len(s.waiting) + len(self.routed), len(s.waiting_for_kv),
                           s.queued_prefill_tokens + sum(self.routed.values()),
-                          b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3)
+                          b.num_blocks - b.num_free_blocks, b.num_blocks, self.step_ewma_s * 1e3,
+                          step_token_budget=s.max_num_batched_tokens)
 
     def candidate(self) -> Candidate:
         # every simulated queue is unbounded: each worker always has room
@@ -112,7 +125,8 @@ class SimCluster:
     def __init__(self, prefill_perf: LinearPerfModel, decode_perf: LinearPerfModel, num_prefill: int = 0,
                  num_decode: int = 0, num_colocated: int = 0, worker_args: dict | None = None,
                  policy: DisaggregationPolicy = DisaggregationPolicy(), weights: DecodeWeights = DecodeWeights(),
-                 transfer: LinearPerfModel | None = None, prefill_worker_args: dict | None = None) -> None:
+                 transfer: LinearPerfModel | None = None, prefill_worker_args: dict | None = None,
+                 rebalance: RebalancePolicy | None = None, rebalance_every_s: float = 1.0) -> None:
         if not (num_decode or num_colocated):
             raise ValueError("a simulated cluster needs a decode or colocated worker")
         self.clock = Clock()
@@ -129,6 +143,12 @@ class SimCluster:
         self._waiting_kv: dict[str, tuple[SimWorker, Request]] = {}  # prefill request id -> decode side
         self._ids = itertools.count()
         self.on_done: Callable[[str], None] = lambda request_id: None  # a client's request completed
+        self.perf = {"prefill": prefill_perf, "decode": decode_perf}
+        self.rebalance, self.rebalance_every_s = rebalance, rebalance_every_s
+        self.controller = ControllerState()
+        self.recent_ttft = RecentTTFT()
+        self.moves: list[tuple[float, str, str, str]] = []  # (time, worker, new role, reason)
+        self._ticking = False
 
     # -- the router ------------------------------------------------------------------------------
 
@@ -141,7 +161,10 @@ class SimCluster:
         """Route as the router does, with loads read at this instant: a decode worker's scheduler
         holds the request from now on, while a prefill worker's is given it only once the decode
         worker has reserved its blocks, so until then the prefill worker counts it as routed."""
-        workers = {w.name: w for w in self.prefills + self.decodes}
+        if self.rebalance is not None and not self._ticking:
+            self._ticking = True
+            self.clock.at(self.clock.now, self._control)
+        workers = {w.name: w for w in self.prefills + self.decodes if w.moving_to is None}
         decision = route([w.candidate() for w in workers.values()], prompt, self.index, self.weights, self.policy)
         for r in decision.records:
             self.index.record(r.worker_id, r.block_size, r.hashes)
@@ -157,6 +180,30 @@ class SimCluster:
         self.records[request_id] = RequestRecord(start=self.clock.now, prompt_tokens=len(prompt))
         d.scheduler.add(req)
         d.kick()
+
+    # -- the P:D controller, the router's very rule (router/rebalance.py) ---------------------------
+
+    def _control(self) -> None:
+        """A round of the controller; a worker being moved takes its new role once it drained (it
+        is routed nothing meanwhile), with the performance model of that role's workers."""
+        for w in self.prefills + self.decodes:
+            if w.moving_to is not None and w.idle:
+                (self.prefills if w.role == "prefill" else self.decodes).remove(w)
+                w.role, w.perf, w.moving_to = w.moving_to, self.perf[w.moving_to], None
+                (self.prefills if w.role == "prefill" else self.decodes).append(w)
+        members = [PoolMember(w.name, w.role, w.load()) for w in self.prefills + self.decodes
+                   if w.role in ("prefill", "decode") and w.moving_to is None]
+        signals = pool_signals(members, self.recent_ttft.p90(self.clock.now))
+        decision = decide(signals, self.rebalance, self.controller, self.clock.now)
+        if decision.move is not None:
+            name = to_move(members, decision.move).worker_id
+            worker = next(w for w in self.prefills + self.decodes if w.name == name)
+            worker.moving_to = new_role(decision.move)
+            self.moves.append((self.clock.now, name, worker.moving_to, decision.reason))
+        if self.clock.pending:  # anything else still to happen: the controller keeps watching
+            self.clock.at(self.clock.now + self.rebalance_every_s, self._control)
+        else:
+            self._ticking = False
 
     # -- between workers ---------------------------------------------------------------------------
 
@@ -191,7 +238,9 @@ class SimCluster:
 
     def _tokens_arrived(self, record: RequestRecord) -> None:
         now = self.clock.now
-        record.first_token = record.first_token if record.first_token is not None else now
+        if record.first_token is None:
+            record.first_token = now
+            self.recent_ttft.add(now, now - record.start)
         record.chunk_times.append(now)
         record.output_tokens += 1
 

@@ -24,6 +24,7 @@ from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, markdown
 from pdserve.router.policy import DisaggregationPolicy
+from pdserve.router.rebalance import RebalancePolicy
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.perf import LinearPerfModel
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV blocks of 16 tokens per worker (default: what fits beside the weights when projected, "
                         "else 4096)")
     p.add_argument("--min-remote-tokens", type=int, default=256, help="the router's disaggregation threshold")
+    p.add_argument("--rebalance", action="store_true",
+                   help="run the router's P:D controller (against --ttft-slo and --tpot-slo): it moves workers "
+                        "between the prefill and decode pools as it would live")
     add_workload_args(p)
     p.add_argument("--result-json", default="results/simulate.json")
     args = p.parse_args(argv)
@@ -145,17 +149,28 @@ def main(argv: list[str] | None = None) -> int:
     if not min(worker_args["num_blocks"], prefill_args["num_blocks"] if args.prefill else 1):
         p.error("the model's weights leave no room for KV on those GPUs: raise the tensor parallelism or quantize")
 
+    rebalance = RebalancePolicy(args.ttft_slo / 1e3, args.tpot_slo / 1e3) if args.rebalance else None
+    made: list[SimCluster] = []
+
     def make_cluster() -> SimCluster:
-        return SimCluster(prefill_model, decode_model, args.prefill, args.decode, args.colocated, worker_args,
-                          DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model,
-                          prefill_worker_args=prefill_args)
+        made.append(SimCluster(prefill_model, decode_model, args.prefill, args.decode, args.colocated, worker_args,
+                               DisaggregationPolicy(min_remote_tokens=args.min_remote_tokens), transfer=prefill_model,
+                               prefill_worker_args=prefill_args, rebalance=rebalance))
+        return made[-1]
 
     runs = simulate_sweep(make_cluster, spec, points, args.burstiness, args.ttft_slo / 1e3, args.tpot_slo / 1e3)
+    if rebalance is not None:
+        for run, cluster in zip(runs, made):
+            run["moves"] = [{"at_s": round(t, 3), "worker": w, "to": role, "reason": why}
+                            for t, w, role, why in cluster.moves]
+            run["final_split"] = {"prefill": len(cluster.prefills), "decode": len(cluster.decodes)}
+            print(f"[simulate] {run['load']}: {len(cluster.moves)} moves, ending "
+                  f"{len(cluster.prefills)}P:{len(cluster.decodes)}D", file=sys.stderr)
     projection = None if args.profile else {
         "gpu": args.gpu, "model": args.model_spec, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
         "weight_bits": args.weight_bits, "fp8_compute": args.fp8_compute, "link": args.link}
     result = {"settings": {"profile": args.profile, "decode_profile": args.decode_profile, "projection": projection,
-                           "prefill": args.prefill,
+                           "prefill": args.prefill, "rebalance": args.rebalance,
                            "decode": args.decode, "colocated": args.colocated, **spec.describe()},
               "runs": runs}
     out = write_json(args.result_json, result)
