@@ -55,6 +55,7 @@ def worker_token(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from pdserve.kv_transfer.registry import PRODUCTION_BACKENDS
     from pdserve.models.registry import resolve_model
     from pdserve.worker.drain import Drain
     from pdserve.worker.server import create_app
@@ -63,10 +64,13 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a prefill worker
     t0 = time.perf_counter()
+    transfer = [t.strip() for t in args.transfer.split(",") if t.strip()]
+    if not set(transfer) <= set(PRODUCTION_BACKENDS):  # `memory` reaches nothing outside its own process
+        raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {args.transfer!r}")
     token, token_file = worker_token(args)
     config = EngineConfig(model=resolve_model(args.model), role=args.role, **engine_kwargs)
     worker = Worker(
-        config, [t.strip() for t in args.transfer.split(",") if t.strip()], token, args.host, args.kv_port,
+        config, transfer, token, args.host, args.kv_port,
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
         record_steps=args.record_steps,
     )
