@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import random
@@ -31,28 +30,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdserve import wire
-from pdserve.errors import OtherModel, RegistrationError
-from pdserve.http_errors import APIError, install_error_handlers, message_body, require_bearer
+from pdserve.http_errors import APIError, install_error_handlers, require_bearer
 from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.router import routing
 from pdserve.router.admin import add_admin_routes
-from pdserve.router.policy import (
-    Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex, WorkerLoad, choose_migrations,
-)
+from pdserve.router.membership import add_membership_routes
+from pdserve.router.policy import Admission, DecodeWeights, DisaggregationPolicy, HotSpotRelief, PrefixIndex
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.rebalance import (
-    ControllerState, PoolMember, RebalancePolicy, decide, new_role, pool_signals, to_move,
-)
+from pdserve.router.rebalance import ControllerState, RebalancePolicy
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, now
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
+from pdserve.router.rounds import reap
 from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, abort_on_worker, worker_lines
 from pdserve.router.waiting_line import WaitingLine
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
-
-HEARTBEAT_S = 1.0  # how often workers report their load (and renew their lease), at most
 
 
 @dataclass
@@ -93,7 +87,7 @@ class Router:
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
         self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
-        self._relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
+        self.relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
         self.controller = ControllerState()
 
     # -- choosing workers -----------------------------------------------------------------------
@@ -293,61 +287,6 @@ class Router:
             if live.worker_id == entry.worker_id:
                 live.inbox.put_nowait(WorkerLost(f"worker {entry.url} was dropped: {reason}"))
 
-    def pool(self) -> list[PoolMember]:
-        """The workers the P:D controller counts and may move."""
-        return [PoolMember(w.worker_id, w.role, w.load) for w in self.registry.workers()
-                if w.role in ("prefill", "decode") and not w.stats.draining]
-
-    async def rebalance(self) -> None:
-        """One round of the P:D controller: move one worker between the pools if the rule says so
-        (logged with its reason, counted in /metrics), by asking it to change its role."""
-        policy = self.config.rebalance
-        if policy is None:
-            return
-        members = self.pool()
-        signals = pool_signals(members, self.metrics.recent_ttft.p90(time.perf_counter()))
-        decision = decide(signals, policy, self.controller, time.monotonic())
-        if decision.move is None:
-            return
-        member, new = to_move(members, decision.move), new_role(decision.move)
-        worker = self.registry.get(member.worker_id)
-        if worker is None:
-            return
-        log.info("rebalance: %s %s -> %s: %s", worker.worker_id, worker.role, new, decision.reason)
-        self.metrics.rebalances.labels(decision.move).inc()
-        try:
-            await self.http.post(worker.url + "/v1/role", content=wire.encode(wire.RoleChange(role=new)),
-                                 headers=self.worker_headers, timeout=10.0)
-        except httpx.HTTPError as e:
-            log.warning("rebalance: %s did not take its new role: %s", worker.worker_id, e)
-
-    async def relieve_hot_spots(self) -> None:
-        """Move requests off decode workers whose KV use is past the hot threshold, at most one per
-        worker per heartbeat it sent (its load is only known again then)."""
-        if not self.config.migrate_hot_spots:
-            return
-        # a worker's load is known afresh only after a heartbeat since it last gave or took a request
-        decodes = {w.worker_id: w for w in self.registry.workers("decode")
-                   if w.heartbeats > self._relieved_at.get(w.worker_id, 0)}
-        streams = [s.running() for s in self.live.values()
-                   if s.n == 1 and s.move_to is None and s.worker_id in decodes]
-        loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
-        moves = choose_migrations(loads, streams, self.config.decode_weights, self.config.relief)
-        for stream_id, target in moves:
-            live = self.live.get(stream_id)
-            if live is None:
-                continue
-            hot = decodes[live.worker_id]
-            for entry in (hot, decodes[target]):
-                self._relieved_at[entry.worker_id] = entry.heartbeats
-            live.move_to = decodes[target]
-            try:  # the hot worker stops it; its last line ends the call, and the stream moves on
-                await self.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
-                    request_id=live.worker_request_id)), headers=self.worker_headers, timeout=5.0)
-            except httpx.HTTPError:
-                live.move_to = None  # the worker is failing: the failure path takes over
-
-
 def create_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -355,7 +294,7 @@ def create_app(router: Router) -> FastAPI:
         # connection must never time out and be taken for a failed worker.
         router.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None, pool=None),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        reaper = asyncio.create_task(_reap(router))
+        reaper = asyncio.create_task(reap(router))
         yield
         reaper.cancel()
         await router.http.aclose()
@@ -374,9 +313,6 @@ def create_app(router: Router) -> FastAPI:
 
     def check_key(request: Request) -> None:
         require_bearer(request, cfg.api_key, "API key")
-
-    def check_worker_token(request: Request) -> None:
-        require_bearer(request, cfg.worker_token, "worker token")
 
     @app.get("/health")
     async def health():
@@ -406,59 +342,5 @@ def create_app(router: Router) -> FastAPI:
         check_key(request)
         return await serve(router, body, chat=True, request=request)
 
-    @app.post("/internal/register")
-    async def register(request: Request):
-        check_worker_token(request)
-        body = await message_body(request, wire.Registration)
-        try:
-            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
-                                             body.block_size)
-        except OtherModel as e:
-            raise APIError(409, str(e)) from None
-        except RegistrationError as e:
-            raise APIError(400, str(e)) from None
-        log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
-        answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
-                                 heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
-        return Response(wire.encode(answer), media_type="application/json")
-
-    @app.post("/internal/heartbeat")
-    async def heartbeat(request: Request):
-        check_worker_token(request)
-        body = await message_body(request, wire.Heartbeat)
-        try:
-            router.registry.heartbeat(body.worker_id, body.stats, cfg.worker_token)
-        except KeyError:
-            raise APIError(404, "unknown worker: register again", "not_found_error") from None
-        return {"ok": True}
-
-    @app.post("/internal/deregister")
-    async def deregister(request: Request):
-        check_worker_token(request)
-        body = await message_body(request, wire.Deregistration)
-        entry = router.registry.remove(body.worker_id)
-        if entry is not None:
-            log.info("worker %s left (drained): %s at %s", entry.worker_id, entry.role, entry.url)
-        return {"ok": True}
-
+    add_membership_routes(app, router)
     return app
-
-
-def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:
-    """A draining worker looks full: its running requests move off it, and none moves onto it."""
-    load = worker.load
-    return dataclasses.replace(load, kv_blocks_used=load.kv_blocks_total) if worker.stats.draining else load
-
-
-async def _reap(router: Router) -> None:
-    while True:
-        await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
-        router.drop_expired_workers()
-        try:
-            await router.relieve_hot_spots()
-        except Exception:  # a round that fails must not end the reaper
-            log.exception("hot-spot relief round failed")
-        try:
-            await router.rebalance()
-        except Exception:
-            log.exception("rebalance round failed")

@@ -90,6 +90,7 @@ def test_the_router_moves_a_worker_as_the_rule_says(tiny_llama):
     """With the controller on, a pressed prefill pool (as the heartbeats tell it) makes the router
     move its least busy decode worker to prefill: the worker changes role in place."""
     from pdserve.router.rebalance import pool_signals
+    from pdserve.router.rounds import pool_members
     from pdserve.wire import WorkerStats
     from tests.router_server import RouterServer
     from tests.wait import wait_for
@@ -109,7 +110,7 @@ def test_the_router_moves_a_worker_as_the_rule_says(tiny_llama):
                            rs.router.config.worker_token)
         registry.heartbeat(ids[d2.url], WorkerStats(role="decode", running=1, step_latency_ewma_ms=20.0),
                            rs.router.config.worker_token)
-        s = pool_signals(rs.router.pool())
+        s = pool_signals(pool_members(rs.router.registry))
         assert (s.prefill_workers, s.decode_workers, s.prefill_queue_s, s.decode_step_s) == (1, 2, 3.2, 0.02)
         assert rs.router.config.rebalance is None  # off unless asked for
         rs.router.config.rebalance = policy

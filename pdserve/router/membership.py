@@ -1,0 +1,68 @@
+"""The routes workers use to join and leave the router (worker token only): register, renew the
+lease by heartbeat (its stats are the load the policies route by), deregister once drained.
+
+- POST /internal/register    Registration -> Registered (409 for a worker of another model)
+- POST /internal/heartbeat   Heartbeat (404: unknown, register again)
+- POST /internal/deregister  Deregistration
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from pdserve import wire
+from pdserve.errors import OtherModel, RegistrationError
+from pdserve.http_errors import APIError, message_body, require_bearer
+
+if TYPE_CHECKING:
+    from pdserve.router.app import Router
+
+log = logging.getLogger("pdserve.router")
+
+HEARTBEAT_S = 1.0  # how often workers report their load (and renew their lease), at most
+
+
+def add_membership_routes(app: FastAPI, router: Router) -> None:
+    cfg = router.config
+
+    def check_worker_token(request: Request) -> None:
+        require_bearer(request, cfg.worker_token, "worker token")
+
+    @app.post("/internal/register")
+    async def register(request: Request):
+        check_worker_token(request)
+        body = await message_body(request, wire.Registration)
+        try:
+            entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
+                                             body.block_size)
+        except OtherModel as e:
+            raise APIError(409, str(e)) from None
+        except RegistrationError as e:
+            raise APIError(400, str(e)) from None
+        log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
+        answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
+                                 heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
+        return Response(wire.encode(answer), media_type="application/json")
+
+    @app.post("/internal/heartbeat")
+    async def heartbeat(request: Request):
+        check_worker_token(request)
+        body = await message_body(request, wire.Heartbeat)
+        try:
+            router.registry.heartbeat(body.worker_id, body.stats, cfg.worker_token)
+        except KeyError:
+            raise APIError(404, "unknown worker: register again", "not_found_error") from None
+        return {"ok": True}
+
+    @app.post("/internal/deregister")
+    async def deregister(request: Request):
+        check_worker_token(request)
+        body = await message_body(request, wire.Deregistration)
+        entry = router.registry.remove(body.worker_id)
+        if entry is not None:
+            log.info("worker %s left (drained): %s at %s", entry.worker_id, entry.role, entry.url)
+        return {"ok": True}
