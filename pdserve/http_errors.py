@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.wire import BadMessage, decode
+
 
 log = logging.getLogger("pdserve.http")
 
@@ -34,8 +36,6 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
 
 async def message_body(request: Request, kind):
     """The request's body as a wire message of `kind` (pdserve/wire.py), or a 400 naming the field."""
-    from pdserve.wire import BadMessage, decode
-
     try:
         return decode(await request.body(), kind)
     except BadMessage as e:

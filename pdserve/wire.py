@@ -26,7 +26,9 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from pdserve.sampling_params import MAX_N, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT
+from pdserve.sampling_params import (
+    MAX_N, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, SamplingParams,
+)
 
 MAX_SEQUENCE_TOKENS = 1 << 20  # prompt (or generated) token ids in one request; the model's length is lower
 MAX_PRIORITY = 1000  # priorities from peers are in [-MAX_PRIORITY, MAX_PRIORITY]
@@ -105,22 +107,18 @@ class Sampling(Message):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
 
-    def params(self):
+    def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
         such as min_tokens past max_tokens). Workers do not detokenize: `detokenize=False`."""
-        from pdserve.sampling_params import SamplingParams
-
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, max_tokens=self.max_tokens,
-                              min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, detokenize=False)
+        return SamplingParams(**_copied(self, self.__struct_fields__), detokenize=False)
 
     @classmethod
-    def of(cls, params) -> Sampling:
-        return cls(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                   min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens,
-                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
-                   ignore_eos=params.ignore_eos)
+    def of(cls, params: SamplingParams) -> Sampling:
+        return cls(**_copied(params, cls.__struct_fields__))
+
+
+def _copied(source: object, fields: tuple[str, ...]) -> dict:
+    return {f: list(v) if isinstance(v := getattr(source, f), list) else v for f in fields}
 
 
 class GenerateRequest(Message, kw_only=True):
