@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -26,11 +28,12 @@ import httpx
 
 from pdserve.bench.procmem import memory_mib
 from pdserve.bench.results import write_json
+from pdserve.credentials import TOKEN_ENV
 
 
-def _spawn(argv: list[str]) -> tuple[subprocess.Popen, dict]:
+def _spawn(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"{argv[0]} did not start")
@@ -48,12 +51,14 @@ def run(args: argparse.Namespace) -> dict:
         from pdserve.models.synthetic import write_model
         model = str(write_model(Path(tempfile.mkdtemp()) / "tiny", "tiny", "llama"))
     procs = []
+    token = secrets.token_hex(32)  # the worker's and router's shared secret, in their environment
+    env, auth = {**os.environ, TOKEN_ENV: token}, {"Authorization": f"Bearer {token}"}
     try:
         router, r_ready = _spawn(["router", "--model", model, "--port", "0", "--served-model-name", "m",
-                                  "--max-queued-requests", str(args.concurrency)])
+                                  "--max-queued-requests", str(args.concurrency)], env)
         procs.append(router)
         worker, w_ready = _spawn(["worker", "--model", model, "--role", "both", "--port", "0", "--router",
-                                  r_ready["url"], "--threads", "1", "--dtype", "float32"])
+                                  r_ready["url"], "--threads", "1", "--dtype", "float32"], env)
         procs.append(worker)
         with httpx.Client(timeout=60) as http:
             while http.get(r_ready["url"] + "/health").json()["workers"] < 1:
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
         routed = (r_ready["url"] + "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 1,
                                                      "temperature": 0})
         latency: dict[str, list[float]] = {"direct": [], "router": []}
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, headers=auth) as http:  # the router, without an API key, ignores it
             for _ in range(20):  # warm up
                 http.post(*direct[:1], json=direct[1])
                 http.post(*routed[:1], json=routed[1])
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
                     r = http.post(url, json=body)
                     latency[name].append(time.perf_counter() - t0)
                     r.raise_for_status()
-        capacity = {name: _capacity(url, body, args.concurrency, args.requests) for name, (url, body)
+        capacity = {name: _capacity(url, body, args.concurrency, args.requests, auth) for name, (url, body)
                     in (("direct", direct), ("router", routed))}
         overload = _overload(routed[0], {**routed[1], "max_tokens": 32, "ignore_eos": True},
                              20 * args.concurrency, router.pid)
@@ -90,12 +95,12 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _capacity(url: str, body: dict, concurrency: int, total: int) -> float:
+def _capacity(url: str, body: dict, concurrency: int, total: int, headers: dict) -> float:
     left = [total]
     lock = threading.Lock()
 
     def client() -> None:
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, headers=headers) as http:
             while True:
                 with lock:
                     if left[0] == 0:
