@@ -4,12 +4,15 @@ Lifecycle:
 1. Register (URL, role, model hash) with the cluster token; the router answers with an id and a
    lease length, or refuses (wrong token, another model), which is logged and retried.
 2. Every third of the lease, send `/stats` as a heartbeat; a router that no longer knows the id
-   (it restarted, or the lease lapsed) is registered with again.
+   (it restarted, or the lease lapsed) is registered with again, and so is one whose entry is of
+   another role than the stats report (the role changed): a heartbeat only ever renews an entry
+   of the role it reports.
 3. Nothing ends the thread but `stop()`: a router that is down, refuses, or answers garbage, and
    a stats call that fails, are logged (the first of a streak at once, then every
    `REPORT_EVERY_S`) and retried; `status` says how the last attempt went (the worker's
    /health shows it).
-4. `beat_now()` sends the next heartbeat at once (a draining worker says so without delay).
+4. `beat_now()` sends the next heartbeat at once (a draining worker says so without delay; a
+   worker in a new role registers in it, and the router replaces the entry at its URL).
 5. `leave()` ends the thread and deregisters: the router drops the worker now. `stop()` ends the
    thread only; the router drops the worker when its lease runs out.
 """
@@ -62,12 +65,6 @@ class RouterMembership:
     def beat_now(self) -> None:
         self._wake.set()
 
-    def change_role(self, role: str) -> None:
-        """Register again, at once, in `role` (the router replaces the entry at this URL)."""
-        self.registration = msgspec.structs.replace(self.registration, role=role)
-        self.worker_id = None
-        self.beat_now()
-
     def leave(self) -> None:
         self.stop()
         if self.worker_id is None:
@@ -107,6 +104,12 @@ class RouterMembership:
         self.status = "registered"
 
     def _beat(self, http: httpx.Client) -> None:
+        stats = self.stats()
+        if stats.role != self.registration.role:
+            # The role changed (on another thread) since this worker registered: these stats must
+            # not renew the old role's entry, or the router would route that role's work here.
+            self.registration = msgspec.structs.replace(self.registration, role=stats.role)
+            self.worker_id = None
         if self.worker_id is None:
             r = http.post(self.router_url + "/internal/register", content=wire.encode(self.registration))
             if r.status_code != 200:
@@ -115,7 +118,7 @@ class RouterMembership:
             every = answer.heartbeat_s or answer.lease_s / 3  # loads fresh enough to route by
             self.worker_id, self.interval = answer.worker_id, max(0.05, every)
             log.info("registered with %s as %s", self.router_url, self.worker_id)
-        beat = wire.Heartbeat(worker_id=self.worker_id, stats=self.stats())
+        beat = wire.Heartbeat(worker_id=self.worker_id, stats=stats)
         r = http.post(self.router_url + "/internal/heartbeat", content=wire.encode(beat))
         if r.status_code == 404:  # the router forgot us (restarted, or the lease lapsed): register again now
             self.worker_id = None

@@ -226,8 +226,8 @@ class Worker:
                 time.sleep(0.05)
             log.info("role %s -> %s (%s)", self.role, role, "drained" if self.idle() else "drain timed out")
             self.role, self.draining = role, was
-            if self.membership is not None:
-                self.membership.change_role(role)
+            if self.membership is not None:  # its stats now report the new role: it registers in it
+                self.membership.beat_now()
             return True
         finally:
             self._role_change.release()

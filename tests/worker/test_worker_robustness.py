@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from pdserve import wire
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.worker.output_stream import OutputStream
 from pdserve.worker.registration import RouterMembership
@@ -165,10 +166,10 @@ def test_stats_do_not_wait_for_a_stalled_engine(worker):
 def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):
     failures = [TimeoutError("the engine did not answer in time"), RuntimeError("boom")]
 
-    def stats() -> dict:
+    def stats() -> wire.WorkerStats:
         if failures:
             raise failures.pop(0)
-        return {"running": 0, "kv_blocks_total": 8}
+        return wire.WorkerStats(role="decode", running=0, kv_blocks_total=8)
     with RouterServer(tiny_llama) as rs:
         router = rs.router
         member = RouterMembership(rs.url, "http://127.0.0.1:5", "decode", router.registry.model_hash, stats).start()
@@ -176,6 +177,30 @@ def test_heartbeats_survive_a_stats_call_that_fails(tiny_llama):
             wait_for(lambda: router.registry.workers() and router.registry.workers()[0].heartbeats > 0
                      and member.status == "registered", 30, "a heartbeat after the failures")
             assert not failures
+        finally:
+            member.stop()
+
+
+def test_a_heartbeat_reaches_only_an_entry_of_the_role_it_reports(tiny_llama):
+    """A role change lands in the worker's stats on the thread that changes it, and may reach the
+    heartbeat thread before the membership is told. That heartbeat (new role, no longer draining)
+    must not renew the entry of the old role: the router would route decode work to a worker
+    that now refuses it. The worker registers again in the role its stats report."""
+    now = {"role": "decode", "draining": True}
+
+    def stats() -> wire.WorkerStats:
+        return wire.WorkerStats(role=now["role"], draining=now["draining"], kv_blocks_total=8)
+    with RouterServer(tiny_llama) as rs:
+        registry, url = rs.router.registry, "http://127.0.0.1:5"
+        member = RouterMembership(rs.url, url, "decode", registry.model_hash, stats).start()
+        try:
+            wait_for(lambda: [e.heartbeats for e in registry.workers()] == [1], 30, "the first heartbeat")
+            now.update(role="prefill", draining=False)  # changed, and the membership not told yet
+            member.beat_now()
+            wait_for(lambda: any(e.stats.role == "prefill" for e in registry.workers()), 30,
+                     "a heartbeat of the new role", state=registry.workers)
+            entries = registry.workers()
+            assert [(e.url, e.role, e.stats.role) for e in entries] == [(url, "prefill", "prefill")]
         finally:
             member.stop()
 
