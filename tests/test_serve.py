@@ -52,6 +52,7 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
             pass
         err = proc.stderr.read()
         assert "all 2 workers registered" in err and "stopping" in err
+        assert "pdserve.router INFO worker w1 registered" in err  # the router's own log reaches stderr
         # every step each worker ran, with its shape: the prompt (short: the decode worker computes
         # it), then four decodes (the fifth token is the prompt step's)
         logged = {f.name: [json.loads(line) for line in f.read_text().splitlines()] for f in steps.iterdir()}

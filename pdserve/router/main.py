@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -113,6 +114,10 @@ def run_router(args: argparse.Namespace) -> int:
 
     from pdserve.router.app import create_app
 
+    # the router's own decisions (workers joining and leaving, the P:D controller's moves and their
+    # reasons) are INFO lines; without a handler only warnings would reach stderr
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call to a worker
     api_key, token, token_file = router_secrets(args)
     router = build_router(args, api_key, token)
     sock = tcp_listener(args.host, args.port)
