@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.router.main import add_controller_args, controller_argv
 from pdserve.supervisor import RestartPolicy, Supervisor
 
 STOP_GRACE_S = 15.0
@@ -51,8 +52,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--queue-timeout", type=float, default=300.0,
                    help="seconds an admitted request waits for a worker with room before a 503")
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
-    g.add_argument("--rebalance", action="store_true",
-                   help="the router moves workers between the prefill and decode pools as the load asks (P:D control)")
+    add_controller_args(g)
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
@@ -95,8 +95,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         router = sup.start("router", ["router", *model, "--host", args.host, "--port", str(args.port),
                                       "--max-tokens-default", str(args.max_tokens_default),
                                       "--max-queued-requests", str(args.max_queued_requests),
-                                      "--queue-timeout", str(args.queue_timeout),
-                                      *(["--rebalance"] if args.rebalance else [])])
+                                      "--queue-timeout", str(args.queue_timeout), *controller_argv(args)])
         url = router.child.wait_ready(args.ready_timeout)["url"]
         _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
         say(f"router ready at {url}")

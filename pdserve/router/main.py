@@ -12,6 +12,7 @@ import sys
 from pdserve.credentials import (
     ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret,
 )
+from pdserve.router.rebalance import RebalancePolicy
 
 
 def _fraction(text: str) -> float:
@@ -25,6 +26,13 @@ def _seconds(text: str) -> float:
     value = float(text)
     if not 0.0 < value < 86400.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 86400) seconds, got {text}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 86_400_000.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 86400000) milliseconds, got {text}")
     return value
 
 
@@ -58,11 +66,41 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="KV use past which a decode worker gets no new work and running requests move off it")
     p.add_argument("--no-hot-spot-migration", action="store_true",
                    help="keep running requests where they are, however hot their decode worker")
+    add_controller_args(p)
+
+
+_POLICY = RebalancePolicy()
+
+
+def add_controller_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The targets and the P:D controller's flags; `pdserve serve` takes the same ones and hands them
+    to its router (`controller_argv`)."""
     p.add_argument("--rebalance", action="store_true",
                    help="the P:D controller: move workers between the prefill and decode pools as their pressure "
                         "against the TTFT and TPOT targets says (off by default)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target for SLA attainment metrics")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target for SLA attainment metrics")
+    p.add_argument("--rebalance-confirm-s", type=_seconds, default=_POLICY.confirm_s,
+                   help="seconds a pool's need must hold before the controller moves a worker")
+    p.add_argument("--rebalance-dwell-s", type=_seconds, default=_POLICY.dwell_s,
+                   help="seconds after a move before the controller considers another")
+    p.add_argument("--slo-ttft-ms", type=_milliseconds, default=_POLICY.ttft_target_s * 1e3,
+                   help="TTFT target: SLA attainment metrics, and the controller's prefill pressure")
+    p.add_argument("--slo-tpot-ms", type=_milliseconds, default=_POLICY.tpot_target_s * 1e3,
+                   help="TPOT target: SLA attainment metrics, and the controller's decode pressure")
+
+
+def controller_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of `add_controller_args` as parsed, as argv for a `pdserve router`."""
+    return [*(["--rebalance"] if args.rebalance else []),
+            "--rebalance-confirm-s", repr(args.rebalance_confirm_s), "--rebalance-dwell-s", repr(args.rebalance_dwell_s),
+            "--slo-ttft-ms", repr(args.slo_ttft_ms), "--slo-tpot-ms", repr(args.slo_tpot_ms)]
+
+
+def rebalance_policy(args: argparse.Namespace) -> RebalancePolicy | None:
+    """The controller's policy from parsed args; None without --rebalance."""
+    if not args.rebalance:
+        return None
+    return RebalancePolicy(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.hot_kv_usage,
+                           confirm_s=args.rebalance_confirm_s, dwell_s=args.rebalance_dwell_s)
 
 
 def router_secrets(args: argparse.Namespace) -> tuple[str, str, str | None]:
@@ -90,8 +128,6 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     from pdserve.models.registry import resolve_model
     from pdserve.router.app import Router, RouterConfig
     from pdserve.router.policy import DecodeWeights
-    from pdserve.router.rebalance import RebalancePolicy
-
     path = resolve_model(args.model)
     info = load_model_info(path)  # no tensors: the router computes nothing with the model
     arch = ArchConfig.from_hf_config(info.hf_config)
@@ -104,8 +140,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
                           ttft_slo_s=args.slo_ttft_ms / 1e3, tpot_slo_s=args.slo_tpot_ms / 1e3,
                           migrate_on_failure=args.migrate_on_failure, migrate_hot_spots=not args.no_hot_spot_migration,
                           decode_weights=DecodeWeights(hot_kv_usage=args.hot_kv_usage),
-                          rebalance=RebalancePolicy(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.hot_kv_usage)
-                          if args.rebalance else None)
+                          rebalance=rebalance_policy(args))
     return Router(config, info.tokenizer, model_fingerprint(arch), arch.vocab_size)
 
 
