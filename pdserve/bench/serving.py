@@ -7,7 +7,9 @@
 3. Summarize (metrics.py), add the per-phase breakdown the server reports when it is pdserve (its
    `/metrics` before and after), and write JSON, a markdown table and PNG plots.
 
-`pdserve bench compare` (compare.py) runs the same sweep against local clusters of each kind.
+`pdserve bench compare` (compare.py) runs the same sweep against local clusters of each kind;
+`pdserve bench shift` (shift.py) runs a workload that changes halfway against the P:D controller
+and static splits.
 """
 
 from __future__ import annotations
@@ -84,9 +86,12 @@ async def _send(http: httpx.AsyncClient, url: str, payload: dict, record: Reques
 
 async def run_load(url: str, model: str, requests: list[BenchRequest], rate: float, concurrency: int | None,
                    burstiness: float = 1.0, seed: int = 0, api_key: str = "", temperature: float = 0.0,
-                   label: str = "", timeout_s: float = 600.0) -> list[RequestRecord]:
-    """Send the requests at their arrival times; returns one record per request, in order."""
-    offsets = arrival_times(len(requests), rate, burstiness, seed)
+                   label: str = "", timeout_s: float = 600.0, offsets: list[float] | None = None
+                   ) -> list[RequestRecord]:
+    """Send the requests at their arrival times (`offsets` in seconds from the start, or drawn from
+    `rate`, `burstiness` and `seed`); returns one record per request, in order."""
+    if offsets is None:
+        offsets = arrival_times(len(requests), rate, burstiness, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     progress = Progress(len(requests), label or "bench")
     records = [RequestRecord(start=0.0, prompt_tokens=r.prompt_tokens) for r in requests]
@@ -246,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["compare"]:
         from pdserve.bench.compare import main as compare_main
         return compare_main(argv[1:])
+    if argv[:1] == ["shift"]:
+        from pdserve.bench.shift import main as shift_main
+        return shift_main(argv[1:])
     if argv[:1] == ["soak"]:
         from pdserve.bench.soak.run import main as soak_main
         return soak_main(argv[1:])
