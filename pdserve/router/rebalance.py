@@ -61,10 +61,16 @@ class ControllerState:
     moves: dict[str, int] = field(default_factory=lambda: {"to_prefill": 0, "to_decode": 0})
 
 
+Stage = Literal["balanced", "confirming", "dwelling", "moving"]
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     move: Move | None
     reason: str
+    stage: Stage = "moving"  # balanced: nothing asked; confirming: a need that has not held long
+    # enough; dwelling: a confirmed need waiting out the dwell; moving: `move` now
+    wanted: Move | None = None  # what the signals ask for, moved or not
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +152,13 @@ def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -
     if want != state.wanted:
         state.wanted, state.since = want, now
     if want is None:
-        return Decision(None, f"balanced: {said}")
+        return Decision(None, f"balanced: {said}", "balanced")
     if now - state.since < p.confirm_s:
-        return Decision(None, f"{want} asked for {now - state.since:.0f}s of {p.confirm_s:.0f}: {said}")
+        return Decision(None, f"{want} asked for {now - state.since:.0f}s of {p.confirm_s:.0f}: {said}", "confirming",
+                        want)
     if now - state.last_move_at < p.dwell_s:
         return Decision(None, f"{want} held: {now - state.last_move_at:.0f}s since the last move of "
-                              f"{p.dwell_s:.0f}: {said}")
+                              f"{p.dwell_s:.0f}: {said}", "dwelling", want)
     state.last_move_at, state.wanted = now, None
     state.moves[want] += 1
-    return Decision(want, said)
+    return Decision(want, said, "moving", want)

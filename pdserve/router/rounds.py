@@ -50,6 +50,10 @@ async def rebalance(router: Router) -> None:
     members = pool_members(router.registry)
     signals = pool_signals(members, router.metrics.recent_ttft.p90(time.perf_counter()))
     decision = decide(signals, policy, router.controller, time.monotonic())
+    if (decision.stage, decision.wanted) != router.controller_said:  # each change of mind, not every round
+        router.controller_said = (decision.stage, decision.wanted)
+        if decision.move is None:
+            log.info("rebalance: %s", decision.reason)
     if decision.move is None:
         return
     member, new = to_move(members, decision.move), new_role(decision.move)

@@ -37,6 +37,18 @@ def test_a_pressed_prefill_pool_takes_a_relaxed_decode_worker_once_the_need_held
     assert state.moves == {"to_prefill": 1, "to_decode": 0}
 
 
+def test_each_decision_says_its_stage_and_what_the_signals_want():
+    """The router logs the controller's changes of mind by these (balanced, confirming, dwelling,
+    moving), so that a run that moved nothing says why."""
+    state, pressed = ControllerState(), signals(prefill_queue_s=4.0)
+    seen = [(d.stage, d.wanted, d.move) for d in (
+        decide(signals(), POLICY, state, 0), decide(pressed, POLICY, state, 1), decide(pressed, POLICY, state, 11),
+        decide(pressed, POLICY, state, 30), decide(pressed, POLICY, state, 45))]
+    assert seen == [("balanced", None, None), ("confirming", "to_prefill", None), ("moving", "to_prefill", "to_prefill"),
+                    ("confirming", "to_prefill", None),  # a need is confirmed afresh after a move
+                    ("dwelling", "to_prefill", None)]  # confirmed, 34 s into the 60 s dwell
+
+
 def test_a_need_that_goes_away_starts_over():
     state = ControllerState()
     assert run(state, signals(prefill_queue_s=4.0), 0, 8) == []
