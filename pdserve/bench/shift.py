@@ -38,7 +38,9 @@ from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.loadgen import LengthDist
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import run_load, server_info
-from pdserve.bench.shift_report import BASELINE, REBALANCE, half_summaries, parse_moves, ratios, table, timeline_plot
+from pdserve.bench.shift_report import (
+    BASELINE, REBALANCE, half_summaries, parse_decisions, parse_moves, ratios, table, timeline_plot,
+)
 from pdserve.bench.shift_workload import Phase, ShiftWorkload, Split, build_shift_workload, disaggregated_splits
 from pdserve.bench.metrics import summarize
 
@@ -125,7 +127,8 @@ def run_config(name: str, split: Split, rebalance: bool, args: argparse.Namespac
               "whole": summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3), "split_over_time": timeline,
               "processes": cluster.ready["processes"], "log": str(log_path)}
     if rebalance:
-        result["moves"] = parse_moves(log_path.read_text(), wall0)
+        log = log_path.read_text()
+        result["moves"], result["decisions"] = parse_moves(log, wall0), parse_decisions(log, wall0)
         result["rebalances_total"] = counted
     for half, s in enumerate(halves):
         say(f"{name}, half {half + 1}: {s['completed']}/{s['num_requests']} done, goodput {s['goodput']:.3f} req/s, "
@@ -176,16 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "--workers)")
     p.add_argument("--serve-args", default="", help="more flags for every `pdserve serve`, e.g. '--dtype float32'")
     g = p.add_argument_group("workload")
-    g.add_argument("--phase-s", type=_positive(float), default=75.0, help="seconds of each phase")
-    g.add_argument("--phase1-rate", type=_positive(float), default=0.45, help="requests/s in phase 1 (Poisson)")
+    g.add_argument("--phase-s", type=_positive(float), default=60.0, help="seconds of each phase")
+    g.add_argument("--phase1-rate", type=_positive(float), default=0.8, help="requests/s in phase 1 (Poisson)")
     g.add_argument("--phase1-input-len", type=_length, default=LengthDist.parse("1024+-128"),
                    help="phase 1 prompt tokens: N, A-B or M+-S (long prompts)")
     g.add_argument("--phase1-output-len", type=_length, default=LengthDist.parse("16"),
                    help="phase 1 output tokens (short answers; EOS ignored)")
-    g.add_argument("--phase2-rate", type=_positive(float), default=0.6, help="requests/s in phase 2 (Poisson)")
+    g.add_argument("--phase2-rate", type=_positive(float), default=0.7, help="requests/s in phase 2 (Poisson)")
     g.add_argument("--phase2-input-len", type=_length, default=LengthDist.parse("64"),
                    help="phase 2 prompt tokens (short prompts)")
-    g.add_argument("--phase2-output-len", type=_length, default=LengthDist.parse("256"),
+    g.add_argument("--phase2-output-len", type=_length, default=LengthDist.parse("128"),
                    help="phase 2 output tokens (long answers; EOS ignored)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=_positive(int), default=None,
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("targets and the controller")
     g.add_argument("--ttft-slo", type=_positive(float), default=6000.0,
                    help="TTFT target in ms: goodput, and the controller's prefill pressure")
-    g.add_argument("--tpot-slo", type=_positive(float), default=100.0,
+    g.add_argument("--tpot-slo", type=_positive(float), default=200.0,
                    help="TPOT target in ms: goodput, and the controller's decode pressure")
     g.add_argument("--rebalance-confirm-s", type=_positive(float), default=5.0,
                    help="seconds a need must hold before the controller moves a worker")

@@ -17,6 +17,8 @@ REBALANCE = "rebalance"
 BASELINE = "1P1D"
 # the router's log line for a move, and the worker's once it serves in its new role
 _MOVE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.router INFO rebalance: (\S+) (\w+) -> (\w+): (.*)$")
+_SAID = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.router INFO rebalance: "
+                   r"((?:balanced|to_\w+ asked|to_\w+ held).*)$")
 _ROLE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.worker INFO role (\w+) -> (\w+) \((.*)\)$")
 
 
@@ -73,6 +75,13 @@ def parse_moves(log: str, start_epoch: float) -> list[dict]:
     return moves
 
 
+def parse_decisions(log: str, start_epoch: float) -> list[dict]:
+    """The controller's changes of mind that moved nothing (balanced, a need being confirmed, one
+    held by the dwell), with their times in seconds from `start_epoch` and the signals it read."""
+    return [{"at_s": round(_epoch(m[1], m[2]) - start_epoch, 3), "said": m[3]}
+            for line in log.splitlines() if (m := _SAID.match(line))]
+
+
 def table(results: dict[str, dict], num_phases: int) -> str:
     lines = ["| config | half | done/sent | goodput req/s | SLA % | TTFT p50 / p90 ms | TPOT p50 / p90 ms | out tok/s "
              "| vs 1P1D | vs best static |", "|" + " --- |" * 10]
@@ -100,6 +109,10 @@ def table(results: dict[str, dict], num_phases: int) -> str:
         for m in moves:
             serving = "" if m["serving_at_s"] is None else f", serving as {m['to']} at {m['serving_at_s']:.0f}s"
             lines.append(f"- at {m['at_s']:.0f}s {m['worker']} {m['from']} -> {m['to']}{serving}: {m['reason']}")
+        said = results[REBALANCE].get("decisions") or []
+        if said:
+            lines.append(f"It changed its mind {len(said)} time(s) without moving (all in the JSON); the last, "
+                         f"at {said[-1]['at_s']:.0f}s: {said[-1]['said']}")
     return "\n".join(lines)
 
 
