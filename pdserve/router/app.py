@@ -89,7 +89,7 @@ class Router:
         self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
         self.relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
         self.controller = ControllerState()
-        self.controller_said: tuple[str, str | None] = ("balanced", None)  # the last stage it logged
+        self.controller_said: tuple[str, str | None] | None = None  # the last (stage, wanted) it logged
 
     # -- choosing workers -----------------------------------------------------------------------
 

@@ -61,15 +61,16 @@ class ControllerState:
     moves: dict[str, int] = field(default_factory=lambda: {"to_prefill": 0, "to_decode": 0})
 
 
-Stage = Literal["balanced", "confirming", "dwelling", "moving"]
+Stage = Literal["balanced", "blocked", "confirming", "dwelling", "moving"]
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     move: Move | None
     reason: str
-    stage: Stage = "moving"  # balanced: nothing asked; confirming: a need that has not held long
-    # enough; dwelling: a confirmed need waiting out the dwell; moving: `move` now
+    stage: Stage = "moving"  # balanced: no pool past its target; blocked: one is, but the other is not
+    # relaxed enough to give a worker (or is at its minimum); confirming: a need that has not held
+    # long enough; dwelling: a confirmed need waiting out the dwell; moving: `move` now
     wanted: Move | None = None  # what the signals ask for, moved or not
 
 
@@ -151,6 +152,9 @@ def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -
         want = None
     if want != state.wanted:
         state.wanted, state.since = want, now
+    if want is None and max(pp, dp) > p.high:
+        return Decision(None, f"blocked: a pool is past its target, the other cannot give a worker: {said}",
+                        "blocked")
     if want is None:
         return Decision(None, f"balanced: {said}", "balanced")
     if now - state.since < p.confirm_s:

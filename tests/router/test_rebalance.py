@@ -38,8 +38,8 @@ def test_a_pressed_prefill_pool_takes_a_relaxed_decode_worker_once_the_need_held
 
 
 def test_each_decision_says_its_stage_and_what_the_signals_want():
-    """The router logs the controller's changes of mind by these (balanced, confirming, dwelling,
-    moving), so that a run that moved nothing says why."""
+    """The router logs the controller's changes of mind by these (balanced, blocked, confirming,
+    dwelling, moving), so that a run that moved nothing says why."""
     state, pressed = ControllerState(), signals(prefill_queue_s=4.0)
     seen = [(d.stage, d.wanted, d.move) for d in (
         decide(signals(), POLICY, state, 0), decide(pressed, POLICY, state, 1), decide(pressed, POLICY, state, 11),
@@ -47,6 +47,8 @@ def test_each_decision_says_its_stage_and_what_the_signals_want():
     assert seen == [("balanced", None, None), ("confirming", "to_prefill", None), ("moving", "to_prefill", "to_prefill"),
                     ("confirming", "to_prefill", None),  # a need is confirmed afresh after a move
                     ("dwelling", "to_prefill", None)]  # confirmed, 34 s into the 60 s dwell
+    both = decide(signals(prefill_queue_s=4.0, decode_step_s=0.2), POLICY, state, 46)
+    assert both.stage == "blocked" and both.move is None and "prefill at 2.00x" in both.reason
 
 
 def test_a_need_that_goes_away_starts_over():
