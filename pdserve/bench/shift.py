@@ -180,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default="", help="more flags for every `pdserve serve`, e.g. '--dtype float32'")
     g = p.add_argument_group("workload")
     g.add_argument("--phase-s", type=_positive(float), default=60.0, help="seconds of each phase")
-    g.add_argument("--phase1-rate", type=_positive(float), default=0.8, help="requests/s in phase 1 (Poisson)")
+    g.add_argument("--phase1-rate", type=_positive(float), default=0.6, help="requests/s in phase 1 (Poisson)")
     g.add_argument("--phase1-input-len", type=_length, default=LengthDist.parse("1024+-128"),
                    help="phase 1 prompt tokens: N, A-B or M+-S (long prompts)")
     g.add_argument("--phase1-output-len", type=_length, default=LengthDist.parse("16"),
                    help="phase 1 output tokens (short answers; EOS ignored)")
-    g.add_argument("--phase2-rate", type=_positive(float), default=0.7, help="requests/s in phase 2 (Poisson)")
+    g.add_argument("--phase2-rate", type=_positive(float), default=1.0, help="requests/s in phase 2 (Poisson)")
     g.add_argument("--phase2-input-len", type=_length, default=LengthDist.parse("64"),
                    help="phase 2 prompt tokens (short prompts)")
     g.add_argument("--phase2-output-len", type=_length, default=LengthDist.parse("128"),
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("targets and the controller")
     g.add_argument("--ttft-slo", type=_positive(float), default=6000.0,
                    help="TTFT target in ms: goodput, and the controller's prefill pressure")
-    g.add_argument("--tpot-slo", type=_positive(float), default=200.0,
+    g.add_argument("--tpot-slo", type=_positive(float), default=300.0,
                    help="TPOT target in ms: goodput, and the controller's decode pressure")
     g.add_argument("--rebalance-confirm-s", type=_positive(float), default=5.0,
                    help="seconds a need must hold before the controller moves a worker")

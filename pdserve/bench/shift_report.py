@@ -18,7 +18,7 @@ BASELINE = "1P1D"
 # the router's log line for a move, and the worker's once it serves in its new role
 _MOVE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.router INFO rebalance: (\S+) (\w+) -> (\w+): (.*)$")
 _SAID = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.router INFO rebalance: "
-                   r"((?:balanced|to_\w+ asked|to_\w+ held).*)$")
+                   r"((?:balanced|blocked|to_\w+ asked|to_\w+ held).*)$")
 _ROLE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) pdserve\.worker INFO role (\w+) -> (\w+) \((.*)\)$")
 
 
