@@ -36,13 +36,13 @@ import httpx
 
 from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.loadgen import LengthDist
+from pdserve.bench.metrics import summarize
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import run_load, server_info
 from pdserve.bench.shift_report import (
     BASELINE, REBALANCE, half_summaries, parse_decisions, parse_moves, ratios, table, timeline_plot,
 )
 from pdserve.bench.shift_workload import Phase, ShiftWorkload, Split, build_shift_workload, disaggregated_splits
-from pdserve.bench.metrics import summarize
 
 
 def say(msg: str) -> None:
