@@ -69,8 +69,11 @@ def test_a_decode_worker_turns_prefill_mid_decode_and_no_request_changes(tiny_ll
             r = httpx.post(rs.url + f"/admin/workers/{wid}/role", json={"role": "prefill"},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
             assert r.status_code == 200, r.text
-            # the change began with requests mid-decode on it: they finish or move, none is lost
-            assert flips.worker.draining and flips.worker.stats().running > 0
+            # the change began with requests mid-decode on it (the worker drains on a thread of its
+            # own, started as it answers; relief then moves one request per heartbeat): they
+            # finish or move, none is lost
+            wait_for(lambda: flips.worker.draining, 10, "the worker to start draining")
+            assert flips.worker.stats().running > 0
             during = [pool.submit(complete, p) for p in DURING_CHANGE]
 
             wait_for(lambda: roles() == {pre.url: "prefill", flips.url: "prefill", other.url: "decode"}, 60,
