@@ -185,6 +185,16 @@ class PrefillRole(RoleHooks):
         for sender in self._senders.values():
             sender.close()
 
+    def cut_links(self) -> int:
+        """Close every live link to a decode worker, as a network fault would (fault injection):
+        what was pending on each fails as on a lost link, and the next lease connects again.
+        Returns how many were closed."""
+        with self._connect_lock:
+            live = [s for s in self._senders.values() if s.alive]
+        for sender in live:
+            sender.close()
+        return len(live)
+
     def stats(self) -> dict:
         return {
             "kv_shipments": len(self.shipments),
