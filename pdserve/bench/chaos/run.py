@@ -193,7 +193,6 @@ def chaos(args: argparse.Namespace) -> int:
         return plan_faults(specs, duration, names, args.seed)
 
     workload = SeededWorkload(args)
-    args.planned_duration = args.duration
     runs = {"baseline": run_once("baseline", args, workload, no_faults)}
     if args.num_requests is not None:  # the faults spread over as long as the baseline took
         args.planned_duration = runs["baseline"]["goodput"]["seconds"]
@@ -215,7 +214,8 @@ def chaos(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command's settings; a bad one is an argparse error (exit 2)."""
     p = argparse.ArgumentParser(prog="pdserve bench chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="the cluster's model (default: as `pdserve serve`)")
@@ -260,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--duration, --request-timeout, --recovery-timeout, --grace and --max-restart-backoff must be > 0")
     if args.vocab_size is not None and args.vocab_size < 2:
         p.error("--vocab-size must be >= 2")
+    args.planned_duration = args.duration
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         return chaos(args)
     except (RuntimeError, httpx.HTTPError) as e:
