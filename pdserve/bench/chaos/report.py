@@ -23,6 +23,16 @@ def goodput(results: list[RequestResult], t0: float) -> dict:
             "output_tokens_per_s": round(sum(r.tokens for r in ok) / seconds, 2)}
 
 
+def latency(results: list[RequestResult]) -> dict:
+    """End-to-end seconds of the requests that ended well: p50, p99, max (a fault's fallback that
+    waits shows here, not as a failure)."""
+    e2e = sorted(r.end - r.start for r in results if r.outcome == "ok")
+    if not e2e:
+        return {"p50_s": None, "p99_s": None, "max_s": None}
+    pick = lambda q: round(float(np.percentile(e2e, q)), 3)  # noqa: E731
+    return {"p50_s": pick(50), "p99_s": pick(99), "max_s": round(e2e[-1], 3)}
+
+
 def outcome_counts(results: list[RequestResult]) -> dict[str, int]:
     return {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
 
@@ -54,16 +64,17 @@ def throughput_series(results: list[RequestResult], t0: float, bin_s: float = BI
 def markdown(result: dict) -> str:
     runs = result["runs"]
     base = runs.get("baseline")
-    lines = ["| run | requests | ok | error | lost | ok req/s | out tok/s | goodput vs baseline | KV blocks in use "
-             "at end | unexpected exits |", "|" + " --- |" * 10]
+    lines = ["| run | requests | ok | error | lost | ok req/s | out tok/s | goodput vs baseline | e2e p50 / p99 / max s "
+             "| KV blocks in use at end | unexpected exits |", "|" + " --- |" * 11]
     for label, run in runs.items():
         c, g = run["outcomes"], run["goodput"]
         ratio = "-" if base is None or label == "baseline" or not base["goodput"]["requests_per_s"] else (
             f"{g['requests_per_s'] / base['goodput']['requests_per_s']:.2f} req, "
             f"{g['output_tokens_per_s'] / max(1e-9, base['goodput']['output_tokens_per_s']):.2f} tok")
         blocks = "?" if run["kv_blocks_in_use_at_end"] is None else f"{run['kv_blocks_in_use_at_end']:g}"
+        e2e = " / ".join("-" if v is None else f"{v:.1f}" for v in run["latency"].values())
         lines.append(f"| {label} | {sum(c.values())} | {c['ok']} | {c['error']} | {c['lost']} "
-                     f"| {g['requests_per_s']:.3f} | {g['output_tokens_per_s']:.1f} | {ratio} | {blocks} "
+                     f"| {g['requests_per_s']:.3f} | {g['output_tokens_per_s']:.1f} | {ratio} | {e2e} | {blocks} "
                      f"| {len(run['unexpected_exits'])} |")
     for label, run in runs.items():
         if not run["faults"]:

@@ -36,7 +36,7 @@ from pdserve.bench.chaos.plan import (
 )
 from pdserve.bench.chaos.recovery import breakdown, unexpected_exits
 from pdserve.bench.chaos.report import (
-    details, goodput, markdown, outcome_counts, plot, summary_line, throughput_series,
+    details, goodput, latency, markdown, outcome_counts, plot, summary_line, throughput_series,
 )
 from pdserve.bench.chaos.watch import Watcher
 from pdserve.bench.loadgen import LengthDist, WorkloadSpec, build_requests
@@ -138,7 +138,7 @@ def run_once(label: str, args: argparse.Namespace, workload: SeededWorkload,
     return {
         "label": label, "model": model, "elapsed_s": round(elapsed, 1), "outcomes": outcome_counts(results),
         "unaccounted": load.in_flight + (1 if load_thread.is_alive() else 0),
-        "goodput": goodput(results, t0), "errors": details(results, "error"), "lost": details(results, "lost"),
+        "goodput": goodput(results, t0), "latency": latency(results), "errors": details(results, "error"), "lost": details(results, "lost"),
         **idle, "unexpected_exits": unexpected_exits(events, faults.injections, t0),
         "faults": fault_rows, "skipped_faults": [f.as_dict() for f in faults.skipped],
         "events": [{**e, "at": round(e["at"] - t0, 3)} for e in events],
