@@ -103,9 +103,10 @@ def test_a_killed_worker_s_recovery_is_broken_down_from_events_and_samples():
                _sample(109.0, {new: serving}, {new: {"num_steps": 3}})]
     results = [_result(99.0, 100.4, "error"), _result(99.0, 101.0), _result(110.0, 111.0)]
     b = breakdown(injection, events, samples, results, workers=2)
-    assert b["marks_s"] == {"exit seen": 0.5, "restarted": 1.0, "dropped by the router": 2.0, "model loading": 4.0,
-                            "ready": 6.0, "registered": 7.0, "serving": 9.0}
-    assert b["steps_s"]["model loading"] == 2.0 and b["steps_s"]["ready"] == 2.0
+    assert b["marks_s"] == {"exit seen": 0.5, "dropped by the router": 2.0, "restarted": 1.0,
+                            "process started": 4.0, "model loaded": 6.0, "registered": 7.0, "serving": 9.0}
+    assert b["steps_s"] == {"exit seen": 0.5, "dropped by the router": 1.5, "restarted": 0.0, "process started": 2.0,
+                            "model loaded": 2.0, "registered": 1.0, "serving": 2.0}
     assert b["total_s"] == 9.0 and b["recovered"] and b["exit_code"] == -9
     assert b["requests_meanwhile"] == {"ok": 1, "error": 1, "lost": 0}
 
@@ -119,7 +120,7 @@ def test_router_and_freeze_and_cut_recoveries():
               {"event": "ready_again", "name": "router", "pid": 2, "url": "http://r", "load_seconds": None, "at": 12.0}]
     samples = [_sample(11.0, {}, {}, router_up=False), _sample(12.5, {w: serving}, {})]
     b = breakdown(router, events, samples, [_result(11.0, 11.5, "error"), _result(12.1, 12.8)], workers=1)
-    assert b["marks_s"] == {"exit seen": 0.4, "restarted": 1.0, "ready": 2.0, "workers registered": 2.5,
+    assert b["marks_s"] == {"exit seen": 0.4, "restarted": 1.0, "listening": 2.0, "workers registered": 2.5,
                             "first request served": 2.8}
     freeze = Injection(PlannedFault(0, "freeze-worker", "decode worker 1", 3.0), at=20.0, pid=3, url=w,
                        resumed_at=23.0, recovered_at=23.5)
@@ -133,7 +134,7 @@ def test_router_and_freeze_and_cut_recoveries():
     samples = [_sample(29.8, {}, {w: {"kv_landed": 5}}), _sample(30.5, {}, {w: {"kv_landed": 5}}),
                _sample(31.0, {}, {w: {"kv_landed": 6}})]
     assert breakdown(cut, [], samples, [_result(30.2, 30.9)], 1)["marks_s"] == {
-        "first request served": 0.9, "KV landed again": 1.0}
+        "KV landed again": 1.0, "first request served": 0.9}
 
 
 def test_an_exit_no_fault_explains_is_unexpected():

@@ -7,7 +7,8 @@ Lifecycle of one fault (`FaultRunner`, on a thread of its own beside the load):
    fault-injection route (cut-kv). The time, the pid and URL hit, and what the fault reported go
    into an `Injection`.
 3. Wait until the cluster is whole again (`wait_recovered`): a process that exited is ready again
-   (the supervisor's `ready_again`), and every worker is registered with the router and serving.
+   (the supervisor's `ready_again`), every worker is registered with the router and serving, and
+   after a KV cut a prompt's KV has crossed a link again.
    Past the recovery timeout the fault is marked unrecovered and the next one goes on anyway.
 """
 
@@ -40,6 +41,7 @@ class Injection:
     reported: dict = field(default_factory=dict)  # what the fault-injection route answered (cut-kv)
     error: str = ""  # why the fault could not be done
     recovered_at: float | None = None  # when the cluster was seen whole again
+    landed_before: int = 0  # cut-kv: prompts' KV landed on the workers before the cut
 
     def as_dict(self, t0: float) -> dict:
         rel = lambda t: None if t is None else round(t - t0, 3)  # noqa: E731
@@ -63,6 +65,7 @@ def inject(cluster: ChaosCluster, fault: PlannedFault) -> Injection:
             os.kill(pid, signal.SIGCONT)
             done.resumed_at = time.monotonic()
     elif fault.kind == "cut-kv":
+        done.landed_before = landed(cluster)
         try:
             r = httpx.post(url + "/v1/faults/cut-kv-links", headers=cluster.worker_headers, timeout=10.0)
             if r.status_code == 200:
@@ -87,8 +90,20 @@ def wait_recovered(cluster: ChaosCluster, injection: Injection, timeout_s: float
             time.sleep(0.1)
     if not cluster.wait_all_registered(max(0.0, deadline - time.monotonic())):
         return False
+    if fault.kind == "cut-kv":  # healed once a prompt's KV crossed a link again
+        while landed(cluster) <= injection.landed_before:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
     injection.recovered_at = time.monotonic()
     return True
+
+
+def landed(cluster: ChaosCluster) -> int:
+    """Prompts' KV that landed on the workers as they are now (their own /stats)."""
+    cluster.refresh()
+    stats = [cluster.worker_stats(cluster.urls[name]) for name in cluster.worker_names]
+    return sum(s.get("kv_landed", 0) for s in stats if s is not None)
 
 
 class FaultRunner:

@@ -5,12 +5,12 @@ timelines.
 
 The marks of each kind of fault, in seconds after it went in (a mark not seen is left out):
 - kill-worker: exit seen (the launcher's exit event), dropped by the router (its old URL gone
-  from /admin/workers), restarted (after the backoff), model loading (the new process started
-  and imported what it needs: `ready_again`'s time less its load_seconds), ready (model loaded),
+  from /admin/workers), restarted (after the backoff), process started (the interpreter up and
+  its imports done: `ready_again`'s time less its load_seconds), model loaded (`ready_again`),
   registered (its new URL serving in /admin/workers), serving (its first engine step).
 - drain: left the router (draining or gone in /admin/workers), exited (drained, exit code
-  recorded), then restarted, model loading, ready, registered, serving as above.
-- kill-router: exit seen, restarted, ready (listening again), workers registered (every worker
+  recorded), then restarted, process started, model loaded, registered, serving as above.
+- kill-router: exit seen, restarted, listening (`ready_again`), workers registered (every worker
   back in /admin/workers), first request served (the first request sent after the router was
   ready that ended well).
 - freeze-worker: resumed (SIGCONT), dropped by the router (if its lease lapsed meanwhile),
@@ -64,15 +64,16 @@ def recovery_marks(injection: Injection, events: list[dict], samples: list[dict]
                 s["registered"].get(old_url, {}).get("state", "gone") != "serving"))
             marks["exited"] = exited and exited["at"]
         marks["restarted"] = restarted and restarted["at"]
-        marks["model loading"] = ready and ready.get("load_seconds") is not None and ready["at"] - ready["load_seconds"]
-        marks["ready"] = ready and ready["at"]
+        marks["process started"] = ready and ready.get("load_seconds") is not None and (
+            ready["at"] - ready["load_seconds"])
+        marks["model loaded"] = ready and ready["at"]
         if new_url:
             marks["registered"] = first(samples, at, lambda s: s["registered"].get(new_url, {}).get("state") == "serving")
             marks["serving"] = first(samples, at, lambda s: s["stats"].get(new_url, {}).get("num_steps", 0) > 0)
     elif fault.kind == "kill-router":
         marks["exit seen"] = exited and exited["at"]
         marks["restarted"] = restarted and restarted["at"]
-        marks["ready"] = ready and ready["at"]
+        marks["listening"] = ready and ready["at"]
         since = ready["at"] if ready else at
         marks["workers registered"] = first(samples, since, lambda s: sum(
             w["state"] == "serving" for w in s["registered"].values()) >= workers)
@@ -98,16 +99,16 @@ def recovery_marks(injection: Injection, events: list[dict], samples: list[dict]
 
 def breakdown(injection: Injection, events: list[dict], samples: list[dict], results: list[RequestResult],
               workers: int) -> dict:
-    """One fault's recovery: every mark in seconds after the fault, the steps between consecutive
-    marks, the total (to the last mark, or to the time the cluster was seen whole, whichever is
+    """One fault's recovery: every mark in seconds after the fault, the step to each mark from the
+    one before it in the expected order (0 where sampling saw them the other way round), the total (to the last mark, or to the time the cluster was seen whole, whichever is
     later), and the requests that ended badly while it lasted."""
     at = injection.at
     marks = recovery_marks(injection, events, samples, results, workers)
-    ordered = sorted(marks.items(), key=lambda kv: kv[1])
+    ordered = list(marks.items())  # in the expected order: a step is the time that mark took
     steps, previous = {}, at
     for name, t in ordered:
-        steps[name] = round(t - previous, 3)
-        previous = t
+        steps[name] = round(max(0.0, t - previous), 3)
+        previous = max(previous, t)
     ends = [t for t in (*marks.values(), injection.recovered_at) if t is not None]
     until = max(ends) if ends else None
     window = [r for r in results if r.end is not None and r.end >= at and (until is None or r.start <= until)]
