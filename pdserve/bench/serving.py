@@ -7,7 +7,8 @@
 3. Summarize (metrics.py), add the per-phase breakdown the server reports when it is pdserve (its
    `/metrics` before and after), and write JSON, a markdown table and PNG plots.
 
-`pdserve bench compare` (compare.py) runs the same sweep against local clusters of each kind.
+`pdserve bench compare` (compare.py) runs the same sweep against local clusters of each kind;
+`pdserve bench soak` (soak/) and `pdserve bench chaos` (chaos/) start a cluster of their own.
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["compare"]:
         from pdserve.bench.compare import main as compare_main
         return compare_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from pdserve.bench.chaos.run import main as chaos_main
+        return chaos_main(argv[1:])
     if argv[:1] == ["soak"]:
         from pdserve.bench.soak.run import main as soak_main
         return soak_main(argv[1:])
