@@ -226,15 +226,14 @@ class Planner:
         return Outcome(ttft, tpot, len(done) == len(records))
 
     def _lone(self, kind: str, spec: InstanceSpec, output_len: LengthDist | None) -> Outcome:
-        """One request at a time: each request alone on the instance, so a request's times depend
-        on its lengths only, and each distinct (prompt, output) length pair is simulated once."""
+        """One request at a time. Alone, a request's times depend on its lengths only (and the
+        batch limit plays no part), so each distinct pair of lengths runs once, one after another
+        on one instance, and counts as often as the workload has it."""
         requests = self._workload(self.num_requests, output_len)
-        alone: dict[tuple[int, int], RequestRecord] = {}
-        for r in requests:
-            key = (r.prompt_tokens, r.max_tokens)
-            if key not in alone:
-                make = self._instance_cluster(kind, spec, max(self.batches), self.num_requests, 0.0)
-                alone[key] = simulate_point(make, [r], math.inf, 1, 1.0, self.seed)[0]
+        distinct = list({(r.prompt_tokens, r.max_tokens): r for r in requests}.values())
+        make = self._instance_cluster(kind, spec, max(self.batches), self.num_requests, 0.0)
+        alone = dict(zip(((r.prompt_tokens, r.max_tokens) for r in distinct),
+                         simulate_point(make, distinct, math.inf, 1, 1.0, self.seed)))
         return self._outcome([alone[(r.prompt_tokens, r.max_tokens)] for r in requests])
 
     def cluster(self, config: Config) -> Callable[[], SimCluster]:
@@ -318,17 +317,20 @@ class Planner:
         per_request = {"prefill": prefill, "decode": decode * osl, "colocated": prefill + decode * osl}[kind]
         return max(1.0 / per_request, 1e-3)
 
-    def measure(self, workers: int | None = None) -> list[Capacity]:
-        """Every instance's capacity. Each instance kind and TP is a chain of searches, batch limit
-        by batch limit (a colocated search starts from the answer of its neighbour); the chains
-        run in parallel, one per core, the costliest first (colocated, then decode, the larger TP
-        first: more requests fit within the SLA there, so its runs are longer)."""
+    def measure(self, workers: int | None = None, keys: list[tuple[str, int, int]] | None = None) -> list[Capacity]:
+        """The capacity of every instance (kind, TP, batch limit), or of those in `keys`. Each kind
+        and TP is a chain of searches, batch limit by batch limit (a colocated search starts from
+        its neighbour's answer); the chains run in parallel, one per core, the costliest first
+        (colocated, then decode, the larger TP first: more requests fit within the SLA there, so
+        its runs are longer)."""
         kinds = (("colocated", self.batches), ("decode", self.batches), ("prefill", [0]))
-        chains = [[(kind, tp, b) for b in batches] for kind, batches in kinds for tp in sorted(self.tps, reverse=True)]
+        wanted = keys or [(kind, tp, b) for tp in self.tps for kind, batches in (kinds[0], kinds[2], kinds[1])
+                          for b in batches]
+        chains = [chain for kind, batches in kinds for tp in sorted(self.tps, reverse=True)
+                  if (chain := [(kind, tp, b) for b in batches if (kind, tp, b) in wanted])]
         done = fork_map(self._measure_chain, chains, workers)
         by_key = {(c.kind, c.tp, c.batch): c for chain in done for c in map(Capacity.from_json, chain)}
-        order = [(kind, tp, b) for tp in self.tps for kind, batches in (kinds[0], kinds[2], kinds[1]) for b in batches]
-        self.capacities = [by_key[key] for key in order]
+        self.capacities += [by_key[key] for key in wanted]
         return self.capacities
 
     def _measure_chain(self, chain: list[tuple[str, int, int]]) -> list[dict]:
