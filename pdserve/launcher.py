@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
     g.add_argument("--rebalance", action="store_true",
                    help="the router moves workers between the prefill and decode pools as the load asks (P:D control)")
+    g.add_argument("--migrate-on-failure", action="store_true",
+                   help="a decode worker lost mid-stream: its requests continue on another, which recomputes prompt "
+                        "and output so far (the router's flag)")
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
@@ -102,7 +105,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
                                       "--max-tokens-default", str(args.max_tokens_default),
                                       "--max-queued-requests", str(args.max_queued_requests),
                                       "--queue-timeout", str(args.queue_timeout),
-                                      *(["--rebalance"] if args.rebalance else [])])
+                                      *(["--rebalance"] if args.rebalance else []),
+                                      *(["--migrate-on-failure"] if args.migrate_on_failure else [])])
         url = router.child.wait_ready(args.ready_timeout)["url"]
         _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
         say(f"router ready at {url}")
