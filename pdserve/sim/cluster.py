@@ -224,6 +224,8 @@ class SimCluster:
         self.controller = ControllerState()
         self.recent_ttft = RecentTTFT()
         self.moves: list[tuple[float, str, str, str]] = []  # (time, worker, new role, reason)
+        self.splits: list[tuple[float, int, int]] = []  # (time, prefill, decode workers serving) at each change
+        self._note_split()
         self._ticking = False
 
     # -- the router ------------------------------------------------------------------------------
@@ -267,6 +269,7 @@ class SimCluster:
                 (self.prefills if w.role == "prefill" else self.decodes).remove(w)
                 w.role, w.perf, w.moving_to = w.moving_to, self.perf[w.moving_to], None
                 (self.prefills if w.role == "prefill" else self.decodes).append(w)
+                self._note_split()
         members = [PoolMember(w.name, w.role, w.load()) for w in self.prefills + self.decodes
                    if w.role in ("prefill", "decode") and w.moving_to is None]
         signals = pool_signals(members, self.recent_ttft.p90(self.clock.now))
@@ -276,10 +279,16 @@ class SimCluster:
             worker = next(w for w in self.prefills + self.decodes if w.name == name)
             worker.moving_to = new_role(decision.move)
             self.moves.append((self.clock.now, name, worker.moving_to, decision.reason))
+            self._note_split()
         if self.clock.pending:  # anything else still to happen: the controller keeps watching
             self.clock.at(self.clock.now + self.rebalance_every_s, self._control)
         else:
             self._ticking = False
+
+    def _note_split(self) -> None:
+        """The pools as the router sees them now: a worker that drains serves neither."""
+        serving = [w.role for w in self.prefills + self.decodes if w.moving_to is None]
+        self.splits.append((self.clock.now, serving.count("prefill"), serving.count("decode")))
 
     # -- between workers ---------------------------------------------------------------------------
 
