@@ -272,9 +272,12 @@ class Planner:
         output_len = LengthDist("fixed", 1) if kind == "prefill" else None  # TTFT is all a prefill pool sets
         sla = self.sla if kind != "prefill" else dataclasses.replace(self.sla, tpot_s=math.inf)
 
+        # a batch holds no more sequences than the KV cache does, whatever its limit
+        fits = spec.kv_tokens // max(1, round(self.traffic.isl.mean + self.traffic.osl.mean))
+
         def ok(rate: float) -> Outcome:
             # enough requests to fill the batch three times over: an overload must show within the run
-            n = max(self.run_length(rate), 3 * batch)
+            n = max(self.run_length(rate), 3 * min(batch, fits))
             return self.run(self._instance_cluster(kind, spec, batch, n, rate), rate, n=n, output_len=output_len,
                             sla=sla)
 
@@ -291,22 +294,28 @@ class Planner:
 
     def _guess(self, kind: str, tp: int, batch: int) -> tuple[float, bool]:
         """Where to start a capacity search, and whether the start is informed (near the answer):
-        for a prefill or decode instance its closed form (closed_form.py); for a colocated one the
-        capacity measured with the nearest batch limit; else the optimistic bound."""
-        spec = self.instances(tp)
-        isl, osl = max(1, round(self.traffic.isl.mean)), max(1, round(self.traffic.osl.mean))
-        estimate = 0.0
-        if kind == "prefill":
-            estimate = closed_form.prefill_rate(spec.perf, isl, self.chunk_tokens, self.sla.ttft_s, self.sla.percentile)
-        elif kind == "decode":
-            estimate = closed_form.decode_rate(spec.perf, isl, osl, self.sla.tpot_s, batch, spec.kv_tokens)
-        else:
-            measured = [c for c in self.capacities if c.kind == kind and c.tp == tp and c.rate > 0]
-            if measured:
-                estimate = min(measured, key=lambda c: abs(math.log(c.batch / batch))).rate
+        for a prefill or decode instance its closed form (closed_form.py), corrected by how far off
+        it was for the same instance with the nearest batch limit when that was measured; for a
+        colocated one the answer with the nearest batch limit; else the optimistic bound."""
+        estimate = self._closed_form(kind, tp, batch)
+        measured = [c for c in self.capacities if c.kind == kind and c.tp == tp and c.rate > 0]
+        if measured:
+            near = min(measured, key=lambda c: abs(math.log((c.batch or 1) / (batch or 1))))
+            near_estimate = self._closed_form(kind, tp, near.batch)
+            estimate = estimate * near.rate / near_estimate if estimate and near_estimate else near.rate
         if 0 < estimate < math.inf:
             return estimate, True
-        return self._first_guess(kind, spec, batch), False
+        return self._first_guess(kind, self.instances(tp), batch), False
+
+    def _closed_form(self, kind: str, tp: int, batch: int) -> float:
+        """The closed-form capacity of a prefill or decode instance; 0 for a colocated one."""
+        spec = self.instances(tp)
+        isl, osl = max(1, round(self.traffic.isl.mean)), max(1, round(self.traffic.osl.mean))
+        if kind == "prefill":
+            return closed_form.prefill_rate(spec.perf, isl, self.chunk_tokens, self.sla.ttft_s, self.sla.percentile)
+        if kind == "decode":
+            return closed_form.decode_rate(spec.perf, isl, osl, self.sla.tpot_s, batch, spec.kv_tokens)
+        return 0.0
 
     def _first_guess(self, kind: str, spec: InstanceSpec, batch: int) -> float:
         """Requests/s of a perfectly batched instance: an optimistic start for the search."""
@@ -326,7 +335,7 @@ class Planner:
         kinds = (("colocated", self.batches), ("decode", self.batches), ("prefill", [0]))
         wanted = keys or [(kind, tp, b) for tp in self.tps for kind, batches in (kinds[0], kinds[2], kinds[1])
                           for b in batches]
-        chains = [chain for kind, batches in kinds for tp in sorted(self.tps, reverse=True)
+        chains = [chain for tp in sorted(self.tps, reverse=True) for kind, batches in kinds
                   if (chain := [(kind, tp, b) for b in batches if (kind, tp, b) in wanted])]
         done = fork_map(self._measure_chain, chains, workers)
         by_key = {(c.kind, c.tp, c.batch): c for chain in done for c in map(Capacity.from_json, chain)}
