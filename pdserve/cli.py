@@ -115,6 +115,7 @@ OWN_PARSERS = {
     "bench-transfer": ("pdserve.bench.transfer", "command"),
     "profile": ("pdserve.sim.profile", "main"),
     "simulate": ("pdserve.sim.simulate", "main"),
+    "simulate-trace": ("pdserve.sim.trace_sim_cli", "main"),
     "plan": ("pdserve.sim.plan_cli", "main"),
 }
 
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-engine", help="engine speed against machine limits and transformers",
                    add_help=False)
     sub.add_parser("simulate", help="a cluster's serving metrics for a workload, from a profile, without a model",
+                   add_help=False)
+    sub.add_parser("simulate-trace", help="the P:D controller over a traffic trace against static splits, simulated",
                    add_help=False)
     sub.add_parser("plan", help="the cheapest colocated or disaggregated cluster for a traffic profile and SLA",
                    add_help=False)

@@ -1,7 +1,7 @@
 """`pdserve serve`: the one-command local cluster, router and workers as supervised child processes.
 
 Lifecycle:
-1. Start the router (a fresh worker token for this cluster), wait for its ready line.
+1. Start the router (the worker token given, else a fresh one for this cluster), wait for its ready line.
 2. Start the workers (N prefill, M decode, K colocated) registered with it, each with its share of
    the cores (pinned with `--pin-cpus`), and show progress until every one is ready and registered.
    A child that fails here fails the start: the command exits 1 (a wrong flag or model shows at once).
@@ -11,6 +11,7 @@ Lifecycle:
    heartbeat; while a pool is empty the router serves colocated on the survivors. A worker sent
    SIGTERM drains (finishes its requests, leaves the router) and exits 0: it is started again, so
    SIGTERM to each worker in turn is a rolling restart. Nothing a child does ends this command.
+   Every exit, restart, restarted child ready again, and crash loop is a JSON line on stdout.
 4. On SIGINT/SIGTERM: stop every child (SIGTERM, then SIGKILL after a grace period) and exit 0.
 """
 
@@ -45,6 +46,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="the router's port")
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(g, "admin-key", ADMIN_KEY_ENV, "the router's admin API key (none: no admin API)")
+    add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared worker token (none: a fresh one for this cluster)")
     g.add_argument("--max-tokens-default", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
@@ -53,11 +55,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an admitted request waits for a worker with room before a 503")
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
     add_controller_args(g)
+    g.add_argument("--migrate-on-failure", action="store_true",
+                   help="a decode worker lost mid-stream: its requests continue on another, which recomputes prompt "
+                        "and output so far (the router's flag)")
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
     g.add_argument("--max-restart-backoff", type=float, default=30.0,
                    help="seconds between restarts of a child that keeps exiting (the backoff doubles up to this)")
+    g.add_argument("--fault-injection", action="store_true",
+                   help="workers serve their fault-injection route (`pdserve worker --fault-injection`): a testing "
+                        "aid for `pdserve bench chaos`; off by default")
 
 
 def _cpu_shares(num_workers: int) -> list[list[int]]:
@@ -76,7 +84,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     if not roles:
         raise ValueError("a cluster needs at least one worker")
     api_key = read_secret(args.api_key_file, API_KEY_ENV)
-    env = {**os.environ, TOKEN_ENV: secrets.token_hex(32), API_KEY_ENV: api_key,  # a fresh token per cluster
+    token = read_secret(args.token_file, TOKEN_ENV) or secrets.token_hex(32)  # a fresh one unless given
+    env = {**os.environ, TOKEN_ENV: token, API_KEY_ENV: api_key,
            ADMIN_KEY_ENV: read_secret(args.admin_key_file, ADMIN_KEY_ENV)}
     model = ["--model", args.model] if args.model else []
     say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -95,7 +104,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         router = sup.start("router", ["router", *model, "--host", args.host, "--port", str(args.port),
                                       "--max-tokens-default", str(args.max_tokens_default),
                                       "--max-queued-requests", str(args.max_queued_requests),
-                                      "--queue-timeout", str(args.queue_timeout), *controller_argv(args)])
+                                      "--queue-timeout", str(args.queue_timeout), *controller_argv(args),
+                                      *(["--migrate-on-failure"] if args.migrate_on_failure else [])])
         url = router.child.wait_ready(args.ready_timeout)["url"]
         _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
         say(f"router ready at {url}")
@@ -103,7 +113,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         workers = []
         for i, role in enumerate(roles):
             argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
-                    "--transfer", args.transfer, "--threads", str(_threads(args, shares[i])), *engine_argv]
+                    "--transfer", args.transfer, "--threads", str(_threads(args, shares[i])), *engine_argv,
+                    *(["--fault-injection"] if args.fault_injection else [])]
             if args.record_steps:
                 Path(args.record_steps).mkdir(parents=True, exist_ok=True)
                 argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]
@@ -138,6 +149,9 @@ def _describe(event: dict) -> str:
         return f"{name} exited with code {event['code']}; starting it again in {event['restart_in_s']}s"
     if kind == "restarted":
         return f"{name} started again (restart {event['restarts']}, pid {event['pid']})"
+    if kind == "ready_again":
+        loaded = f" (loaded in {event['load_seconds']}s)" if event.get("load_seconds") is not None else ""
+        return f"{name} ready again at {event['url']}{loaded}"
     return (f"{name} is crash-looping: {event['exits']} exits within {event['window_s']:.0f}s; "
             f"starting it again every {event['restart_every_s']:.0f}s until it stays up")
 

@@ -4,7 +4,8 @@ Lifecycle of one supervised child:
 1. Started; its first JSON line on stdout is its ready line (`ready`).
 2. It exits, whatever the reason (a crash, SIGKILL, a drain that ended in exit 0): the supervisor
    reports it and starts it again after a backoff that doubles with each exit in the recent
-   window, so a child that keeps dying is not restarted in a tight loop.
+   window, so a child that keeps dying is not restarted in a tight loop. A restarted child's ready
+   line is reported too (`ready_again`, with its new address): when it can serve again.
 3. Past `crash_loop_exits` exits in the window it is reported as crash-looping (once, on entering
    that state) and restarted at the longest backoff from then on: never given up on in silence.
    A child that stays up `stable_s` is healthy again; its backoff starts over.
@@ -118,6 +119,7 @@ class Supervised:
     restart_at: float | None = None  # when to start it again (it is down until then)
     restarts: int = 0
     crash_looping: bool = False
+    ready_reported: bool = False  # a restarted child's ready line was reported
 
 
 class Supervisor:
@@ -140,6 +142,7 @@ class Supervisor:
     def _launch(self, member: Supervised) -> None:
         member.child = Child(member.name, member.argv, member.cpus, self.env)
         member.started_at, member.restart_at = self.clock(), None
+        member.ready_reported = member.restarts == 0  # the first start's readiness is the launcher's to tell
 
     def check(self) -> None:
         """Notice exits, schedule and perform restarts."""
@@ -157,6 +160,10 @@ class Supervisor:
             elif m.child is not None and m.child.alive and m.exits and now - m.started_at >= self.policy.stable_s:
                 m.exits.clear()  # up long enough: healthy again
                 m.crash_looping = False
+            if not m.ready_reported and m.child is not None and m.child.ready is not None:
+                m.ready_reported = True
+                self.report({"event": "ready_again", "name": m.name, "pid": m.child.proc.pid,
+                             "url": m.child.ready.get("url"), "load_seconds": m.child.ready.get("load_seconds")})
 
     def _exited(self, m: Supervised, now: float) -> None:
         m.exits = self.policy.recent(m.exits, now) + [now]

@@ -69,9 +69,13 @@ def test_a_child_up_long_enough_is_healthy_again(supervisor, tiny_llama):
     sup.check()
     assert member.exits and events[-1]["event"] == "restarted"
     member.child.wait_ready(60)
+    sup.check()  # the restarted child's ready line, reported once, with its new address
+    assert events[-1] == {"event": "ready_again", "name": "router", "pid": member.child.proc.pid,
+                          "url": member.child.ready["url"], "load_seconds": None}
     clock.now += POLICY.stable_s
     sup.check()
     assert member.child.alive and not member.exits and not member.crash_looping
+    assert [e["event"] for e in events].count("ready_again") == 1
 
 
 def test_nothing_is_restarted_once_stopping(supervisor):

@@ -1,4 +1,6 @@
-"""`pdserve serve` as a child process of a benchmark: started, waited for, stopped."""
+"""`pdserve serve` as a child process of a benchmark: started, waited for, stopped; what its
+supervisor reports meanwhile (children that exited, were restarted, are ready again, crash-loop)
+collected with the time each line arrived."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ class LocalCluster:
     """`pdserve serve --port 0 ...` as a child until `stop()`: its ready line parsed (`ready`, `url`,
     `pids` by process name), its stderr in `log_path` (or dropped), `env` added to its environment
     (secrets go there, never on a command line). While it starts, `progress(seconds)` is called
-    every 15 s (a first run converts the model: minutes)."""
+    every 15 s (a first run converts the model: minutes). After the ready line, every JSON line
+    the launcher prints (its supervisor's events) is appended to `events` as it comes, with `at`:
+    the monotonic time it arrived."""
 
     def __init__(self, model: str, extra: list[str], timeout_s: float = 900.0, log_path: Path | None = None,
                  env: dict[str, str] | None = None, progress: Callable[[float], None] | None = None) -> None:
@@ -42,6 +46,16 @@ class LocalCluster:
         self.ready = json.loads(line[0])
         self.url: str = self.ready["url"]
         self.pids: dict[str, int] = {p["name"]: p["pid"] for p in self.ready["processes"]}
+        self.events: list[dict] = []
+        threading.Thread(target=self._read_events, daemon=True, name="cluster-events").start()
+
+    def _read_events(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self.events.append({**json.loads(line), "at": time.monotonic()})
+                except ValueError:
+                    pass
 
     def stop(self) -> None:
         """SIGTERM (the launcher stops its children), then SIGKILL after a minute."""

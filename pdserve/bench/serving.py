@@ -10,6 +10,7 @@
 `pdserve bench compare` (compare.py) runs the same sweep against local clusters of each kind;
 `pdserve bench shift` (shift.py) runs a workload that changes halfway against the P:D controller
 and static splits.
+`pdserve bench soak` (soak/) and `pdserve bench chaos` (chaos/) start a cluster of their own.
 """
 
 from __future__ import annotations
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["shift"]:
         from pdserve.bench.shift import main as shift_main
         return shift_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from pdserve.bench.chaos.run import main as chaos_main
+        return chaos_main(argv[1:])
     if argv[:1] == ["soak"]:
         from pdserve.bench.soak.run import main as soak_main
         return soak_main(argv[1:])

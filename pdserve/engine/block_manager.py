@@ -80,6 +80,8 @@ class BlockManager:
         table = self._tables.get(request.request_id)
         if table is None:
             table = []
+        elif not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # its last block has room (every decode step but one in `block_size`)
         num_total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_total) - len(table) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)

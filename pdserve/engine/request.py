@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 MAX_ABS_PRIORITY = 1 << 31  # priorities are integers in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]; lower first
@@ -87,6 +89,8 @@ class Request:
         self.finished_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            import torch  # here, so that the simulator, which never samples, runs without it
+
             self.generator = torch.Generator().manual_seed(params.seed)
 
     @property

@@ -112,6 +112,14 @@ class KVReceiver:
         for conn in conns:
             conn.drop()
 
+    def cut_connections(self) -> int:
+        """Drop every prefill peer's connection, as a network fault would (fault injection); the
+        listener stays open, so peers connect again. Each reader sees its connection break and
+        fails the leases bound to it. Returns how many were dropped."""
+        with self._lock:
+            conns = list(self._conns)
+        return sum(conn.drop() for conn in conns)
+
     # -- connections (a reader thread each) ----------------------------------------------------
 
     def _serve(self, sock: socket.socket, accepted_at: float) -> None:

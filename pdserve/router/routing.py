@@ -64,10 +64,11 @@ class RoutingDecision:
     records: tuple[PrefixRecord, ...]  # for PrefixIndex.record, once the request is sent
 
 
-def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex,
+def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | None,
           weights: DecodeWeights = DecodeWeights(), policy: DisaggregationPolicy = DisaggregationPolicy(),
           exclude: frozenset[str] = frozenset()) -> RoutingDecision:
-    """Where this prompt goes. `exclude`: workers not to decode it (they failed it already)."""
+    """Where this prompt goes. `exclude`: workers not to decode it (they failed it already).
+    `index` None: no worker is known to hold any prefix (nothing is hashed, nothing to record)."""
     decodes = {w.worker_id: w for w in workers if w.role in DECODE_ROLES and w.worker_id not in exclude}
     prefills = {w.worker_id: w for w in workers if w.role == "prefill"}
     if not decodes:  # no decode worker: prefill workers serve colocated
@@ -88,7 +89,7 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex,
         return hashed[w.block_size]
 
     def cached(w: Candidate) -> int:
-        return index.cached_tokens(w.worker_id, w.block_size, hashes(w))
+        return index.cached_tokens(w.worker_id, w.block_size, hashes(w)) if index is not None else 0
 
     chosen = [d]
     decode_uncached, prefill_uncached, prefill_id = len(prompt_ids) - cached(d), 0, None
@@ -97,5 +98,7 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex,
         p = prefills[choose_prefill(loads, {k: cached(w) for k, w in prefills.items()}, len(prompt_ids))]
         chosen.append(p)
         prefill_uncached, prefill_id = len(prompt_ids) - cached(p), p.worker_id
+    if index is None:
+        return RoutingDecision(d.worker_id, prefill_id, decode_uncached, prefill_uncached, ())
     records = tuple(PrefixRecord(w.worker_id, w.block_size, hashes(w)) for w in chosen)
     return RoutingDecision(d.worker_id, prefill_id, decode_uncached, prefill_uncached, records)

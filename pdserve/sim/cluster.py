@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Callable
 
 from pdserve.bench.metrics import RequestRecord
@@ -31,7 +32,7 @@ from pdserve.router.rebalance import (
 )
 from pdserve.router.routing import Candidate, route
 from pdserve.sampling_params import SamplingParams
-from pdserve.engine.step_shape import step_shape
+from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.sim.perf import LinearPerfModel
 
 TOKEN = 7  # what every simulated step samples
@@ -45,12 +46,17 @@ class Clock:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End the run now: events still pending never happen."""
+        self._stopped = True
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn))
 
     def run(self) -> None:
-        while self._events:
+        while self._events and not self._stopped:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
 
@@ -58,16 +64,21 @@ class Clock:
     def pending(self) -> int:
         return len(self._events)
 
+    @property
+    def next_time(self) -> float:
+        """When the next event is due; infinity with none."""
+        return self._events[0][0] if self._events else math.inf
+
 
 class SimWorker(RoleHooks):
     """One worker: the real scheduler and block manager, stepped by the clock."""
 
     def __init__(self, cluster: SimCluster, name: str, role: str, perf: LinearPerfModel, num_blocks: int,
                  block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 headroom_tokens: int = 64) -> None:
+                 headroom_tokens: int = 64, prefix_caching: bool = True) -> None:
         self.cluster, self.name, self.role, self.perf = cluster, name, role, perf
-        self.scheduler = Scheduler(BlockManager(num_blocks, block_size), max_num_batched_tokens, max_num_seqs,
-                                   hooks=self, headroom_tokens=headroom_tokens)
+        self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_batched_tokens,
+                                   max_num_seqs, hooks=self, headroom_tokens=headroom_tokens)
         self.busy = False
         self.step_ewma_s = 0.0
         self.num_steps = 0
@@ -98,20 +109,79 @@ class SimWorker(RoleHooks):
         out = self.scheduler.schedule()
         if out.empty:
             return
-        duration = self.perf.step_time(step_shape(out))
+        shape = step_shape(out)
+        durations = self._repeats(out, shape) or [self.perf.step_time(shape)]
         self.busy = True
-        self.cluster.clock.at(self.cluster.clock.now + duration, lambda: self._finish(out, duration))
+        start = end = self.cluster.clock.now
+        for d in durations:  # added one by one, as step after step would (the same float rounding)
+            end += d
+        self.cluster.clock.at(end, lambda: self._finish(out, durations, start))
 
-    def _finish(self, out: SchedulerOutput, duration: float) -> None:
-        self.num_steps += 1
-        self.busy_s += duration
-        self.step_ewma_s = duration if self.num_steps == 1 else 0.8 * self.step_ewma_s + 0.2 * duration
+    def _repeats(self, out: SchedulerOutput, shape: StepShape) -> list[float] | None:
+        """The durations of the decode steps that will follow this one unchanged, when there are
+        some: every running sequence decodes, nothing can be admitted, no sequence ends before
+        the last of them, the blocks they need are free, and nothing else happens in the cluster
+        until they are done. Those steps are then one event (`_finish` applies them as the
+        scheduler would, one by one) instead of one event and one schedule each.
+
+        Only without prefix caching: which block a sequence gets then changes nothing else, so
+        the blocks of all those steps can be taken at their end (with prefix caching, the order
+        blocks are taken in decides which cached prefixes are evicted)."""
+        s, blocks = self.scheduler, self.scheduler.blocks
+        if blocks.enable_prefix_caching or not self.cluster.repeat_steps or out.preempted \
+                or out.num_decodes != len(out.requests) or len(out.requests) != len(s.running) \
+                or (s.waiting and s.num_live < s.max_num_seqs):
+            return None
+        if any(not r.output_token_ids for r in out.requests):  # a prompt's last token, not a decode
+            return None
+        steps = min(r.max_total_tokens - r.num_tokens for r in out.requests)  # the last one may end some
+        if steps < 3:
+            return None
+        free_until = self.cluster.clock.next_time - self.cluster.clock.now
+        durations, elapsed, b = [], 0.0, shape.decode_seqs
+        for i in range(steps):
+            d = self.perf.step_time(StepShape(decode_seqs=b, decode_context=shape.decode_context + i * b))
+            if elapsed + d >= free_until:
+                break
+            durations.append(d)
+            elapsed += d
+        while len(durations) >= 3 and self._blocks_for(out, len(durations)) > blocks.num_free_blocks:
+            del durations[len(durations) // 2:]
+        return durations if len(durations) >= 3 else None
+
+    def _blocks_for(self, out: SchedulerOutput, steps: int) -> int:
+        """New blocks `steps` decode steps take beyond what the first one allocated."""
+        b = self.scheduler.blocks
+        return sum(b.blocks_needed(r.num_computed_tokens + steps) - len(b.block_table(r.request_id))
+                   for r in out.requests)
+
+    def _finish(self, out: SchedulerOutput, durations: list[float], start: float) -> None:
+        if len(durations) > 1:
+            self._apply_repeats(out, durations[:-1], start)
+        for duration in durations:
+            self.num_steps += 1
+            self.busy_s += duration
+            self.step_ewma_s = duration if self.num_steps == 1 else 0.8 * self.step_ewma_s + 0.2 * duration
         sampled = [TOKEN if r.num_computed_tokens + n == r.num_tokens else None
                    for r, n in zip(out.requests, out.num_new_tokens)]
         for req in self.scheduler.update(out, sampled):
             self.cluster.token(req)
         self.busy = False
         self.kick()
+
+    def _apply_repeats(self, out: SchedulerOutput, durations: list[float], start: float) -> None:
+        """Every step but the last of a run of repeated decode steps (`_repeats`), as the
+        scheduler's update and the next schedule would have made them: a token for every
+        sequence at each step's end, and the blocks the last step needs."""
+        k = len(durations)
+        ends = list(itertools.accumulate(durations, initial=start))[1:]
+        for req in out.requests:
+            req.num_computed_tokens += k
+            req.output_token_ids.extend([TOKEN] * k)
+        for req in out.requests:
+            if not self.scheduler.blocks.allocate(req, 1):
+                raise RuntimeError("a repeated decode step found fewer free blocks than counted")
+            self.cluster.tokens(req, ends)
 
     # scheduler hooks
     def on_reserved(self, request: Request) -> None:
@@ -126,28 +196,36 @@ class SimCluster:
                  num_decode: int = 0, num_colocated: int = 0, worker_args: dict | None = None,
                  policy: DisaggregationPolicy = DisaggregationPolicy(), weights: DecodeWeights = DecodeWeights(),
                  transfer: LinearPerfModel | None = None, prefill_worker_args: dict | None = None,
-                 rebalance: RebalancePolicy | None = None, rebalance_every_s: float = 1.0) -> None:
+                 rebalance: RebalancePolicy | None = None, rebalance_every_s: float = 1.0,
+                 prefix_caching: bool = True, repeat_steps: bool = True) -> None:
+        """`prefix_caching` False: no worker caches prefixes and the router hashes no prompt, for
+        workloads whose prompts share none (the result is the same, sooner); decode steps that
+        repeat unchanged are then taken as one event (`repeat_steps`, SimWorker._repeats)."""
         if not (num_decode or num_colocated):
             raise ValueError("a simulated cluster needs a decode or colocated worker")
         self.clock = Clock()
-        args = {"num_blocks": 4096, **(worker_args or {})}
+        args = {"num_blocks": 4096, "prefix_caching": prefix_caching, **(worker_args or {})}
         p_args = {**args, **(prefill_worker_args or {})}
         self.prefills = [SimWorker(self, f"prefill{i}", "prefill", prefill_perf, **p_args) for i in range(num_prefill)]
         self.decodes = [SimWorker(self, f"decode{i}", "decode", decode_perf, **args) for i in range(num_decode)]
         self.decodes += [SimWorker(self, f"both{i}", "both", decode_perf, **args) for i in range(num_colocated)]
         self.policy, self.weights = policy, weights
         self.transfer = transfer or decode_perf
-        self.index = PrefixIndex()
+        self.index = PrefixIndex() if prefix_caching else None
+        self.repeat_steps = repeat_steps
         self.records: dict[str, RequestRecord] = {}
         self._targets: dict[str, SimWorker] = {}  # decode request id -> its prefill worker
         self._waiting_kv: dict[str, tuple[SimWorker, Request]] = {}  # prefill request id -> decode side
         self._ids = itertools.count()
         self.on_done: Callable[[str], None] = lambda request_id: None  # a client's request completed
+        self.observe: Callable[[RequestRecord, str], None] = lambda record, event: None  # "first_token", "done"
         self.perf = {"prefill": prefill_perf, "decode": decode_perf}
         self.rebalance, self.rebalance_every_s = rebalance, rebalance_every_s
         self.controller = ControllerState()
         self.recent_ttft = RecentTTFT()
         self.moves: list[tuple[float, str, str, str]] = []  # (time, worker, new role, reason)
+        self.splits: list[tuple[float, int, int]] = []  # (time, prefill, decode workers serving) at each change
+        self._note_split()
         self._ticking = False
 
     # -- the router ------------------------------------------------------------------------------
@@ -166,7 +244,7 @@ class SimCluster:
             self.clock.at(self.clock.now, self._control)
         workers = {w.name: w for w in self.prefills + self.decodes if w.moving_to is None}
         decision = route([w.candidate() for w in workers.values()], prompt, self.index, self.weights, self.policy)
-        for r in decision.records:
+        for r in decision.records:  # none without an index
             self.index.record(r.worker_id, r.block_size, r.hashes)
         d = workers[decision.decode_id]
         remote = decision.prefill_id is not None
@@ -191,6 +269,7 @@ class SimCluster:
                 (self.prefills if w.role == "prefill" else self.decodes).remove(w)
                 w.role, w.perf, w.moving_to = w.moving_to, self.perf[w.moving_to], None
                 (self.prefills if w.role == "prefill" else self.decodes).append(w)
+                self._note_split()
         members = [PoolMember(w.name, w.role, w.load()) for w in self.prefills + self.decodes
                    if w.role in ("prefill", "decode") and w.moving_to is None]
         signals = pool_signals(members, self.recent_ttft.p90(self.clock.now))
@@ -200,10 +279,16 @@ class SimCluster:
             worker = next(w for w in self.prefills + self.decodes if w.name == name)
             worker.moving_to = new_role(decision.move)
             self.moves.append((self.clock.now, name, worker.moving_to, decision.reason))
+            self._note_split()
         if self.clock.pending:  # anything else still to happen: the controller keeps watching
             self.clock.at(self.clock.now + self.rebalance_every_s, self._control)
         else:
             self._ticking = False
+
+    def _note_split(self) -> None:
+        """The pools as the router sees them now: a worker that drains serves neither."""
+        serving = [w.role for w in self.prefills + self.decodes if w.moving_to is None]
+        self.splits.append((self.clock.now, serving.count("prefill"), serving.count("decode")))
 
     # -- between workers ---------------------------------------------------------------------------
 
@@ -234,13 +319,25 @@ class SimCluster:
 
     def token(self, req: Request) -> None:
         if not req.request_id.endswith(_PREFILL_SUFFIX):
-            self._tokens_arrived(self.records[req.request_id])
+            record = self.records[req.request_id]
+            self._tokens_arrived(record)
+            if req.status.finished:  # its last token: the request is done, with all its tokens counted
+                self.observe(record, "done")
+
+    def tokens(self, req: Request, times: list[float]) -> None:
+        """Tokens of a running request's repeated decode steps, one at each of `times` (none is
+        its first or its last)."""
+        if not req.request_id.endswith(_PREFILL_SUFFIX):
+            record = self.records[req.request_id]
+            record.chunk_times.extend(times)
+            record.output_tokens += len(times)
 
     def _tokens_arrived(self, record: RequestRecord) -> None:
         now = self.clock.now
         if record.first_token is None:
             record.first_token = now
             self.recent_ttft.add(now, now - record.start)
+            self.observe(record, "first_token")
         record.chunk_times.append(now)
         record.output_tokens += 1
 

@@ -29,9 +29,13 @@ from typing import Callable
 import numpy as np
 
 from pdserve.bench.loadgen import BenchRequest, LengthDist
+from pdserve.bench.metrics import RequestRecord
 from pdserve.router.policy import DisaggregationPolicy
+from pdserve.sim import closed_form
 from pdserve.sim.cluster import SimCluster
+from pdserve.sim.fork_map import fork_map
 from pdserve.sim.perf import LinearPerfModel, StepShape
+from pdserve.sim.rate_search import highest_passing_rate
 from pdserve.sim.simulate import simulate_point
 
 FREE = LinearPerfModel()  # a worker whose steps and transfers take no time
@@ -69,11 +73,13 @@ InstanceFactory = Callable[[int], "InstanceSpec | None"]  # tp -> the instance, 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """A simulated run, at the SLA's percentile."""
+    """A simulated run, at the SLA's percentile. A run stopped early (`EarlyVerdict`) has the bound
+    it was certain to miss at infinity and the others at what its requests showed until then."""
 
     ttft_s: float
     tpot_s: float
     completed: bool
+    stopped_early: bool = False
 
     def misses(self, sla: SLA) -> list[str]:
         """The bounds this run misses: "ttft", "tpot" (an unfinished run misses both)."""
@@ -83,6 +89,42 @@ class Outcome:
                 if value > bound]
 
 
+class EarlyVerdict:
+    """Stops a run once its percentile must miss a bound, whatever the rest of the run does.
+
+    With linear interpolation between ranks (numpy's), the p-th percentile of n values exceeds a
+    bound as soon as n - floor((n - 1) p / 100) of them do: from then on the run's verdict is
+    known, and an overloaded run (most runs of a capacity search above the answer) ends after a
+    fraction of its requests. Its requests' first tokens and completions are watched as they
+    happen (`SimCluster.observe`).
+    """
+
+    def __init__(self, sla: SLA, requests: list[BenchRequest], stop_on: tuple[str, ...] = ("ttft", "tpot")) -> None:
+        self.sla, self.stop_on = sla, stop_on
+        allowed = lambda n: n - math.floor((n - 1) * sla.percentile / 100)  # noqa: E731
+        self.limit = {"ttft": allowed(len(requests)), "tpot": allowed(sum(r.max_tokens >= 2 for r in requests))}
+        self.count = {"ttft": 0, "tpot": 0}
+        self.missed: list[str] = []
+        self.clock = None
+
+    def watch(self, cluster: SimCluster) -> SimCluster:
+        self.clock = cluster.clock
+        cluster.observe = self.observe
+        return cluster
+
+    def observe(self, record: RequestRecord, event: str) -> None:
+        if event == "first_token":
+            name, late = "ttft", record.ttft > self.sla.ttft_s
+        else:
+            tpot = record.tpot
+            name, late = "tpot", tpot is not None and tpot > self.sla.tpot_s
+        if late:
+            self.count[name] += 1
+            if self.count[name] >= self.limit[name] and name in self.stop_on and name not in self.missed:
+                self.missed.append(name)
+                self.clock.stop()
+
+
 @dataclass(frozen=True, slots=True)
 class Capacity:
     kind: str  # colocated | prefill | decode
@@ -90,6 +132,13 @@ class Capacity:
     batch: int  # max sequences per step (0 for a prefill instance: it batches what its token budget holds)
     rate: float  # requests/s one instance sustains within the SLA; 0 if none
     lone: Outcome  # one request at a time: the best it can do
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Capacity:
+        return cls(d["kind"], d["tp"], d["batch"], d["rate"], Outcome(**d["lone"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +180,13 @@ class Planner:
         self.num_requests, self.seed, self.tolerance, self.progress = num_requests, seed, tolerance, progress
         self._requests: dict[LengthDist, list[BenchRequest]] = {}
         self.capacities: list[Capacity] = []
+        self._lone_outcomes: dict[tuple[str, int], Outcome] = {}
 
     # -- simulation ------------------------------------------------------------------------------
 
     def _workload(self, n: int, output_len: LengthDist | None = None) -> list[BenchRequest]:
         """The first `n` requests of one seeded sequence: lengths from the traffic, prompts that share
-        no prefix (their first tokens differ)."""
+        no prefix (their first tokens differ), so the simulated clusters cache no prefixes."""
         osl = output_len or self.traffic.osl
         have = self._requests.setdefault(osl, [])
         if len(have) < n:
@@ -157,37 +207,63 @@ class Planner:
                 "max_num_batched_tokens": self.chunk_tokens}
 
     def run(self, cluster: Callable[[], SimCluster], rate: float, concurrency: int | None = None,
-            n: int | None = None, output_len: LengthDist | None = None) -> Outcome:
-        records = simulate_point(cluster, self._workload(n or self.num_requests, output_len), rate, concurrency,
-                                 1.0, self.seed)
+            n: int | None = None, output_len: LengthDist | None = None, sla: SLA | None = None,
+            stop_on: tuple[str, ...] = ("ttft", "tpot")) -> Outcome:
+        """One simulated run of the seeded workload at `rate`, ended as soon as it is certain to
+        miss a bound of `stop_on` in `sla` (the plan's by default)."""
+        requests = self._workload(n or self.num_requests, output_len)
+        verdict = EarlyVerdict(sla or self.sla, requests, stop_on)
+        records = simulate_point(lambda: verdict.watch(cluster()), requests, rate, concurrency, 1.0, self.seed)
+        return self._outcome(records, verdict.missed)
+
+    def _outcome(self, records: list[RequestRecord], missed: list[str] = ()) -> Outcome:
         done = [r for r in records if r.ok]
         tpots = [t for r in done if (t := r.tpot) is not None]
-        return Outcome(percentile([r.ttft for r in done], self.sla.percentile),
-                       percentile(tpots, self.sla.percentile), len(done) == len(records))
+        ttft = math.inf if "ttft" in missed else percentile([r.ttft for r in done], self.sla.percentile)
+        tpot = math.inf if "tpot" in missed else percentile(tpots, self.sla.percentile)
+        if missed:
+            return Outcome(ttft, tpot, True, stopped_early=True)
+        return Outcome(ttft, tpot, len(done) == len(records))
+
+    def _lone(self, kind: str, spec: InstanceSpec, output_len: LengthDist | None) -> Outcome:
+        """One request at a time. Alone, a request's times depend on its lengths only (and the
+        batch limit plays no part), so each distinct pair of lengths runs once, one after another
+        on one instance, and counts as often as the workload has it."""
+        requests = self._workload(self.num_requests, output_len)
+        distinct = list({(r.prompt_tokens, r.max_tokens): r for r in requests}.values())
+        make = self._instance_cluster(kind, spec, max(self.batches), self.num_requests, 0.0)
+        alone = dict(zip(((r.prompt_tokens, r.max_tokens) for r in distinct),
+                         simulate_point(make, distinct, math.inf, 1, 1.0, self.seed)))
+        return self._outcome([alone[(r.prompt_tokens, r.max_tokens)] for r in requests])
 
     def cluster(self, config: Config) -> Callable[[], SimCluster]:
         p, d = self.instances(config.tp_prefill), self.instances(config.tp_decode or config.tp_prefill)
         if config.mode == "colocated":
             return lambda: SimCluster(p.perf, p.perf, num_colocated=config.num_prefill,
-                                      worker_args=self._worker_args(p, config.batch))
+                                      worker_args=self._worker_args(p, config.batch), prefix_caching=False)
         return lambda: SimCluster(p.perf, d.perf, config.num_prefill, config.num_decode,
                                   worker_args=self._worker_args(d, config.batch), policy=ALL_REMOTE,
-                                  transfer=p.perf, prefill_worker_args=self._worker_args(p))
+                                  transfer=p.perf, prefill_worker_args=self._worker_args(p), prefix_caching=False)
 
     def _instance_cluster(self, kind: str, spec: InstanceSpec, batch: int, n: int,
                           rate: float) -> Callable[[], SimCluster]:
         if kind == "colocated":
-            return lambda: SimCluster(spec.perf, spec.perf, num_colocated=1, worker_args=self._worker_args(spec, batch))
-        # The free instance holds the requests a run within the SLA can have waiting at once (more
-        # would only wait in a run that misses the TTFT bound anyway).
-        held = min(n, math.ceil(4 * rate * self.sla.ttft_s) + 2 * max(self.batches) + 64)
+            return lambda: SimCluster(spec.perf, spec.perf, num_colocated=1, worker_args=self._worker_args(spec, batch),
+                                      prefix_caching=False)
         longest = max(r.prompt_tokens + r.max_tokens for r in self._workload(n))
-        free = {"num_blocks": held * (longest // 16 + 2), "max_num_seqs": held, "max_num_batched_tokens": 1 << 30}
         if kind == "prefill":  # beside a decode instance that costs nothing
+            # It reserves KV for every prompt queued on the prefill instance, so it holds the
+            # prompts a run within the SLA can have waiting at once (more would only wait in a run
+            # that misses the TTFT bound anyway; a larger pool only costs time to build).
+            held = min(n, math.ceil(4 * rate * self.sla.ttft_s) + 64)
+            free = {"num_blocks": held * (longest // 16 + 2), "max_num_seqs": held, "max_num_batched_tokens": 1 << 30}
             return lambda: SimCluster(spec.perf, FREE, 1, 1, worker_args=free, policy=ALL_REMOTE, transfer=spec.perf,
-                                      prefill_worker_args=self._worker_args(spec, batch))
+                                      prefill_worker_args=self._worker_args(spec, batch), prefix_caching=False)
+        # Beside a prefill instance that costs nothing: it computes each prompt the moment the
+        # decode instance reserved for it, in no time, so room for a few prompts is all it needs.
+        free = {"num_blocks": 4 * (longest // 16 + 2), "max_num_seqs": 4, "max_num_batched_tokens": 1 << 30}
         return lambda: SimCluster(FREE, spec.perf, 1, 1, worker_args=self._worker_args(spec, batch),
-                                  policy=ALL_REMOTE, transfer=FREE, prefill_worker_args=free)
+                                  policy=ALL_REMOTE, transfer=FREE, prefill_worker_args=free, prefix_caching=False)
 
     # -- 1. capacity per instance ------------------------------------------------------------------
 
@@ -196,30 +272,50 @@ class Planner:
         output_len = LengthDist("fixed", 1) if kind == "prefill" else None  # TTFT is all a prefill pool sets
         sla = self.sla if kind != "prefill" else dataclasses.replace(self.sla, tpot_s=math.inf)
 
+        # a batch holds no more sequences than the KV cache does, whatever its limit
+        fits = spec.kv_tokens // max(1, round(self.traffic.isl.mean + self.traffic.osl.mean))
+
         def ok(rate: float) -> Outcome:
             # enough requests to fill the batch three times over: an overload must show within the run
-            n = max(self.run_length(rate), 3 * batch)
-            return self.run(self._instance_cluster(kind, spec, batch, n, rate), rate, n=n, output_len=output_len)
+            n = max(self.run_length(rate), 3 * min(batch, fits))
+            return self.run(self._instance_cluster(kind, spec, batch, n, rate), rate, n=n, output_len=output_len,
+                            sla=sla)
 
-        # one request at a time: the batch limit plays no part, the base run length will do
-        lone = self.run(self._instance_cluster(kind, spec, batch, self.num_requests, 0.0), math.inf, 1,
-                        output_len=output_len)
+        # one request at a time: the batch limit plays no part
+        key = (kind, tp)
+        if key not in self._lone_outcomes:
+            self._lone_outcomes[key] = self._lone(kind, spec, output_len)
+        lone = self._lone_outcomes[key]
         if lone.misses(sla):
             return Capacity(kind, tp, batch, 0.0, lone)
-        lo, hi = 0.0, self._first_guess(kind, spec, batch)
-        for _ in range(12):  # beyond 4096 times the estimate, a bound is missing: stop there
-            if ok(hi).misses(sla):
-                break
-            lo, hi = hi, hi * 2
-        while lo == 0.0 or hi / lo > 1 + self.tolerance:
-            mid = (lo + hi) / 2 if lo else hi / 2
-            if not ok(mid).misses(sla):
-                lo = mid
-            elif lo == 0.0 and mid < 1e-6:
-                break
-            else:
-                hi = mid
-        return Capacity(kind, tp, batch, lo, lone)
+        guess, informed = self._guess(kind, tp, batch)
+        rate = highest_passing_rate(lambda r: not ok(r).misses(sla), guess, self.tolerance, informed)
+        return Capacity(kind, tp, batch, rate, lone)
+
+    def _guess(self, kind: str, tp: int, batch: int) -> tuple[float, bool]:
+        """Where to start a capacity search, and whether the start is informed (near the answer):
+        for a prefill or decode instance its closed form (closed_form.py), corrected by how far off
+        it was for the same instance with the nearest batch limit when that was measured; for a
+        colocated one the answer with the nearest batch limit; else the optimistic bound."""
+        estimate = self._closed_form(kind, tp, batch)
+        measured = [c for c in self.capacities if c.kind == kind and c.tp == tp and c.rate > 0]
+        if measured:
+            near = min(measured, key=lambda c: abs(math.log((c.batch or 1) / (batch or 1))))
+            near_estimate = self._closed_form(kind, tp, near.batch)
+            estimate = estimate * near.rate / near_estimate if estimate and near_estimate else near.rate
+        if 0 < estimate < math.inf:
+            return estimate, True
+        return self._first_guess(kind, self.instances(tp), batch), False
+
+    def _closed_form(self, kind: str, tp: int, batch: int) -> float:
+        """The closed-form capacity of a prefill or decode instance; 0 for a colocated one."""
+        spec = self.instances(tp)
+        isl, osl = max(1, round(self.traffic.isl.mean)), max(1, round(self.traffic.osl.mean))
+        if kind == "prefill":
+            return closed_form.prefill_rate(spec.perf, isl, self.chunk_tokens, self.sla.ttft_s, self.sla.percentile)
+        if kind == "decode":
+            return closed_form.decode_rate(spec.perf, isl, osl, self.sla.tpot_s, batch, spec.kv_tokens)
+        return 0.0
 
     def _first_guess(self, kind: str, spec: InstanceSpec, batch: int) -> float:
         """Requests/s of a perfectly batched instance: an optimistic start for the search."""
@@ -230,15 +326,28 @@ class Planner:
         per_request = {"prefill": prefill, "decode": decode * osl, "colocated": prefill + decode * osl}[kind]
         return max(1.0 / per_request, 1e-3)
 
-    def measure(self) -> list[Capacity]:
-        kinds = [("colocated", b) for b in self.batches] + [("prefill", 0)] + [("decode", b) for b in self.batches]
-        for tp in self.tps:
-            for kind, batch in kinds:
-                cap = self.capacity(kind, tp, batch)
-                self.capacities.append(cap)
-                self.progress(f"{kind:9} TP{tp} batch {batch if kind != 'prefill' else '-':>4}: "
-                              f"{cap.rate:.3g} req/s")
+    def measure(self, workers: int | None = None, keys: list[tuple[str, int, int]] | None = None) -> list[Capacity]:
+        """The capacity of every instance (kind, TP, batch limit), or of those in `keys`. Each kind
+        and TP is a chain of searches, batch limit by batch limit (a colocated search starts from
+        its neighbour's answer); the chains run in parallel, one per core, the costliest first
+        (colocated, then decode, the larger TP first: more requests fit within the SLA there, so
+        its runs are longer)."""
+        kinds = (("colocated", self.batches), ("decode", self.batches), ("prefill", [0]))
+        wanted = keys or [(kind, tp, b) for tp in self.tps for kind, batches in (kinds[0], kinds[2], kinds[1])
+                          for b in batches]
+        chains = [chain for tp in sorted(self.tps, reverse=True) for kind, batches in kinds
+                  if (chain := [(kind, tp, b) for b in batches if (kind, tp, b) in wanted])]
+        done = fork_map(self._measure_chain, chains, workers)
+        by_key = {(c.kind, c.tp, c.batch): c for chain in done for c in map(Capacity.from_json, chain)}
+        self.capacities += [by_key[key] for key in wanted]
         return self.capacities
+
+    def _measure_chain(self, chain: list[tuple[str, int, int]]) -> list[dict]:
+        for kind, tp, batch in chain:
+            cap = self.capacity(kind, tp, batch)
+            self.capacities.append(cap)
+            self.progress(f"{kind:9} TP{tp} batch {batch if kind != 'prefill' else '-':>4}: {cap.rate:.3g} req/s")
+        return [c.to_json() for c in self.capacities if (c.kind, c.tp, c.batch) in chain]
 
     def rates(self) -> dict[tuple[str, int, int], float]:
         """(kind, tp, batch) -> the measured capacity, req/s."""
@@ -282,11 +391,11 @@ class Planner:
 
     # -- 3. verification -----------------------------------------------------------------------------
 
-    def verify(self, config: Config, rate: float | None = None) -> Outcome:
+    def verify(self, config: Config, rate: float | None = None, stop_on: tuple[str, ...] = ("ttft", "tpot")) -> Outcome:
         instances = config.num_prefill + config.num_decode
         rate = rate or self.traffic.qps
         n = max(self.num_requests * min(4, max(1, instances)), self.run_length(rate))
-        return self.run(self.cluster(config), rate, n=n)
+        return self.run(self.cluster(config), rate, n=n, stop_on=stop_on)
 
     def best(self, mode: str | None = None, max_tries: int = 32) -> tuple[Config, Outcome] | None:
         """The cheapest configuration (of `mode`, or either) whose whole-cluster simulation meets the
@@ -302,7 +411,8 @@ class Planner:
             if shape in tried:
                 continue
             tried.add(shape)
-            outcome = self.verify(config)
+            # stopped early for TTFT only: a run that misses both bounds grows the prefill pool
+            outcome = self.verify(config, stop_on=("ttft",))
             missed = outcome.misses(self.sla)
             self.progress(f"verify {config.describe()}: " + (f"misses {', '.join(missed)}" if missed else "meets the SLA"))
             if not missed:

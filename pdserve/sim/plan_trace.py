@@ -4,9 +4,11 @@ A trace is CSV with a header (`time_s,qps`, optionally `isl,osl`) or JSONL with 
 row starts a window that lasts until the next row (the last one as long as the one before it).
 Lengths missing from a row are `--isl` / `--osl`.
 
-1. Capacities per instance are measured (plan.py) for every distinct (ISL, OSL) of the trace.
-2. One instance shape (TP of each pool, decode batch limit) is fixed: the cheapest disaggregated
-   shape for the busiest window. Changing TP means reloading weights; changing counts does not.
+1. One instance shape (TP of each pool, decode batch limit) is fixed: the cheapest disaggregated
+   shape for the busiest window, from the capacities of every prefill and decode instance at its
+   lengths (plan.py). Changing TP means reloading weights; changing counts does not.
+2. For every other distinct (ISL, OSL) of the trace, the capacities of that shape's two instances
+   only (colocated instances and other shapes play no part here, so they are not measured).
 3. Each window gets ceil(qps / capacity) instances of each pool.
 4. Against that, two static clusters sized for the whole trace: rate-matched at the peak, and 1:1
    (as many prefill as decode instances). GPU-hours of all three are reported.
@@ -71,18 +73,25 @@ def run_trace(args: argparse.Namespace) -> int:
     planners: dict[tuple, Planner] = {}
     for w in windows:
         key = (w.isl, w.osl)
-        peak = max(x.qps for x in windows if (x.isl, x.osl) == key)
         if key not in planners:
-            print(f"[plan] capacities for ISL {w.isl}, OSL {w.osl}", file=sys.stderr)
+            peak = max(x.qps for x in windows if (x.isl, x.osl) == key)
             planners[key] = planner_from_args(args, Traffic(w.isl, w.osl, max(peak, 1e-3)))
-            planners[key].measure()
     busiest = max(windows, key=lambda w: w.qps)
-    shape = min((c for c in planners[(busiest.isl, busiest.osl)].configs(max(busiest.qps, 1e-3))
-                 if c.mode == "disaggregated"), key=lambda c: (c.num_gpus, -c.goodput), default=None)
+    top = planners[(busiest.isl, busiest.osl)]
+    print(f"[plan] prefill and decode capacities for ISL {busiest.isl}, OSL {busiest.osl} (the busiest window)",
+          file=sys.stderr)
+    top.measure(keys=[(kind, tp, b) for kind, batches in (("prefill", [0]), ("decode", top.batches))
+                      for tp in top.tps for b in batches])
+    shape = min((c for c in top.configs(max(busiest.qps, 1e-3)) if c.mode == "disaggregated"),
+                key=lambda c: (c.num_gpus, -c.goodput), default=None)
     if shape is None:
         print("No disaggregated configuration serves the busiest window within the SLA and GPU budget.",
               file=sys.stderr)
         return 1
+    for key, planner in planners.items():  # the others: only the two instances of the shape
+        if planner is not top:
+            print(f"[plan] capacities of the chosen instances for ISL {key[0]}, OSL {key[1]}", file=sys.stderr)
+            planner.measure(keys=[("prefill", shape.tp_prefill, 0), ("decode", shape.tp_decode, shape.batch)])
     rows = []
     for w, duration in zip(windows, _durations(windows)):
         caps = planners[(w.isl, w.osl)].rates()

@@ -62,7 +62,8 @@ def simulate_point(make_cluster, requests: list[BenchRequest], rate: float, conc
     for i, t in enumerate(offsets):
         cluster.clock.at(t, lambda i=i: arrive(i))
     cluster.run()
-    return [cluster.records[ids[i]] for i in range(len(requests))]
+    # a run stopped early (`Clock.stop`) has records only of the requests that arrived before it stopped
+    return [cluster.records[ids[i]] for i in range(len(requests)) if ids.get(i) in cluster.records]
 
 
 def simulate_sweep(make_cluster, spec: WorkloadSpec, points: list[dict], burstiness: float, ttft_slo_s: float,

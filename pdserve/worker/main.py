@@ -36,6 +36,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default=None, help="register with this router and renew the lease by heartbeat")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a worker sent SIGTERM finishes its requests before it stops anyway")
+    g.add_argument("--fault-injection", action="store_true",
+                   help="serve POST /v1/faults/cut-kv-links (with the token): a testing aid that closes every KV "
+                        "connection of this worker at once; off by default")
     add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared secret for the control endpoint and KV connections "
                     "(none: one is made and written to a file, on a loopback address without --router only)")
 
@@ -91,7 +94,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
                                       token, worker.config.block_size).start()
         worker.membership = membership
-    server = http_server(create_app(worker, token), WORKER_LIMITS)
+    server = http_server(create_app(worker, token, fault_injection=args.fault_injection), WORKER_LIMITS)
     drain = Drain(worker, server, args.drain_timeout)
     server.handle_exit, worker.begin_drain = drain.handle_signal, drain.begin
     # uvicorn re-raises a signal it stopped on: let that land here, so the worker still stops

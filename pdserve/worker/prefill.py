@@ -45,6 +45,8 @@ class Shipment:
     sender: KVSender
     lease: Lease  # in the decode worker's numbering
     shipped: int  # positions below this were queued for every layer
+    offers: dict  # how the decode worker is reached: a link lost before the first write is replaced
+    kv_dtype: str
     peer_aborted: bool = False
 
 
@@ -86,7 +88,7 @@ class PrefillRole(RoleHooks):
         def add() -> None:
             self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params, output_token_ids=resumed,
                                     arrival_time=received)
-            self.shipments[engine_id] = Shipment(sender, lease, start)
+            self.shipments[engine_id] = Shipment(sender, lease, start, body.decode.as_dicts(), body.kv_transfer_dtype)
 
         sender.prepare(lease)
         return engine_id, backend, self.submit(add)
@@ -136,7 +138,7 @@ class PrefillRole(RoleHooks):
         plan = []  # (shipment, start, end, source slot runs) computed in this step
         for req, n, table in zip(step.requests, step.num_new_tokens, step.block_tables):
             shipment = self.shipments.get(req.request_id)
-            if shipment is None:
+            if shipment is None or not self._linked(req.request_id, shipment):
                 continue
             lease = shipment.lease
             begin, end = req.num_computed_tokens, min(req.num_computed_tokens + n, lease.end)
@@ -156,6 +158,28 @@ class PrefillRole(RoleHooks):
             for shipment, begin, end, runs in plan:
                 shipment.sender.write(shipment.lease, layer, begin, end, runs)
         return on_layer
+
+    def _linked(self, engine_id: str, shipment: Shipment) -> bool:
+        """Whether the shipment has a live link. One lost before anything was written for the lease
+        (the lease waited in the queue while its link broke) is replaced by a new one, since the
+        decode worker still waits for that KV; one lost later ends the prefill here (the decode
+        worker lost that connection too, and recomputes). Engine thread."""
+        if shipment.sender.alive:
+            return True
+        if shipment.shipped == shipment.lease.start and not shipment.peer_aborted:
+            try:
+                sender, _ = self._sender_for(shipment.offers, shipment.kv_dtype)
+                sender.check(shipment.lease)
+                sender.prepare(shipment.lease)
+                shipment.sender = sender
+                log.info("request %s: KV link lost before its first write; sent on a new link",
+                         shipment.lease.request_id)
+                return True
+            except (TransferError, ValueError) as e:
+                log.warning("request %s: KV link lost and not replaced: %s", shipment.lease.request_id, e)
+                shipment.peer_aborted = True  # nothing reaches the decode worker: no ABORT to send
+        self.call(lambda: self.engine.abort(engine_id))  # after this step, which has it scheduled
+        return False
 
     def after_execute(self, step: SchedulerOutput) -> None:
         senders = {s.sender for r in step.requests if (s := self.shipments.get(r.request_id)) is not None}
@@ -184,6 +208,16 @@ class PrefillRole(RoleHooks):
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
+
+    def cut_links(self) -> int:
+        """Close every live link to a decode worker, as a network fault would (fault injection):
+        what was pending on each fails as on a lost link, and the next lease connects again.
+        Returns how many were closed."""
+        with self._connect_lock:
+            live = [s for s in self._senders.values() if s.alive]
+        for sender in live:
+            sender.close()
+        return len(live)
 
     def stats(self) -> dict:
         return {

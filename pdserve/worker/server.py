@@ -8,6 +8,8 @@ Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 nami
 - POST /v1/drain      take nothing new, finish what is held, leave the router, exit (worker/drain.py)
 - POST /v1/role       RoleChange: drain in place, then register again in the new role (no restart)
 - GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
+- POST /v1/faults/cut-kv-links  a testing aid, 403 unless the worker runs with `--fault-injection`:
+                      close every KV connection of this worker at once (`Worker.cut_kv_links`)
 - GET  /stats (WorkerStats), /health, /metrics (Prometheus)
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. With a token
 set, every route but /health wants `Authorization: Bearer <token>`, compared in constant time.
@@ -37,9 +39,12 @@ from pdserve.worker.worker import DrainingError, EngineBusyError, QueueFullError
 _ids = itertools.count()
 
 
-def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLimits(max_bytes=16 << 20)) -> FastAPI:
+def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLimits(max_bytes=16 << 20),
+               fault_injection: bool = False) -> FastAPI:
     """`body_limits`: prompts come as token-id lists, about 7 bytes a token in JSON, so 16 MiB holds
-    a prompt and its resumed output past two million tokens, with a prefill lease's block table."""
+    a prompt and its resumed output past two million tokens, with a prefill lease's block table.
+    `fault_injection`: serve the fault-injection route (benchmarks and tests that break things on
+    purpose); off, it answers 403."""
     app = FastAPI(title="pdserve worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     # the token checked and the body read within its limits before any handler parses a byte
@@ -123,6 +128,13 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         body = await message_body(request, wire.AbortRequest)
         worker.abort_prefill(body.request_id, body.fence)
         return answer(wire.Aborted(request_id=body.request_id))
+
+    @app.post("/v1/faults/cut-kv-links", dependencies=guarded)
+    async def cut_kv_links():
+        if not fault_injection:
+            return error(403, "fault injection is off on this worker (it runs with --fault-injection only)",
+                         "permission_error")
+        return await asyncio.to_thread(worker.cut_kv_links)
 
     @app.get("/v1/kv_info", dependencies=guarded)
     async def kv_info():

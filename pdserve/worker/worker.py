@@ -262,6 +262,16 @@ class Worker:
     def abort_prefill(self, request_id: str, fence: int | None) -> None:
         self.loop.call(lambda: self.prefill.abort(request_id, fence))
 
+    def cut_kv_links(self) -> dict[str, int]:
+        """Fault injection (a testing aid, served only with `--fault-injection`): close every KV
+        connection this worker has, its links to decode workers and its prefill peers' connections
+        to it, as a network fault would. Transfers in flight fail and take their fallback (the
+        decode worker recomputes the prompt); the next lease connects again."""
+        cut = {"sender_links": self.prefill.cut_links(), "receiver_connections": self.receiver.cut_connections()}
+        log.warning("fault injection: cut %d KV links to decode workers and %d connections from prefill workers",
+                    cut["sender_links"], cut["receiver_connections"])
+        return cut
+
     def kv_info(self) -> wire.KVInfo:
         if self.role == "prefill":
             raise RoleNotServedError("a prefill worker receives no KV")

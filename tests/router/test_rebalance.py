@@ -4,6 +4,8 @@ pool's minimum, and the hysteresis gap keeps it from oscillating."""
 
 from __future__ import annotations
 
+import random
+
 from pdserve.router.rebalance import ControllerState, RebalancePolicy, Signals, decide, pressures
 
 POLICY = RebalancePolicy(ttft_target_s=2.0, tpot_target_s=0.1, confirm_s=10, dwell_s=60)
@@ -98,6 +100,33 @@ def test_the_hysteresis_gap_keeps_the_split_from_oscillating():
         moves += run(state, strong, minute * 60, minute * 60 + 59)
     assert all(b[0] - a[0] >= POLICY.dwell_s for a, b in zip(moves, moves[1:]))
     assert len(moves) <= 10
+
+
+def noisy(rng: random.Random, prefill_level: float, decode_level: float) -> Signals:
+    """Signals around levels given as pressures (1: at target), with the noise of a live cluster:
+    a relative spread of 30% and, now and then, a spike of three times the level."""
+    def draw(level: float) -> float:
+        return max(0.0, level * (3.0 if rng.random() < 0.03 else rng.gauss(1.0, 0.3)))
+    return signals(prefill_queue_s=draw(prefill_level) * POLICY.ttft_target_s,
+                   decode_step_s=draw(decode_level) * POLICY.tpot_target_s)
+
+
+def test_noise_around_a_balanced_load_moves_nothing():
+    """Two hours of a balanced load (both pools at 0.75x their targets) whose signals cross both
+    thresholds again and again, spikes included: no need holds for `confirm_s`, nothing moves."""
+    rng, state = random.Random(7), ControllerState()
+    decisions = [decide(noisy(rng, 0.75, 0.75), POLICY, state, float(t)) for t in range(7200)]
+    assert [d for d in decisions if d.move] == []
+    assert sum(d.reason.startswith("to_") for d in decisions) > 50  # the noise did ask, again and again
+
+
+def test_noise_on_a_real_shift_moves_one_way_only():
+    """A load that turns prompt-heavy, noisy as above: the controller moves decode workers into
+    prefill, at most once per dwell, and never back while the load stays where it is."""
+    rng, state = random.Random(11), ControllerState()
+    made = [d.move for t in range(3600) if (d := decide(noisy(rng, 1.6, 0.3), POLICY, state, float(t))).move]
+    assert made and set(made) == {"to_prefill"}
+    assert len(made) <= 3600 // POLICY.dwell_s + 1
 
 
 def test_the_router_moves_a_worker_as_the_rule_says(tiny_llama):

@@ -28,10 +28,11 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 class WorkerServer:
     """`with WorkerServer(model, "decode", ["tcp"]) as w:` one worker and its HTTP endpoint."""
 
-    def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None, **engine):
+    def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None,
+                 fault_injection: bool = False, **engine):
         self.worker = Worker(engine_config(model, role, **engine), transfer, token=token, **(worker_args or {}))
         self.worker.start()
-        self.server = ServerThread(create_app(self.worker, token)).start()
+        self.server = ServerThread(create_app(self.worker, token, fault_injection=fault_injection)).start()
         self.url = self.server.url
 
     def __enter__(self) -> WorkerServer:
@@ -65,11 +66,11 @@ class Cluster:
     transfer backend, or several in order of preference ("tcp,shm"), as `--transfer` takes them."""
 
     def __init__(self, model: Path, backend: str, prefill: dict | None = None, decode: dict | None = None,
-                 token: str = "", decode_worker: dict | None = None) -> None:
+                 token: str = "", decode_worker: dict | None = None, fault_injection: bool = False) -> None:
         transfer = backend.split(",")
-        self.p = WorkerServer(model, "prefill", transfer, token, **(prefill or {}))
+        self.p = WorkerServer(model, "prefill", transfer, token, fault_injection=fault_injection, **(prefill or {}))
         self.d = WorkerServer(model, "decode", transfer, token, worker_args=decode_worker,
-                              **{"block_size": 8, **(decode or {})})
+                              fault_injection=fault_injection, **{"block_size": 8, **(decode or {})})
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(timeout=60, headers=self.headers)
 
