@@ -11,6 +11,9 @@
   of both kinds nothing moves, since no split would help);
 - a worker moves from the relaxed pool to the pressed one only when one pool is past `high` while
   the other is below `low` (the gap between them is the hysteresis), and has been for `confirm_s`;
+  one exception: decode workers short of decoding itself (TPOT or KV past their targets) with no
+  prompt queued anywhere get a prefill worker however late first tokens are, since those wait on
+  the decode workers' KV or steps (`_short_of_decoding`);
 - after a move, nothing moves for `dwell_s`: the moved worker must drain and the signals settle
   before they say anything about the new split. Neither pool is ever taken below its minimum.
 Every decision comes with its reason, in words, for the log.
@@ -137,6 +140,16 @@ def pressures(s: Signals, p: RebalancePolicy) -> tuple[float, float]:
     return prefill, decode
 
 
+def _short_of_decoding(s: Signals, p: RebalancePolicy) -> bool:
+    """Decode workers short of decoding itself (steps past the TPOT target, or KV past the hot
+    threshold) while prompts queue neither on prefill workers nor on decode workers: first tokens
+    that are late all the same wait for decode workers' KV or steps, and another decode worker is
+    what helps them, however late they are. (Prompts queued on decode workers are the prefill
+    pool's overflow: fewer prefill workers would only add to them.)"""
+    decoding = max(s.decode_step_s / p.tpot_target_s, s.decode_kv_usage / p.hot_kv_usage)
+    return decoding > p.high and max(s.prefill_queue_s, s.decode_queue_s) / p.ttft_target_s < p.low
+
+
 def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -> Decision:
     """Whether to move a worker now; updates `state` (its want, and the move when there is one)."""
     pp, dp = pressures(s, p)
@@ -146,7 +159,7 @@ def decide(s: Signals, p: RebalancePolicy, state: ControllerState, now: float) -
            f"split {s.prefill_workers}P:{s.decode_workers}D"
     if pp > p.high and dp < p.low and s.decode_workers > p.min_decode:
         want: Move | None = "to_prefill"
-    elif dp > p.high and pp < p.low and s.prefill_workers > p.min_prefill:
+    elif s.prefill_workers > p.min_prefill and (dp > p.high and pp < p.low or _short_of_decoding(s, p)):
         want = "to_decode"
     else:
         want = None

@@ -78,6 +78,22 @@ def test_both_pools_pressed_or_both_relaxed_move_nothing():
     assert run(state, signals(prefill_queue_s=1.5, decode_step_s=0.02), 201, 300) == []  # 0.75x: not past high
 
 
+def test_late_first_tokens_with_short_prefill_queues_ask_for_decode_workers():
+    """First tokens are late (p90 6 s against 2 s) but no prompt is queued anywhere: they wait on
+    decode workers whose KV is full. Another decode worker is what helps, so a prefill worker
+    moves, though the prefill pool looks pressed by its TTFT; with a prefill queue behind those
+    late first tokens, or prompts queued on the decode workers, nothing moves."""
+    kv_bound = Signals(2, 2, prefill_queue_s=0.3, decode_step_s=0.05, decode_kv_usage=0.98, recent_ttft_s=6.0)
+    assert run(ControllerState(), kv_bound, 0, 30) == [(10, "to_decode")]
+    queued = Signals(2, 2, prefill_queue_s=3.0, decode_step_s=0.05, decode_kv_usage=0.98, recent_ttft_s=6.0)
+    assert run(ControllerState(), queued, 0, 30) == []
+    # prompts queued on the decode workers are the prefill pool's overflow: fewer prefill workers
+    # would only add to them, so nothing moves
+    overflow = Signals(2, 2, prefill_queue_s=0.3, decode_step_s=0.05, decode_kv_usage=0.98, recent_ttft_s=6.0,
+                       decode_queue_s=9.0)
+    assert run(ControllerState(), overflow, 0, 30) == []
+
+
 def test_a_pool_is_never_emptied():
     assert run(ControllerState(), signals(prefill_queue_s=9.0, d=1), 0, 100) == []
     assert run(ControllerState(), signals(decode_step_s=0.5, p=1), 0, 100) == []
