@@ -93,8 +93,8 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
             table.append(block_id)
-        for _ in range(max(num_new_blocks, 0)):
-            table.append(self._take_free_block())
+        if num_new_blocks > 0:
+            table += self._take_free_blocks(num_new_blocks)
         self._tables[request.request_id] = table
         if cached_blocks:
             self._num_hashed[request.request_id] = len(cached_blocks)
@@ -137,12 +137,13 @@ class BlockManager:
         self._num_hashed.pop(holder_id, None)
         if table is None:
             return
+        blocks, free = self.blocks, self._free
         for block_id in reversed(table):
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._free[block_id] = None
+                free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self._cached.items()):
@@ -151,17 +152,23 @@ class BlockManager:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _take_free_block(self) -> int:
-        if not self._free:
+    def _take_free_blocks(self, n: int) -> list[int]:
+        """`n` blocks from the head of the free queue (the least recently freed first), each now
+        held once; one that still named a cached prefix no longer does."""
+        if n > len(self._free):
             raise NoFreeBlocksError("no free KV blocks")
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            if self._cached.get(block.block_hash) == block_id:
-                del self._cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block_id
+        free, blocks, cached = self._free, self.blocks, self._cached
+        taken = []
+        for _ in range(n):  # the allocator's inner loop: locals only
+            block_id = free.popitem(last=False)[0]
+            block = blocks[block_id]
+            if block.block_hash is not None:
+                if cached.get(block.block_hash) == block_id:
+                    del cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
