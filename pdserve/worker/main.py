@@ -20,6 +20,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     g.add_argument("--host", default="127.0.0.1", help="address of the control endpoint and KV port")
+    g.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="address the router and peers are told to reach this worker at (default: --host); with "
+                        "--host 0.0.0.0 in Kubernetes, the pod's IP (the downward API's status.podIP)")
     g.add_argument("--port", type=int, default=8100, help="control endpoint port (0: any free one)")
     g.add_argument("--kv-port", type=int, default=0, help="decode: KV transfer port (0: any free one)")
     g.add_argument("--transfer", default="shm,tcp",
@@ -57,6 +60,11 @@ def worker_token(args: argparse.Namespace) -> tuple[str, str | None]:
     return token, str(path)
 
 
+def worker_url(host: str, port: int) -> str:
+    """The control endpoint's URL as the router and peers are told it (an IPv6 address bracketed)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from pdserve.kv_transfer.registry import PRODUCTION_BACKENDS
     from pdserve.models.registry import resolve_model
@@ -72,10 +80,11 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {args.transfer!r}")
     token, token_file = worker_token(args)
     config = EngineConfig(model=resolve_model(args.model), role=args.role, **engine_kwargs)
+    advertised = args.advertise_host or args.host
     worker = Worker(
         config, transfer, token, args.host, args.kv_port,
         args.kv_lease_timeout, args.kv_transfer_dtype, args.max_queued, name=f"{args.role}@{socket.gethostname()}",
-        record_steps=args.record_steps,
+        record_steps=args.record_steps, advertise_host=advertised,
     )
     compiled = worker.engine.runner.compiled
     if compiled is not None:  # ready means at full speed: no compile competes with requests for the cores
@@ -83,7 +92,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         compiled.warm_up()
     worker.start()
     sock = tcp_listener(args.host, args.port)
-    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    url = worker_url(advertised, sock.getsockname()[1])
     ready = {"event": "ready", "url": url, "role": args.role, "kv": worker.offers,
              "load_seconds": round(time.perf_counter() - t0, 2), "pid": os.getpid(),
              **({"token_file": token_file} if token_file else {})}

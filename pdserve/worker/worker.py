@@ -96,6 +96,7 @@ class Worker:
         max_queued: int = 256,
         name: str = "worker",
         record_steps: str | None = None,  # a JSONL file: every step's shape and time (see EngineLoop)
+        advertise_host: str | None = None,  # the KV address offered to peers (default: `host`, as bound)
     ) -> None:
         bad = [t for t in transfer if t not in BACKENDS]
         if bad or not transfer:
@@ -125,7 +126,8 @@ class Worker:
         self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
         side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
                           self._pool.path if self._pool is not None else None)
-        addr = {"host": self.receiver.address[0], "port": self.receiver.address[1]}  # frames go here
+        # frames go here; a listener bound to 0.0.0.0 (a pod) must offer an address peers can reach
+        addr = {"host": advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
         self.offers: dict[str, dict] = offers(self.transfer, side, addr)
         self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
