@@ -39,6 +39,11 @@ from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import load_checkpoint
 
 
+class TransferMismatch(RuntimeError):
+    """A benchmarked transfer did not do its job: no LANDED, or the KV arrived changed. A plain
+    exception, not an `assert`, so that the check still runs under `python -O`."""
+
+
 def _log(message: str) -> None:
     print(f"[bench-transfer] {message}", file=sys.stderr, flush=True)
 
@@ -153,14 +158,15 @@ class Link:
                 if not sender.alive:
                     raise RuntimeError(f"the {self.backend} link failed during the transfer") from None
         seconds = time.perf_counter() - t0
-        assert event.kind == EventKind.LANDED, event
+        if event.kind != EventKind.LANDED:
+            raise TransferMismatch(f"{self.backend}: the transfer ended in {event.kind.name}, not LANDED: {event}")
         sender.forget(lease)
         return seconds
 
     def close(self) -> None:
-        if self.encoding == "raw":
-            n = self.num_tokens
-            assert torch.equal(self.dst[:, :n], self.src[:, :n]), f"{self.backend}: KV arrived changed"
+        n = self.num_tokens
+        # compared before the pool closes (shm's destination is that pool); raised after, so nothing leaks
+        changed = self.encoding == "raw" and not torch.equal(self.dst[:, :n], self.src[:, :n])
         self.sender.close()
         self.rx.close()
         if self.backend == "nixl":
@@ -169,6 +175,8 @@ class Link:
             release_agent(self.dst)
         if self.pool is not None:
             self.pool.close()
+        if changed:
+            raise TransferMismatch(f"{self.backend}: KV arrived changed")
 
 
 def take_turns(contenders: dict[str, Any], reps: int) -> dict[str, float]:

@@ -10,6 +10,7 @@ import torch
 
 import pdserve.bench.first_token as first_token
 import pdserve.bench.transfer as bench
+from pdserve.kv_transfer.leases import EventKind, ReceiverEvent
 from pdserve.models.arch_config import ArchConfig
 from tests.worker.cluster import BACKENDS
 
@@ -27,6 +28,33 @@ def test_links_and_limits_take_turns(tiny_llama):
         for c in contenders.values():
             c.close()  # a Link checks that the KV arrived unchanged
     assert set(best) == set(contenders) and all(0 < s < 60 for s in best.values())
+
+
+def _tiny_cfg(tiny_llama) -> ArchConfig:
+    return ArchConfig.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_kv_that_arrives_changed_is_an_error_not_an_assert(tiny_llama, backend):
+    # TransferMismatch, not AssertionError: the check must survive `python -O`
+    link = bench.Link(_tiny_cfg(tiny_llama), torch.float32, backend, 40)
+    try:
+        link.once()
+        link.dst[0, 3, 0, 0, 0] += 1.0  # one value of the landed KV
+    finally:
+        with pytest.raises(bench.TransferMismatch, match=f"{backend}: KV arrived changed"):
+            link.close()
+
+
+def test_a_transfer_that_does_not_land_is_an_error(tiny_llama):
+    link = bench.Link(_tiny_cfg(tiny_llama), torch.float32, "tcp", 40)
+    try:
+        link.events.put(ReceiverEvent(EventKind.FAILED, "bench", 1, reason="injected"))
+        with pytest.raises(bench.TransferMismatch, match="tcp: the transfer ended in FAILED, not LANDED"):
+            link.once()
+    finally:
+        link.dst.copy_(link.src)  # only the outcome is under test here, not the bytes
+        link.close()
 
 
 def test_ttft_and_quantized_parts(tiny_llama):
