@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pdserve
+from tests import backends
 
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve", "jsonpickle"}
 WIRE_PACKAGES = ["kv_transfer", "worker"]
@@ -38,14 +39,14 @@ def test_wire_modules_import_no_deserializer(path):
             ), f"{path.name} calls {owner}.{node.attr}"
 
 
-def test_a_transfer_never_unpickles(tiny_llama, monkeypatch):
-    from tests.worker.cluster import BACKENDS, Cluster, prompt
+@pytest.mark.parametrize("backend", backends.cases(backends.TRANSFER))
+def test_a_transfer_never_unpickles(tiny_llama, monkeypatch, backend):
+    from tests.worker.cluster import Cluster, prompt
 
     def refuse(*args, **kwargs):
         raise AssertionError("something unpickled during a KV transfer")
-    for backend in BACKENDS:
-        with Cluster(tiny_llama, backend) as c, monkeypatch.context() as m:
-            m.setattr(pickle, "loads", refuse)
-            m.setattr(pickle, "load", refuse)
-            tokens, last = c.generate(prompt(37))
-            assert len(tokens) == 8 and c.d.worker.stats().kv_landed == 1
+    with Cluster(tiny_llama, backend) as c:
+        monkeypatch.setattr(pickle, "loads", refuse)
+        monkeypatch.setattr(pickle, "load", refuse)
+        tokens, last = c.generate(prompt(37))
+        assert len(tokens) == 8 and c.d.worker.stats().kv_landed == 1

@@ -9,16 +9,17 @@ from typing import Any, Iterator
 
 import httpx
 
-from pdserve.kv_transfer.nixl import nixl_available
 from pdserve.worker.server import ServerThread, create_app
 from pdserve.worker.worker import Worker
+from tests.backends import TRANSFER, cases, usable
 from tests.factories import engine_config
 from tests.wait import wait_for
 
-BACKENDS = ["tcp", "shm"] + (["nixl"] if nixl_available() else [])
+BACKENDS = usable(TRANSFER)  # for loops inside one test; parametrize over CASES instead
+CASES = cases(TRANSFER)  # unusable backends appear as skipped cases, with the reason
 # and the in-process one: the same leases, fences and aborts without a KV socket (both workers of a
 # Cluster live in this process)
-WITH_MEMORY = BACKENDS + ["memory"]
+CASES_WITH_MEMORY = cases(TRANSFER + ["memory"])
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:

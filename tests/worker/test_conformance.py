@@ -11,7 +11,7 @@ import pytest
 from pdserve import SamplingParams
 from tests.factories import make_llm
 from tests.wait import wait_for
-from tests.worker.cluster import BACKENDS, WITH_MEMORY, Cluster, prompt
+from tests.worker.cluster import CASES, CASES_WITH_MEMORY, Cluster, prompt
 
 LONG = 120  # 4 prefill chunks of 32 tokens
 
@@ -63,7 +63,7 @@ def abort_the_waiting_request(c: Cluster, stream: threading.Thread, box: dict) -
     assert box["last"]["outputs"][0]["finish_reason"] == "abort"
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_abort_while_prefill_is_queued(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         hold = threading.Event()
@@ -75,7 +75,7 @@ def test_abort_while_prefill_is_queued(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_abort_during_transfer(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         reached, release = gate_after_first_step(c.p.worker)
@@ -86,7 +86,7 @@ def test_abort_during_transfer(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_client_disconnect_during_decode(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         with c.http.stream("POST", c.d.url + "/v1/generate", json=c.body(prompt(30), max_tokens=500)) as r:
@@ -96,7 +96,7 @@ def test_client_disconnect_during_decode(tiny_llama, backend):
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, backend):
     tokens = prompt(LONG, seed=2)
     with Cluster(tiny_llama, backend) as c:
@@ -112,7 +112,7 @@ def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, back
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_unreachable_prefill_worker_means_recompute(tiny_llama, colocated, backend):
     tokens = prompt(33, seed=5)
     with Cluster(tiny_llama, backend) as c:
@@ -124,7 +124,7 @@ def test_unreachable_prefill_worker_means_recompute(tiny_llama, colocated, backe
         c.wait_idle()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASES)
 def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, backend):
     with Cluster(tiny_llama, backend) as c:
         reached, release = gate_after_first_step(c.p.worker)

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve import SamplingParams
 from tests.factories import make_llm
-from tests.worker.cluster import WITH_MEMORY, Cluster, prompt
+from tests.worker.cluster import CASES_WITH_MEMORY, Cluster, prompt
 
 LENGTHS = [3, 5, 9, 16, 17, 23, 31, 32, 33, 47, 64, 65, 90, 111, 128, 150]
 
@@ -21,7 +21,7 @@ def reference(llm, prompts, max_tokens=8, **sampling):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_sixteen_prompts_match_colocated(tiny_llama, colocated, backend):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     expected = reference(colocated, prompts)
@@ -34,7 +34,7 @@ def test_sixteen_prompts_match_colocated(tiny_llama, colocated, backend):
         assert stats.kv_bytes_received == sum(LENGTHS) * c.d.worker.layout.slot_bytes * c.d.worker.layout.num_layers
 
 
-@pytest.mark.parametrize("backend", WITH_MEMORY)
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_multi_turn_sends_only_what_decode_lacks(tiny_llama, colocated, backend):
     turn1 = prompt(40, seed=7)
     with Cluster(tiny_llama, backend) as c:

@@ -14,7 +14,7 @@ from pdserve import SamplingParams
 from pdserve.kv_transfer.shm import reap_stale_pools
 from tests.factories import make_llm
 from tests.wait import wait_for
-from tests.worker.cluster import BACKENDS, prompt
+from tests.worker.cluster import CASES, prompt
 from tests.worker.processes import AUTH, spawn
 
 
@@ -62,7 +62,7 @@ def poll(url: str, predicate, what: str) -> dict:
     return seen["stats"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASES)
 def test_processes_killed_mid_transfer(tiny_llama, backend):
     """SIGKILL the prefill worker while a prompt's KV is landing: decode recomputes it, output
     intact. Then SIGKILL the decode worker mid-transfer: the prefill worker frees everything."""
