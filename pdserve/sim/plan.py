@@ -26,8 +26,6 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from pdserve.bench.loadgen import BenchRequest, LengthDist
 from pdserve.bench.metrics import RequestRecord
 from pdserve.router.policy import DisaggregationPolicy
@@ -37,6 +35,7 @@ from pdserve.sim.fork_map import fork_map
 from pdserve.sim.perf import LinearPerfModel, StepShape
 from pdserve.sim.rate_search import highest_passing_rate
 from pdserve.sim.simulate import simulate_point
+from pdserve.sim.verdict import SLA, EarlyVerdict, Outcome, percentile
 
 FREE = LinearPerfModel()  # a worker whose steps and transfers take no time
 ALL_REMOTE = DisaggregationPolicy(min_remote_tokens=1, saturated_queue_tokens=1 << 62)
@@ -50,17 +49,6 @@ class Traffic:
 
 
 @dataclass(frozen=True, slots=True)
-class SLA:
-    ttft_s: float
-    tpot_s: float
-    percentile: float = 90.0
-
-    def describe(self) -> str:
-        return f"p{self.percentile:g} TTFT <= {self.ttft_s * 1e3:g} ms and p{self.percentile:g} TPOT <= " \
-               f"{self.tpot_s * 1e3:g} ms"
-
-
-@dataclass(frozen=True, slots=True)
 class InstanceSpec:
     """One instance of `tp` GPUs: its step model and the KV tokens it holds."""
 
@@ -69,60 +57,6 @@ class InstanceSpec:
 
 
 InstanceFactory = Callable[[int], "InstanceSpec | None"]  # tp -> the instance, None if the model does not fit
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """A simulated run, at the SLA's percentile. A run stopped early (`EarlyVerdict`) has the bound
-    it was certain to miss at infinity and the others at what its requests showed until then."""
-
-    ttft_s: float
-    tpot_s: float
-    completed: bool
-    stopped_early: bool = False
-
-    def misses(self, sla: SLA) -> list[str]:
-        """The bounds this run misses: "ttft", "tpot" (an unfinished run misses both)."""
-        if not self.completed:
-            return ["ttft", "tpot"]
-        return [name for name, value, bound in (("ttft", self.ttft_s, sla.ttft_s), ("tpot", self.tpot_s, sla.tpot_s))
-                if value > bound]
-
-
-class EarlyVerdict:
-    """Stops a run once its percentile must miss a bound, whatever the rest of the run does.
-
-    With linear interpolation between ranks (numpy's), the p-th percentile of n values exceeds a
-    bound as soon as n - floor((n - 1) p / 100) of them do: from then on the run's verdict is
-    known, and an overloaded run (most runs of a capacity search above the answer) ends after a
-    fraction of its requests. Its requests' first tokens and completions are watched as they
-    happen (`SimCluster.observe`).
-    """
-
-    def __init__(self, sla: SLA, requests: list[BenchRequest], stop_on: tuple[str, ...] = ("ttft", "tpot")) -> None:
-        self.sla, self.stop_on = sla, stop_on
-        allowed = lambda n: n - math.floor((n - 1) * sla.percentile / 100)  # noqa: E731
-        self.limit = {"ttft": allowed(len(requests)), "tpot": allowed(sum(r.max_tokens >= 2 for r in requests))}
-        self.count = {"ttft": 0, "tpot": 0}
-        self.missed: list[str] = []
-        self.clock = None
-
-    def watch(self, cluster: SimCluster) -> SimCluster:
-        self.clock = cluster.clock
-        cluster.observe = self.observe
-        return cluster
-
-    def observe(self, record: RequestRecord, event: str) -> None:
-        if event == "first_token":
-            name, late = "ttft", record.ttft > self.sla.ttft_s
-        else:
-            tpot = record.tpot
-            name, late = "tpot", tpot is not None and tpot > self.sla.tpot_s
-        if late:
-            self.count[name] += 1
-            if self.count[name] >= self.limit[name] and name in self.stop_on and name not in self.missed:
-                self.missed.append(name)
-                self.clock.stop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +98,6 @@ class Config:
         if self.mode == "colocated":
             out.update(num_decode=0, tp_decode=0)
         return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else 0.0
 
 
 class Planner:

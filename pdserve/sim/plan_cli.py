@@ -25,7 +25,8 @@ from pathlib import Path
 from pdserve.bench.loadgen import LengthDist
 from pdserve.bench.results import write_json
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
-from pdserve.sim.plan import SLA, Config, InstanceSpec, Planner, Traffic, unreachable, within_budget
+from pdserve.sim.plan import Config, InstanceSpec, Planner, Traffic, unreachable, within_budget
+from pdserve.sim.verdict import SLA
 from pdserve.sim.profile import perf_model
 
 

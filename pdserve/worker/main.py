@@ -16,11 +16,19 @@ from pdserve.credentials import TOKEN_ENV, add_secret_args, is_loopback, new_tok
 from pdserve.net import WORKER_LIMITS, http_server, tcp_listener
 
 
+def _host(text: str) -> str:
+    """A host name or an IPv4/IPv6 address, as it goes into a URL: nothing that could add a path,
+    a user or a port."""
+    if not text or len(text) > 253 or not all(c.isalnum() or c in ".-:" for c in text):
+        raise argparse.ArgumentTypeError(f"expected a host name or an IP address, got {text!r}")
+    return text
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     g.add_argument("--host", default="127.0.0.1", help="address of the control endpoint and KV port")
-    g.add_argument("--advertise-host", default=None, metavar="HOST",
+    g.add_argument("--advertise-host", default=None, metavar="HOST", type=_host,
                    help="address the router and peers are told to reach this worker at (default: --host); with "
                         "--host 0.0.0.0 in Kubernetes, the pod's IP (the downward API's status.podIP)")
     g.add_argument("--port", type=int, default=8100, help="control endpoint port (0: any free one)")

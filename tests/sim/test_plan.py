@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.bench.loadgen import LengthDist
 from pdserve.sim.perf import LinearPerfModel
-from pdserve.sim.plan import SLA, InstanceSpec, Planner, Traffic, unreachable
+from pdserve.sim.plan import InstanceSpec, Planner, Traffic, unreachable
+from pdserve.sim.verdict import SLA
 from pdserve.sim.plan_cli import main
 
 # A step takes 10 ms + 1 ms per prompt token on one GPU, whatever its batch; two GPUs are 1.2x as

@@ -4,6 +4,7 @@ and its peers an address they can reach (the pod's IP), for its control endpoint
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from pdserve.cli import build_parser
 from pdserve.worker.main import worker_url
@@ -15,6 +16,13 @@ def test_the_advertised_address_defaults_to_the_bound_one():
     assert args.advertise_host is None
     args = build_parser().parse_args(["worker", "--host", "0.0.0.0", "--advertise-host", "10.0.0.7"])
     assert (args.host, args.advertise_host) == ("0.0.0.0", "10.0.0.7")
+
+
+@pytest.mark.parametrize("bad", ["", "evil.example/path", "user@host", "host name", "h" * 254])
+def test_an_advertised_address_that_is_not_a_host_is_refused(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["worker", "--advertise-host", bad])
+    assert e.value.code == 2 and "--advertise-host" in capsys.readouterr().err
 
 
 def test_an_ipv6_address_is_bracketed_in_the_url():
