@@ -1,6 +1,9 @@
 """The supervisor's restart rule (a pure function of exit times) and its loop over real processes,
 driven by an injected clock: exits are restarted after a doubling backoff, a crash loop is reported
-once and never given up on, and a child that stays up is forgiven its past exits."""
+once and never given up on, and a child that stays up is forgiven its past exits. Fake children
+(a tiny program in place of the interpreter) act out the failures: a ready child killed and
+restarted, one that exits before its ready line (named; `pdserve serve` returns 1), and one that
+ignores SIGTERM (killed after the grace)."""
 
 from __future__ import annotations
 
@@ -119,3 +122,104 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has stopped
     except FileNotFoundError:
         return False
+
+
+# A stand-in for `python -m pdserve.cli ARGV`: the supervisor starts `sys.executable`, so the tests
+# below point that at this program, which acts out its first argument instead of serving:
+#   exit      exits with code 3 before any ready line (a wrong flag, a missing model)
+#   ready     prints a ready line, then waits to be stopped
+#   stubborn  ignores SIGTERM, prints a ready line, then waits (only SIGKILL ends it)
+#   router    like `ready`; worker: like `exit` (for `run_serve`)
+FAKE_CHILD = """\
+import json, os, signal, sys, time
+what = sys.argv[3]  # after "-m pdserve.cli"
+if what in ("exit", "worker"):
+    sys.exit(3)
+if what == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(json.dumps({"event": "ready", "url": f"http://127.0.0.1:{1000 + os.getpid() % 1000}",
+                  "load_seconds": 0.0}), flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.fixture
+def fake_children(tmp_path, monkeypatch):
+    import stat
+    import sys
+
+    program = tmp_path / "fake-python"
+    program.write_text(f"#!{sys.executable}\n{FAKE_CHILD}")
+    program.chmod(program.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(sys, "executable", str(program))
+
+
+def test_a_child_that_dies_after_it_was_ready_is_restarted_and_ready_again(supervisor, fake_children):
+    import signal
+
+    sup, events, clock = supervisor
+    member = sup.start("w", ["ready"])
+    member.child.wait_ready(30)
+    old_pid = member.child.proc.pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: (sup.check() or True) and events, 30, "the exit to be noticed")
+    assert events == [{"event": "exited", "name": "w", "code": -signal.SIGKILL, "restart_in_s": 0.5}]
+    sup.check()  # the backoff has not passed: nothing yet
+    assert len(events) == 1 and not member.child.alive
+    clock.now += 0.5
+    sup.check()
+    new_pid = member.child.proc.pid
+    assert new_pid != old_pid and events[-1] == {"event": "restarted", "name": "w", "restarts": 1, "pid": new_pid}
+    again = member.child.wait_ready(30)
+    sup.check()
+    assert events[-1] == {"event": "ready_again", "name": "w", "pid": new_pid, "url": again["url"],
+                          "load_seconds": 0.0}
+    assert member.child.alive and member.restarts == 1 and not member.crash_looping
+
+
+def test_a_child_that_exits_before_it_is_ready_is_named(fake_children):
+    from pdserve.supervisor import Child
+
+    child = Child("prefill worker 0", ["exit"], None, dict(os.environ))
+    with pytest.raises(RuntimeError, match=r"^prefill worker 0 exited with code 3 before it was ready$"):
+        child.wait_ready(10)
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(fake_children):
+    import signal
+
+    sup = Supervisor(dict(os.environ), POLICY)
+    polite, stubborn = sup.start("polite", ["ready"]), sup.start("stubborn", ["stubborn"])
+    try:
+        polite.child.wait_ready(30)
+        stubborn.child.wait_ready(30)  # its SIGTERM handler is in place before its ready line
+        sup.stop(0.5)
+        assert polite.child.proc.returncode == -signal.SIGTERM
+        assert stubborn.child.proc.returncode == -signal.SIGKILL
+    finally:
+        for member in (polite, stubborn):
+            if member.child.alive:  # what stop() should have ended: no process outlives the test
+                member.child.proc.kill()
+                member.child.proc.wait()
+
+
+def test_serve_fails_its_start_when_a_worker_exits_before_it_is_ready(fake_children, capsys):
+    """The router comes up, the first worker exits at once: `run_serve` names it, stops the router
+    and returns 1 (the command's exit code)."""
+    import json
+    import signal
+
+    from pdserve.cli import build_parser, engine_argv
+    from pdserve.launcher import run_serve
+
+    args = build_parser().parse_args(["serve", "--port", "0", "--ready-timeout", "10"])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert run_serve(args, engine_argv(args)) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out, err = capsys.readouterr()
+    assert "prefill worker 0 exited with code 3 before it was ready" in err
+    assert [json.loads(line)["event"] for line in out.splitlines()] == ["stopped"]
