@@ -7,11 +7,15 @@ ignores SIGTERM (killed after the grace)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import stat
+import sys
 
 import pytest
 
-from pdserve.supervisor import RestartPolicy, Supervisor
+from pdserve.supervisor import Child, RestartPolicy, Supervisor
 from tests.wait import wait_for
 
 POLICY = RestartPolicy(first_backoff_s=0.5, max_backoff_s=8.0, window_s=100.0, crash_loop_exits=4, stable_s=50.0)
@@ -146,9 +150,6 @@ while True:
 
 @pytest.fixture
 def fake_children(tmp_path, monkeypatch):
-    import stat
-    import sys
-
     program = tmp_path / "fake-python"
     program.write_text(f"#!{sys.executable}\n{FAKE_CHILD}")
     program.chmod(program.stat().st_mode | stat.S_IEXEC)
@@ -156,8 +157,6 @@ def fake_children(tmp_path, monkeypatch):
 
 
 def test_a_child_that_dies_after_it_was_ready_is_restarted_and_ready_again(supervisor, fake_children):
-    import signal
-
     sup, events, clock = supervisor
     member = sup.start("w", ["ready"])
     member.child.wait_ready(30)
@@ -179,16 +178,12 @@ def test_a_child_that_dies_after_it_was_ready_is_restarted_and_ready_again(super
 
 
 def test_a_child_that_exits_before_it_is_ready_is_named(fake_children):
-    from pdserve.supervisor import Child
-
     child = Child("prefill worker 0", ["exit"], None, dict(os.environ))
     with pytest.raises(RuntimeError, match=r"^prefill worker 0 exited with code 3 before it was ready$"):
         child.wait_ready(10)
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(fake_children):
-    import signal
-
     sup = Supervisor(dict(os.environ), POLICY)
     polite, stubborn = sup.start("polite", ["ready"]), sup.start("stubborn", ["stubborn"])
     try:
@@ -207,9 +202,6 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(fake_children):
 def test_serve_fails_its_start_when_a_worker_exits_before_it_is_ready(fake_children, capsys):
     """The router comes up, the first worker exits at once: `run_serve` names it, stops the router
     and returns 1 (the command's exit code)."""
-    import json
-    import signal
-
     from pdserve.cli import build_parser, engine_argv
     from pdserve.launcher import run_serve
 

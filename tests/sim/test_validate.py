@@ -29,7 +29,8 @@ def test_layout_reads_the_serve_flags_and_their_defaults():
         {"prefill": 0, "decode": 3, "colocated": 2}
 
 
-def run(ttft: float, tpot: float | None, goodput: float, host_cpu: dict | None = None, rate: float | None = 2.0) -> dict:
+def run(ttft: float, tpot: float | None, goodput: float, host_cpu: dict | None = None,
+        rate: float | None = 2.0) -> dict:
     return {"load": {"request_rate": rate, "concurrency": None}, "ttft": {"mean": ttft}, "tpot": {"mean": tpot},
             "goodput": goodput, "host_cpu": host_cpu}
 
