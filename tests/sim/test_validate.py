@@ -17,7 +17,6 @@ from pdserve.sim.cluster import SimCluster
 from pdserve.sim.profile import perf_model
 from pdserve.sim.simulate import simulate_sweep
 from pdserve.sim.validate import compare, layout, main
-from tests.sim.test_profile_and_simulate import profile_json
 
 QUIET = {"others": 0.0, "steal": 0.0}
 NOISY = {"others": NOISY_OTHERS_CORES + 1.0, "steal": 0.0}
@@ -57,6 +56,17 @@ def test_compare_averages_the_quiet_runs_and_states_each_error():
     # only noisy runs of a point: they count, and say so
     _, rows = compare([{"results": {"c": {"runs": [run(100, 10, 4.0, NOISY)]}}}], {"c": [run(100, 10, 4.0)]})
     assert rows[0]["noisy_runs"] == 1 and rows[0]["TTFT mean ms"]["measured"] == [100]
+
+
+def profile_json(tmp_path):
+    """A step and link model as `pdserve profile` writes one."""
+    profile = {"model": "synthetic", "kv_bytes_per_token": 1000,
+               "step": {"base_s": 0.004, "prefill_token_s": 2e-4, "prefill_attention_s": 1e-8, "decode_seq_s": 1e-3,
+                        "decode_context_s": 2e-6},
+               "links": {"shm": {"latency_s": 0.001, "bytes_per_s": 1e9}}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    return path, profile
 
 
 def measured_as_simulated(profile_path, prefill: int, decode: int) -> dict:
