@@ -96,9 +96,19 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from pdserve.on_ray.driver import run_serve_on_ray
+
+        return run_serve_on_ray(args, engine_argv(args))
     from pdserve.launcher import run_serve
 
     return run_serve(args, engine_argv(args))
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from pdserve.on_ray.driver import run_scale
+
+    return run_scale(args)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -154,12 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     wk.set_defaults(func=cmd_worker)
 
     from pdserve.launcher import add_serve_args
+    from pdserve.on_ray.driver import add_ray_args, add_scale_args
     from pdserve.router.main import add_router_args
 
-    sv = sub.add_parser("serve", help="the local cluster: router + prefill and decode workers (default 1P1D)")
+    sv = sub.add_parser("serve", help="the cluster: router + prefill and decode workers (default 1P1D), as local "
+                        "processes or, with --ray, as actors on a Ray cluster")
     add_engine_args(sv)
     add_serve_args(sv)
+    add_ray_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    sc = sub.add_parser("scale", help="change the pools of a running `pdserve serve --ray` (drains what it removes)")
+    add_scale_args(sc)
+    sc.set_defaults(func=cmd_scale)
 
     rt = sub.add_parser("router", help="the OpenAI-compatible router in front of registered workers")
     add_router_args(rt)

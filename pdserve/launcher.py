@@ -68,6 +68,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "aid for `pdserve bench chaos`; off by default")
 
 
+def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
+    """`pdserve router` as `pdserve serve` (local or on Ray) starts it."""
+    return ["router", *_model(args), "--host", host, "--port", str(port),
+            "--max-tokens-default", str(args.max_tokens_default),
+            "--max-queued-requests", str(args.max_queued_requests), "--queue-timeout", str(args.queue_timeout),
+            *controller_argv(args), *(["--migrate-on-failure"] if args.migrate_on_failure else [])]
+
+
+def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, index: int, router_url: str,
+                host: str, threads: int) -> list[str]:
+    """`pdserve worker` number `index` as `pdserve serve` (local or on Ray) starts it."""
+    argv = ["worker", *_model(args), "--role", role, "--host", host, "--port", "0", "--router", router_url,
+            "--transfer", args.transfer, "--threads", str(threads), *engine_argv,
+            *(["--fault-injection"] if args.fault_injection else [])]
+    if args.record_steps:
+        Path(args.record_steps).mkdir(parents=True, exist_ok=True)
+        argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{index}.jsonl")]
+    return argv
+
+
+def _model(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model] if args.model else []
+
+
 def _cpu_shares(num_workers: int) -> list[list[int]]:
     cpus = sorted(os.sched_getaffinity(0))
     share = max(1, len(cpus) // num_workers)
@@ -87,12 +111,11 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     token = read_secret(args.token_file, TOKEN_ENV) or secrets.token_hex(32)  # a fresh one unless given
     env = {**os.environ, TOKEN_ENV: token, API_KEY_ENV: api_key,
            ADMIN_KEY_ENV: read_secret(args.admin_key_file, ADMIN_KEY_ENV)}
-    model = ["--model", args.model] if args.model else []
     say = lambda msg: print(f"[pdserve serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     def report(event: dict) -> None:  # a machine-readable line, and a sentence for people
         print(json.dumps(event), flush=True)
-        say(_describe(event))
+        say(describe_event(event))
 
     sup = Supervisor(env, RestartPolicy(max_backoff_s=args.max_restart_backoff), report)
     stopping = threading.Event()
@@ -101,28 +124,19 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     code = 0
     try:
         t0 = time.perf_counter()
-        router = sup.start("router", ["router", *model, "--host", args.host, "--port", str(args.port),
-                                      "--max-tokens-default", str(args.max_tokens_default),
-                                      "--max-queued-requests", str(args.max_queued_requests),
-                                      "--queue-timeout", str(args.queue_timeout), *controller_argv(args),
-                                      *(["--migrate-on-failure"] if args.migrate_on_failure else [])])
+        router = sup.start("router", router_argv(args, args.host, args.port))
         url = router.child.wait_ready(args.ready_timeout)["url"]
         _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
         say(f"router ready at {url}")
         shares = _cpu_shares(len(roles))
         workers = []
         for i, role in enumerate(roles):
-            argv = ["worker", *model, "--role", role, "--host", args.host, "--port", "0", "--router", url,
-                    "--transfer", args.transfer, "--threads", str(_threads(args, shares[i])), *engine_argv,
-                    *(["--fault-injection"] if args.fault_injection else [])]
-            if args.record_steps:
-                Path(args.record_steps).mkdir(parents=True, exist_ok=True)
-                argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{i}.jsonl")]
+            argv = worker_argv(args, engine_argv, role, i, url, args.host, _threads(args, shares[i]))
             workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
         for w in workers:
             info = w.child.wait_ready(args.ready_timeout)
             say(f"{w.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
-        _wait_registered(url, len(roles), args.ready_timeout)
+        wait_registered(url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
         model_name = httpx.get(url + "/v1/models", headers=_auth(api_key)).json()["data"][0]["id"]
         members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus}
@@ -143,7 +157,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     return code
 
 
-def _describe(event: dict) -> str:
+def describe_event(event: dict) -> str:
     kind, name = event["event"], event["name"]
     if kind == "exited":
         return f"{name} exited with code {event['code']}; starting it again in {event['restart_in_s']}s"
@@ -164,7 +178,7 @@ def _auth(api_key: str) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _wait_registered(url: str, count: int, timeout: float) -> None:
+def wait_registered(url: str, count: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while httpx.get(url + "/health").json().get("workers", 0) < count:
         if time.monotonic() > deadline:

@@ -9,7 +9,8 @@ Lifecycle of one supervised child:
 3. Past `crash_loop_exits` exits in the window it is reported as crash-looping (once, on entering
    that state) and restarted at the longest backoff from then on: never given up on in silence.
    A child that stays up `stable_s` is healthy again; its backoff starts over.
-4. `stop()`: no more restarts; every child gets SIGTERM, then SIGKILL after a grace period.
+4. `retire(member)`: SIGTERM to that child, never started again (a pool scaled down).
+5. `stop()`: no more restarts; every child gets SIGTERM, then SIGKILL after a grace period.
 
 The decision (how long to wait, whether it is a crash loop) is `RestartPolicy`, a pure function of
 the exit times, so it is tested without processes.
@@ -52,13 +53,14 @@ class RestartPolicy:
         return len(self.recent(exits, now)) >= self.crash_loop_exits
 
 
-def _in_child(cpus: list[int] | None) -> None:
-    """Run in the child before it starts: its cores, and SIGTERM (a drain) should the supervisor
-    itself die, even by SIGKILL, so that no child outlives it (Linux; elsewhere skipped)."""
+def _in_child(cpus: list[int] | None, death_signal: int) -> None:
+    """Run in the child before it starts: its cores, and `death_signal` should the thread that
+    started it die (the supervisor's process, even by SIGKILL), so that no child outlives it
+    (Linux; elsewhere skipped)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal)
     except (OSError, AttributeError):
         pass
 
@@ -69,12 +71,13 @@ _PR_SET_PDEATHSIG = 1
 class Child:
     """One process of `pdserve` (`python -m pdserve.cli ARGV`), its ready line read as it comes."""
 
-    def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str],
+                 death_signal: int = signal.SIGTERM) -> None:
         self.name = name
         self.cpus = cpus
         self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
             [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
-            preexec_fn=lambda: _in_child(cpus))
+            preexec_fn=lambda: _in_child(cpus, death_signal))
         self.ready: dict | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -120,16 +123,20 @@ class Supervised:
     restarts: int = 0
     crash_looping: bool = False
     ready_reported: bool = False  # a restarted child's ready line was reported
+    retired: bool = False  # sent away for good (`retire`): never started again
 
 
 class Supervisor:
     """Starts children and keeps them running: call `check()` every so often (the launcher's loop).
-    `report(event)` gets every exit, restart and crash loop, as a dict with an "event" key."""
+    `report(event)` gets every exit, restart and crash loop, as a dict with an "event" key.
+    Should the supervising thread die, each child gets `death_signal`: SIGTERM (it drains) under
+    `pdserve serve`; SIGKILL in a Ray actor, which Ray starts again elsewhere at once."""
 
     def __init__(self, env: dict[str, str], policy: RestartPolicy = RestartPolicy(),
                  report: Callable[[dict], None] = lambda event: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, death_signal: int = signal.SIGTERM) -> None:
         self.env, self.policy, self.report, self.clock = env, policy, report, clock
+        self.death_signal = death_signal
         self.members: list[Supervised] = []
         self.stopping = False
 
@@ -140,7 +147,7 @@ class Supervisor:
         return member
 
     def _launch(self, member: Supervised) -> None:
-        member.child = Child(member.name, member.argv, member.cpus, self.env)
+        member.child = Child(member.name, member.argv, member.cpus, self.env, self.death_signal)
         member.started_at, member.restart_at = self.clock(), None
         member.ready_reported = member.restarts == 0  # the first start's readiness is the launcher's to tell
 
@@ -150,6 +157,8 @@ class Supervisor:
             return
         now = self.clock()
         for m in self.members:
+            if m.retired:
+                continue
             if m.restart_at is None and m.child is not None and not m.child.alive:
                 self._exited(m, now)
             elif m.restart_at is not None and now >= m.restart_at:
@@ -175,6 +184,12 @@ class Supervisor:
             m.crash_looping = True
             self.report({"event": "crash_loop", "name": m.name, "exits": len(m.exits),
                          "window_s": self.policy.window_s, "restart_every_s": self.policy.max_backoff_s})
+
+    def retire(self, member: Supervised) -> None:
+        """SIGTERM to one child (a worker drains and exits 0), which is not started again."""
+        member.retired, member.restart_at = True, None
+        if member.child is not None:
+            member.child.signal(signal.SIGTERM)
 
     def stop(self, grace_s: float) -> None:
         """No more restarts; SIGTERM to every child (the last started first), SIGKILL after `grace_s`."""

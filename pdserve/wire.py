@@ -48,6 +48,7 @@ Size = Annotated[int, Meta(ge=0, le=1 << 40)]  # requests, sequences, blocks: fa
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
+NodeName = Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]*$")]
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 
 
@@ -293,6 +294,7 @@ class Registration(Message):
     role: Role
     model_hash: ModelHash
     block_size: BlockSize = 16  # of its KV cache: the router hashes prompt prefixes in blocks this size
+    node: NodeName = ""  # the machine it runs on, as its operator knows it (host name, Ray node)
 
 
 class Registered(Message):

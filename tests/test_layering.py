@@ -4,6 +4,7 @@
 - `models/` and `layers/` are the model: nothing of the engine or above.
 - `router/` and the modules it shares with workers (wire, errors, prefix hashing, detokenizer) need
   no torch: the router's process never loads it (checked in a real process, not only by reading).
+- `on_ray/` places processes: it starts workers by their command line and imports none of them.
 - `wire.py` is the vocabulary between processes: it depends on nothing of theirs.
 """
 
@@ -20,12 +21,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
 
 NETWORK = ("httpx", "fastapi", "starlette", "uvicorn", "socket", "pdserve.net", "pdserve.http_")
 ABOVE_ENGINE = ("pdserve.worker", "pdserve.router", "pdserve.kv_transfer", "pdserve.launcher", "pdserve.bench",
-                "pdserve.sim")
+                "pdserve.sim", "pdserve.on_ray")
 RULES = {
     "engine": NETWORK + ABOVE_ENGINE,
     "models": NETWORK + ABOVE_ENGINE + ("pdserve.engine",),
     "layers": NETWORK + ABOVE_ENGINE + ("pdserve.engine",),
     "router": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.kv_transfer", "pdserve.layers", "pdserve.llm"),
+    "on_ray": ("torch", "pdserve.engine", "pdserve.kv_transfer", "pdserve.layers", "pdserve.models", "pdserve.llm",
+               "pdserve.worker"),
     "wire.py": ("torch", "fastapi", "httpx", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "errors.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "prefix_hash.py": ("torch", "pdserve.engine"),

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 
+from tests.serve_process import ServeProcess as Cluster
 from tests.wait import wait_for
 
 
@@ -75,31 +76,6 @@ def test_serve_threads_flag_wins_over_the_share_of_cores():
 
     assert _threads(Namespace(threads=1), [0, 1]) == 1
     assert _threads(Namespace(threads=None), [0, 1]) == 2
-
-
-class Cluster:
-    """`pdserve serve` as a process, its stdout events and stderr lines collected as they come."""
-
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", *flags], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.events: list[dict] = []
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.events.extend(json.loads(line) for line in self.proc.stdout),
-                         daemon=True).start()
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-
-    def event(self, kind: str, name: str | None = None, after: int = 0) -> dict | None:
-        return next((e for e in self.events[after:] if e["event"] == kind and name in (None, e.get("name"))), None)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its children
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
-                self.proc.wait(10)
 
 
 class Load:

@@ -2,7 +2,7 @@
 draining one. Served only when an admin key is set (`--admin-key-file` or PDSERVE_ADMIN_KEY),
 and only to Bearer holders of that key; without one the routes do not exist.
 
-- GET  /admin/workers               every registered worker: id, role, state, url, host, KV usage,
+- GET  /admin/workers               every registered worker: id, role, state, url, host, node, KV usage,
                                     running and queued requests, seconds since its last heartbeat
 - POST /admin/workers/{id}/drain    the worker takes no new request, finishes (or hands over) what
                                     it holds, leaves and exits 0 (`pdserve serve` starts it again)
@@ -34,7 +34,8 @@ def worker_view(entry: WorkerEntry, now: float) -> dict:
     s = entry.stats
     return {
         "id": entry.worker_id, "role": entry.role, "state": "draining" if s.draining else "serving",
-        "url": entry.url, "host": urlsplit(entry.url).hostname, "kv_usage": round(entry.load.kv_usage, 4),
+        "url": entry.url, "host": urlsplit(entry.url).hostname,
+        "node": entry.node, "kv_usage": round(entry.load.kv_usage, 4),
         "running": s.running, "queued": s.waiting + s.waiting_for_kv,
         "heartbeat_age_s": round(now - entry.last_heartbeat, 3),
     }

@@ -38,7 +38,7 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
         body = await message_body(request, wire.Registration)
         try:
             entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
-                                             body.block_size)
+                                             body.block_size, body.node)
         except OtherModel as e:
             raise APIError(409, str(e)) from None
         except RegistrationError as e:

@@ -42,6 +42,7 @@ class WorkerEntry:
     routed: list[tuple[str, int]] = field(default_factory=list)  # since the last heartbeat: (how, prompt tokens)
     in_flight: int = 0  # sequences this router has sent it that have not ended
     block_size: int = 16  # tokens per KV block of its engine (its prefix cache hashes blocks of this size)
+    node: str = ""  # the machine it runs on, as it said at registration (host name, Ray node)
 
     def has_room(self, sequences: int) -> bool:
         """Whether `sequences` more fit within the capacity its heartbeat reported (unknown: yes)."""
@@ -79,7 +80,8 @@ class Registry:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def register(self, url: str, role: str, model_hash: str, token: str = "", block_size: int = 16) -> WorkerEntry:
+    def register(self, url: str, role: str, model_hash: str, token: str = "", block_size: int = 16,
+                 node: str = "") -> WorkerEntry:
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistrationError("bad token")
         if role not in ROLES:
@@ -95,7 +97,7 @@ class Registry:
                     del self._workers[entry.worker_id]
                     break
             entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s,
-                                last_heartbeat=time.monotonic(), block_size=block_size)
+                                last_heartbeat=time.monotonic(), block_size=block_size, node=node)
             self._workers[entry.worker_id] = entry
         return entry
 

@@ -24,6 +24,12 @@ def _host(text: str) -> str:
     return text
 
 
+def _node_name(text: str) -> str:
+    if len(text) > 128 or not all(c.isalnum() or c in "_.:@-" for c in text):
+        raise argparse.ArgumentTypeError(f"expected up to 128 letters, digits and _.:@-, got {text!r}")
+    return text
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
@@ -31,6 +37,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-host", default=None, metavar="HOST", type=_host,
                    help="address the router and peers are told to reach this worker at (default: --host); with "
                         "--host 0.0.0.0 in Kubernetes, the pod's IP (the downward API's status.podIP)")
+    g.add_argument("--node-name", default=socket.gethostname()[:128], metavar="NAME", type=_node_name,
+                   help="the machine this worker runs on, as the router's /admin/workers shows it (default: the "
+                        "host name; on Ray, the Ray node)")
     g.add_argument("--port", type=int, default=8100, help="control endpoint port (0: any free one)")
     g.add_argument("--kv-port", type=int, default=0, help="decode: KV transfer port (0: any free one)")
     g.add_argument("--transfer", default="shm,tcp",
@@ -109,7 +118,7 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.router:
         from pdserve.worker.registration import RouterMembership
         membership = RouterMembership(args.router, url, args.role, worker.layout.model_hash, worker.stats,
-                                      token, worker.config.block_size).start()
+                                      token, worker.config.block_size, args.node_name).start()
         worker.membership = membership
     server = http_server(create_app(worker, token, fault_injection=args.fault_injection), WORKER_LIMITS)
     drain = Drain(worker, server, args.drain_timeout)

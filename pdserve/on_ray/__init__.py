@@ -1,0 +1,1 @@
+"""pdserve on a Ray cluster: `pdserve serve --ray` and `pdserve scale` (the `ray` extra)."""

@@ -1,0 +1,262 @@
+"""A pdserve cluster on Ray: the router and every worker as `ProcessActor`s, held by one named
+actor that `pdserve serve --ray` starts and `pdserve scale` finds by its name.
+
+Lifecycle:
+1. `start()`: the router on the node its resources ask for (the head node by default: its
+   address must outlive any worker), then each pool's workers on theirs (in a placement group of
+   the chosen strategy, where one is asked for), registered with the router. Ready when every
+   worker has registered.
+2. A monitor thread asks each actor for its status every second and turns what changed into
+   events: the child's own (exited, restarted, ready_again, crash_loop, from the in-actor
+   supervisor), an actor down (its node lost: Ray restarts it where it fits), an actor back on a
+   node (`actor_restarted`), and an actor Ray gave up on after `max_restarts` (`actor_lost`).
+3. `scale(prefill, decode, colocated)`: a pool grows by new actors, or shrinks by draining its
+   newest workers (they finish their requests and leave the router), then removing their actors.
+4. `stop()`: every actor stopped, placement groups removed. The actors are this actor's, and it is
+   the driver's: should `pdserve serve --ray` end, Ray ends all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.credentials import API_KEY_ENV
+from pdserve.launcher import router_argv, worker_argv, wait_registered
+from pdserve.on_ray.placement import Resources
+from pdserve.on_ray.process_actor import ProcessActor
+
+POOLS = ("prefill", "decode", "both")
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class DeploymentSpec:
+    args: dict  # `pdserve serve`'s flags (a Namespace's vars)
+    engine_argv: list[str]  # the engine flags every worker gets
+    env: dict[str, str]  # the cluster's secrets, for the children's environment
+    router: Resources
+    pools: dict[str, Resources]  # per pool ("prefill", "decode", "both")
+    placement: str | None  # Ray placement-group strategy per pool (None: none)
+    max_actor_restarts: int  # Ray restarts of one actor (-1: no limit)
+    policy: dict  # the in-actor supervisor's RestartPolicy fields
+    drain_timeout_s: float = 60.0
+
+
+@dataclass(eq=False, slots=True)
+class Member:
+    name: str
+    role: str  # "router" or a pool
+    actor: object
+    placement_group: object | None = None
+    incarnation: str | None = None
+    since: int = 0  # the actor's events already taken
+    state: str = "starting"  # starting, serving, down, draining, lost
+    node_ip: str = ""
+    node_id: str = ""
+    url: str | None = None
+    pid: int | None = None
+    actor_restarts: int = 0
+    child_restarts: int = 0
+
+    def view(self) -> dict:
+        return {"name": self.name, "role": self.role, "state": self.state, "node_ip": self.node_ip,
+                "node_id": self.node_id, "url": self.url, "pid": self.pid, "actor_restarts": self.actor_restarts,
+                "process_restarts": self.child_restarts}
+
+
+@dataclass(slots=True)
+class _Events:
+    items: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def emit(self, event: dict) -> None:
+        with self.lock:
+            self.items.append(event)
+
+    def since(self, n: int) -> list[dict]:
+        with self.lock:
+            return self.items[n:]
+
+
+class Deployment:
+    """Used as a named `ray.remote(Deployment)` with several concurrent calls (events and scale)."""
+
+    def __init__(self, spec: DeploymentSpec) -> None:
+        import ray
+
+        self.ray, self.spec = ray, spec
+        self.args = argparse.Namespace(**spec.args)
+        self.remote_process = ray.remote(ProcessActor)
+        self.members: list[Member] = []
+        self.events = _Events()
+        self.router_url = ""
+        self._numbers = itertools.count()
+        self._scaling = threading.Lock()
+        self._stopping = threading.Event()
+
+    # -- start and watch ----------------------------------------------------------------------
+
+    def start(self) -> dict:
+        timeout = self.args.ready_timeout
+        router = self._add_actor("router", "router", router_argv(self.args, "{node_ip}", self.args.port),
+                                 self.spec.router, None, None)
+        self._await_ready([router], timeout)
+        self.router_url = router.url
+        for pool in POOLS:
+            self._add_workers(pool, self._wanted(pool), timeout)
+        wait_registered(self.router_url, len(self._workers()), timeout)
+        threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
+        key = self.spec.env.get(API_KEY_ENV, "")
+        models = httpx.get(self.router_url + "/v1/models",
+                           headers={"Authorization": f"Bearer {key}"} if key else {}).json()
+        return {"url": self.router_url, "model": models["data"][0]["id"], "members": self.view()}
+
+    def _wanted(self, pool: str) -> int:
+        return {"prefill": self.args.prefill, "decode": self.args.decode, "both": self.args.colocated}[pool]
+
+    def _workers(self, pool: str | None = None) -> list[Member]:
+        return [m for m in self.members if m.role != "router" and (pool is None or m.role == pool)
+                and m.state not in ("draining", "lost")]
+
+    def _add_actor(self, name: str, role: str, argv: list[str], resources: Resources, pg, bundle: int | None) -> Member:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options = {**resources.actor_options(), "max_restarts": self.spec.max_actor_restarts, "max_concurrency": 4}
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        actor = self.remote_process.options(**options).remote(name, argv, self.spec.env, self.spec.policy)
+        member = Member(name, role, actor, pg)
+        self.members.append(member)
+        return member
+
+    def _add_workers(self, pool: str, count: int, timeout: float) -> list[Member]:
+        if count <= 0:
+            return []
+        resources = self.spec.pools[pool]
+        pg = None
+        if self.spec.placement:
+            pg = self.ray.util.placement_group([resources.bundle()] * count, strategy=self.spec.placement)
+            try:
+                self.ray.get(pg.ready(), timeout=timeout)
+            except self.ray.exceptions.GetTimeoutError:
+                self.ray.util.remove_placement_group(pg)
+                raise RuntimeError(f"no placement of {count} {pool} workers ({self.spec.placement}, each "
+                                   f"{resources.bundle()}) fits this cluster within {timeout:.0f}s") from None
+        added = []
+        for bundle in range(count):
+            number = next(self._numbers)
+            argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.router_url, "{node_ip}",
+                                 self.args.threads or resources.threads()), "--node-name", "{node}"]
+            added.append(self._add_actor(f"{pool} worker {number}", pool, argv, resources, pg,
+                                         bundle if pg is not None else None))
+        self._await_ready(added, timeout)
+        return added
+
+    def _await_ready(self, members: list[Member], timeout: float) -> None:
+        refs = [m.actor.ready.remote(timeout) for m in members]
+        ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout + STATUS_TIMEOUT_S)
+        if pending:
+            names = ", ".join(m.name for m, r in zip(members, refs) if r in pending)
+            raise RuntimeError(f"{names} not ready within {timeout:.0f}s: no node has the resources asked "
+                               f"(see `ray status`), or the process did not start")
+        for m, ref in zip(members, refs):
+            try:
+                self._take_status(m, self.ray.get(ref))
+            except self.ray.exceptions.RayTaskError as e:
+                raise RuntimeError(f"{m.name}: {e.cause}") from None
+            m.state = "serving"
+
+    def _monitor(self) -> None:
+        while not self._stopping.wait(1.0):
+            for m in list(self.members):
+                if m.state not in ("lost", "draining"):
+                    self._check(m)
+
+    def _check(self, m: Member) -> None:
+        exc = self.ray.exceptions
+        try:
+            status = self.ray.get(m.actor.status.remote(m.since), timeout=STATUS_TIMEOUT_S)
+        except exc.ActorDiedError:
+            m.state = "lost"
+            self.events.emit({"event": "actor_lost", "name": m.name, "node_ip": m.node_ip,
+                              "max_restarts": self.spec.max_actor_restarts})
+            return
+        except (exc.RayActorError, exc.ActorUnavailableError, exc.GetTimeoutError):
+            if m.state != "down":
+                m.state = "down"
+                self.events.emit({"event": "actor_down", "name": m.name, "node_ip": m.node_ip, "node_id": m.node_id})
+            return
+        restarted = m.incarnation is not None and status["incarnation"] != m.incarnation
+        self._take_status(m, status)
+        if restarted:
+            m.actor_restarts += 1
+            self.events.emit({"event": "actor_restarted", "name": m.name, "node_ip": m.node_ip,
+                              "node_id": m.node_id, "restarts": m.actor_restarts})
+        if m.state == "down" and status["url"]:
+            self.events.emit({"event": "ready_again", "name": m.name, "pid": m.pid, "url": m.url,
+                              "load_seconds": None})
+        if status["url"]:
+            m.state = "serving"
+
+    def _take_status(self, m: Member, status: dict) -> None:
+        if status["incarnation"] != m.incarnation:
+            m.incarnation, m.since = status["incarnation"], 0
+        for event in status["events"]:
+            self.events.emit(event)
+        m.since += len(status["events"])
+        m.node_ip, m.node_id, m.url, m.pid = status["node_ip"], status["node_id"], status["url"], status["pid"]
+        m.child_restarts = status["restarts"]
+
+    # -- the API of `pdserve serve --ray` and `pdserve scale` ---------------------------------
+
+    def view(self) -> list[dict]:
+        return [m.view() for m in self.members]
+
+    def events_since(self, n: int) -> list[dict]:
+        return self.events.since(n)
+
+    def scale(self, wanted: dict[str, int]) -> list[dict]:
+        """Each named pool to its number of workers; the members after."""
+        with self._scaling:
+            left = {pool: len(self._workers(pool)) for pool in POOLS}
+            left.update(wanted)
+            if sum(left.values()) < 1:
+                raise ValueError("a cluster needs at least one worker")
+            for pool, count in wanted.items():
+                have = self._workers(pool)
+                if count > len(have):
+                    for m in self._add_workers(pool, count - len(have), self.args.ready_timeout):
+                        self.events.emit({"event": "added", "name": m.name, "node_ip": m.node_ip, "url": m.url})
+                elif count < len(have):
+                    self._remove(have[count:])
+            wait_registered(self.router_url, len(self._workers()), self.args.ready_timeout)
+            return self.view()
+
+    def _remove(self, members: list[Member]) -> None:
+        for m in members:
+            m.state = "draining"
+            self.events.emit({"event": "draining", "name": m.name, "node_ip": m.node_ip})
+        refs = [m.actor.drain.remote(self.spec.drain_timeout_s) for m in members]
+        self.ray.wait(refs, num_returns=len(refs), timeout=self.spec.drain_timeout_s + STATUS_TIMEOUT_S)
+        self._stop_and_kill(members, 2.0)  # a worker still running past its drain is stopped
+        for m in members:
+            self.events.emit({"event": "removed", "name": m.name, "node_ip": m.node_ip})
+
+    def _stop_and_kill(self, members: list[Member], grace_s: float) -> None:
+        refs = [m.actor.stop.remote(grace_s) for m in members]
+        self.ray.wait(refs, num_returns=len(refs), timeout=grace_s + STATUS_TIMEOUT_S)
+        for m in members:  # gone already, or stuck: killed either way
+            self.ray.kill(m.actor, no_restart=True)
+            self.members.remove(m)
+            if m.placement_group is not None and not any(o.placement_group is m.placement_group
+                                                         for o in self.members):
+                self.ray.util.remove_placement_group(m.placement_group)
+
+    def stop(self, grace_s: float) -> None:
+        self._stopping.set()
+        self._stop_and_kill(sorted(self.members, key=lambda m: m.role == "router"), grace_s)  # workers first

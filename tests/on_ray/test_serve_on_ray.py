@@ -1,0 +1,193 @@
+"""`pdserve serve --ray` on a Ray cluster of four nodes on this machine (`ray.cluster_utils.Cluster`,
+every node on 127.0.0.1): a head node for the router, a node marked `prefill_node` and two marked
+`decode_node`. One deployment (1P2D, KV over tcp only) serves the module's scenarios in order:
+placement and token-exact output, a decode node lost mid-stream (its requests recover, its actor
+comes back when a node fits again), and `pdserve scale`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.factories import make_llm, offline_text
+from tests.serve_process import ServeProcess
+from tests.wait import wait_for
+
+ray = pytest.importorskip("ray", reason="Ray is the `ray` extra (pip install 'pdserve[ray]')")
+from ray.cluster_utils import Cluster  # noqa: E402  (after the skip: Ray is optional)
+
+TOKEN, ADMIN_KEY = "ray-test-token-" + "t" * 24, "ray-admin-" + "a" * 24
+WORKER_AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=80 << 20)
+# Ray otherwise gives its nodes this host's network address: the tests stay on loopback.
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    saved = {k: os.environ.get(k) for k in LOOPBACK_ONLY}
+    os.environ.update(LOOPBACK_ONLY)
+    c = Cluster(initialize_head=True, head_node_args=NODE)
+    nodes = {"prefill": c.add_node(**NODE, resources={"prefill_node": 1}),
+             "decode": [c.add_node(**NODE, resources={"decode_node": 1}) for _ in range(2)]}
+    try:
+        yield c, nodes
+    finally:
+        c.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster, tiny_llama):
+    c, _ = cluster
+    serve = ServeProcess(
+        "--ray", c.address, "--name", "test", "--model", str(tiny_llama), "--port", str(_free_port()),
+        "--decode", "2", "--transfer", "tcp", "--prefill-resources", '{"prefill_node": 1}',
+        "--decode-resources", '{"decode_node": 1}', "--migrate-on-failure", "--dtype", "float32",
+        "--kv-cache-memory", "8MiB", "--block-size", "4", "--max-restart-backoff", "1",
+        env={**os.environ, "PDSERVE_TOKEN": TOKEN, "PDSERVE_ADMIN_KEY": ADMIN_KEY})
+    try:
+        wait_for(lambda: serve.event("ready") or serve.proc.poll() is not None, 240, "the deployment",
+                 state=lambda: serve.log[-10:])
+        assert serve.event("ready"), serve.log[-20:]
+        yield serve
+    finally:
+        serve.close()
+    assert serve.proc.returncode == 0, serve.log[-20:]
+    assert serve.event("stopped")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return make_llm(tiny_llama)
+
+
+def _actors(serve: ServeProcess) -> dict[str, dict]:
+    return {a["name"]: a for a in serve.event("ready")["actors"]}
+
+
+def _admin_workers(url: str) -> list[dict]:
+    r = httpx.get(url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    return r.json()["workers"]
+
+
+def _long_prompt(llm, phrase: str, tokens: int = 300) -> str:
+    """A prompt of at least `tokens` tokens: the router sends a prompt this long through a prefill
+    worker (shorter ones decode workers prefill themselves)."""
+    prompt = phrase
+    while len(llm.get_tokenizer().encode(prompt)) < tokens:
+        prompt += phrase
+    return prompt
+
+
+def _idle(worker_url: str) -> bool:
+    s = httpx.get(worker_url + "/stats", headers=WORKER_AUTH).json()
+    return s["running"] == s["waiting"] == s["waiting_for_kv"] == s["kv_blocks_used"] == 0
+
+
+def test_one_prefill_two_decode_on_their_nodes_token_exact_over_tcp(cluster, deployment, offline):
+    _, nodes = cluster
+    actors, url = _actors(deployment), deployment.event("ready")["url"]
+    prefill, decodes = actors["prefill worker 0"], [actors["decode worker 1"], actors["decode worker 2"]]
+    assert prefill["node_id"] == nodes["prefill"].node_id
+    assert sorted(d["node_id"] for d in decodes) == sorted(n.node_id for n in nodes["decode"])
+    assert actors["router"]["node_id"] == cluster[0].head_node.node_id
+    for a in actors.values():  # the token reached every process, in its environment, not on its command line
+        assert TOKEN.encode() not in Path(f"/proc/{a['pid']}/cmdline").read_bytes()
+        assert f"PDSERVE_TOKEN={TOKEN}".encode() in Path(f"/proc/{a['pid']}/environ").read_bytes().split(b"\0")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompts = [_long_prompt(offline, f"request {i} on the ray cluster ") for i in range(3)]
+    for prompt in prompts:
+        r = client.completions.create(model=deployment.event("ready")["model"], prompt=prompt, max_tokens=12,
+                                      temperature=0)
+        assert r.choices[0].text == offline_text(offline, prompt, 12)
+    sent = httpx.get(prefill["url"] + "/stats", headers=WORKER_AUTH).json()["kv_bytes_sent"]
+    assert sent > 0  # every prompt's KV crossed between nodes, and tcp was the only backend offered
+    shown = {w["url"]: w["node"] for w in _admin_workers(url)}
+    assert shown == {a["url"]: f"ray-{a['node_id'][:16]}" for a in (prefill, *decodes)}
+    for d in decodes:
+        wait_for(lambda: _idle(d["url"]), 30, "the decode workers to hold nothing")
+
+
+def test_a_lost_decode_node_loses_no_request_and_its_worker_comes_back(cluster, deployment, offline):
+    c, nodes = cluster
+    actors, url, model = _actors(deployment), deployment.event("ready")["url"], deployment.event("ready")["model"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts, texts, firsts = [f"a long answer number {i}" for i in range(4)], {}, threading.Semaphore(0)
+    errors: list[BaseException] = []
+
+    def stream(prompt: str) -> None:
+        try:
+            parts = []
+            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=600, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if not parts:
+                    firsts.release()
+                parts.append(chunk.choices[0].text)
+            texts[prompt] = "".join(parts)
+        except BaseException as e:  # read below: a stream that failed fails the test
+            errors.append(e)
+            firsts.release()
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for _ in prompts:
+        assert firsts.acquire(timeout=60), "a stream got no first token"
+    lost = actors["decode worker 1"]
+    node = next(n for n in nodes["decode"] if n.node_id == lost["node_id"])
+    c.remove_node(node, allow_graceful=False)  # the machine is gone: its raylet, actors and their children
+    for t in threads:
+        t.join(180)
+        assert not t.is_alive(), "a stream never ended"
+    assert not errors, errors
+    for prompt in prompts:  # recomputed on the surviving decode worker where needed: the same tokens
+        assert texts[prompt] == offline_text(offline, prompt, 600, ignore_eos=True)
+    wait_for(lambda: not Path(f"/proc/{lost['pid']}").exists(), 30, "the lost node's worker process to be gone")
+    wait_for(lambda: deployment.event("actor_down", "decode worker 1"), 30, "the actor reported down")
+    nodes["decode"] = [n for n in nodes["decode"] if n is not node] + [c.add_node(**NODE, resources={"decode_node": 1})]
+    wait_for(lambda: deployment.event("actor_restarted", "decode worker 1"), 120, "the actor on the new node",
+             state=lambda: deployment.log[-5:])
+    back = deployment.event("actor_restarted", "decode worker 1")
+    assert back["node_id"] == nodes["decode"][-1].node_id
+    wait_for(lambda: httpx.get(url + "/health").json()["workers"] == 3, 60, "the new decode worker registered")
+    survivor = actors["decode worker 2"]
+    wait_for(lambda: _idle(survivor["url"]), 30, "the surviving decode worker to hold nothing")
+
+
+def test_scale_drains_and_adds_workers(deployment):
+    url = deployment.event("ready")["url"]
+    scale = [sys.executable, "-m", "pdserve.cli", "scale", "--ray", deployment_address(deployment), "--name", "test"]
+    down = subprocess.run([*scale, "--decode", "1"], capture_output=True, text=True, timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 1, "both": 0}
+    assert deployment.event("removed")["name"] == "decode worker 2"  # the newest goes first
+    assert deployment.event("draining", "decode worker 2")  # it finished its requests and left first
+    up = subprocess.run([*scale, "--decode", "2"], capture_output=True, text=True, timeout=180)
+    assert up.returncode == 0, up.stderr
+    added = deployment.event("added")
+    assert added["name"] == "decode worker 3"  # on the node the removed one left free
+    assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 2, "both": 0}
+    refused = subprocess.run([*scale, "--prefill", "0", "--decode", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "at least one worker" in refused.stderr
+    missing = subprocess.run([*scale[:-1], "nobody", "--decode", "1"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no pdserve deployment named 'nobody'" in missing.stderr
+
+
+def deployment_address(serve: ServeProcess) -> str:
+    return serve.proc.args[serve.proc.args.index("--ray") + 1]
