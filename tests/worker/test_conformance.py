@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.engine.request import RequestStatus
 from tests.factories import make_llm
 from tests.wait import wait_for
-from tests.worker.cluster import CASES, CASES_WITH_MEMORY, Cluster, prompt
+from tests.worker.cluster import CASES, CASES_WITH_MEMORY, Cluster, HeldAtToken, prompt
 
 LONG = 120  # 4 prefill chunks of 32 tokens
 
@@ -88,12 +89,19 @@ def test_abort_during_transfer(tiny_llama, backend):
 
 @pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_client_disconnect_during_decode(tiny_llama, backend):
-    with Cluster(tiny_llama, backend) as c:
+    with Cluster(tiny_llama, backend) as c, HeldAtToken(c.d.worker, num_tokens=6) as held:
         with c.http.stream("POST", c.d.url + "/v1/generate", json=c.body(prompt(30), max_tokens=500)) as r:
             lines = r.iter_lines()
             for _ in range(3):
                 next(lines)
+            assert held.reached.wait(30), "decode never reached the request's 6th token"
+        # the client is gone while decode cannot run on: only an abort can end the request early
+        assert held.aborts.wait(30), "the worker never aborted the request its client left"
+        held.release.set()
         c.wait_idle()
+        assert held.request.status == RequestStatus.FINISHED_ABORTED
+        assert len(held.request.output_token_ids) == held.num_tokens + 1  # of 500
+        assert c.d.worker.stats().requests_aborted == 1
 
 
 @pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
