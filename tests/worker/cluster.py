@@ -110,6 +110,7 @@ class Cluster:
             t.start()
         for t in threads:
             t.join(120)
+            assert not t.is_alive(), "a request had not ended after 120s"
         return results
 
     def wait_idle(self, timeout: float = 15.0) -> None:

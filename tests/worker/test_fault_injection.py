@@ -63,6 +63,7 @@ def test_a_lease_queued_when_its_link_is_cut_is_sent_on_a_new_link(tiny_llama):
         time.sleep(0.5)  # the prefill worker took the lease (chose its link) and queued it
         assert c.p.worker.cut_kv_links()["sender_links"] == 1
         t.join(60)
+        assert not t.is_alive(), "the request had not ended after 60s"
         assert out == [expected]
         c.wait_idle()
         stats = c.d.worker.stats()
