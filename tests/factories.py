@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,10 +96,11 @@ def make_scheduler(
     max_num_seqs: int = 16,
     enable_prefix_caching: bool = True,
     shortest_first_max_wait_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(blocks, max_num_batched_tokens, max_num_seqs,
-                     shortest_first_max_wait_s=shortest_first_max_wait_s)
+                     shortest_first_max_wait_s=shortest_first_max_wait_s, clock=clock)
 
 
 def run_fake_step(scheduler: Scheduler, token: int = 5) -> list[Request]:

@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from pdserve.cli import main
+from pdserve.tokenizer import Tokenizer
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -23,10 +26,18 @@ def test_make_model_then_generate(tmp_path):
 
 
 def test_export_round_trips(tmp_path, tiny_llama):
-    assert main(["export", str(tiny_llama), str(tmp_path / "copy")]) == 0
-    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"]:
-        assert (tmp_path / "copy" / name).exists()
+    from safetensors.torch import load_file
+
+    copy = tmp_path / "copy"
+    assert main(["export", str(tiny_llama), str(copy)]) == 0
+    for name in ["config.json", "generation_config.json"]:
+        assert json.loads((copy / name).read_text()) == json.loads((tiny_llama / name).read_text()), name
+    original, exported = load_file(tiny_llama / "model.safetensors"), load_file(copy / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype for k in original)
+    text = "hello there, round trip"
+    assert Tokenizer.from_dir(copy).encode(text) == Tokenizer.from_dir(tiny_llama).encode(text)
+    assert Tokenizer.from_dir(copy).eos_token_id == Tokenizer.from_dir(tiny_llama).eos_token_id
 
 
 def test_bad_model_path_is_a_clear_error(capsys):

@@ -96,6 +96,7 @@ def test_a_router_without_a_token_makes_one(tiny_llama, tmp_path):
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
         reader.start()
         reader.join(120)
+        assert not reader.is_alive(), "the router printed no ready line within 120s"
         ready = json.loads(line[0])
         path = ready["token_file"]
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

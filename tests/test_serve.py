@@ -28,6 +28,7 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
         reader.start()
         reader.join(180)
+        assert not reader.is_alive(), "no ready line within 180s"
         assert line and line[0], proc.stderr.read() if proc.poll() is not None else "no ready line"
         ready = json.loads(line[0])
         assert ready["event"] == "ready" and ready["workers"] == ["prefill", "decode"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 NOISY_OTHERS_CORES = 0.1  # more than this, taken by other processes, and a point is flagged
@@ -44,14 +45,15 @@ class HostCpu:
     stolen by the hypervisor. A process of `pids` that has ended by `cores()` can no longer be read:
     its CPU counts as the rest of the machine's."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], clock: Callable[[], float] = time.monotonic) -> None:
         self.pids = list(pids)
-        self._t0 = time.monotonic()
+        self._clock = clock  # the wall clock the rates are per second of
+        self._t0 = clock()
         self._ours0 = {pid: process_cpu_s(pid) for pid in self.pids}
         self._busy0, self._steal0 = machine_cpu_s()
 
     def cores(self) -> dict[str, float]:
-        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        elapsed = max(self._clock() - self._t0, 1e-9)
         ours = sum(max(process_cpu_s(pid) - c0, 0.0) for pid, c0 in self._ours0.items())
         busy, steal = machine_cpu_s()
         others = max(busy - self._busy0 - ours, 0.0)

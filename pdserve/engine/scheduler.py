@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
@@ -57,8 +58,10 @@ class Scheduler:
         hooks: RoleHooks | None = None,
         headroom_tokens: int = 0,
         shortest_first_max_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.blocks = block_manager
+        self.clock = clock  # the clock of requests' arrival_time; tests stop it
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -129,7 +132,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        now = time.monotonic()
+        now = self.clock()
         while self.waiting and budget > 0 and self.num_live < self.max_num_seqs:
             i = self._next_waiting(now)
             req = self.waiting[i]
@@ -149,7 +152,7 @@ class Scheduler:
             req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+                req.first_scheduled_time = self.clock()
             bisect.insort(self.running, req, key=Request.sort_key)
             scheduled.append((req, n))
             budget -= n
@@ -185,7 +188,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
-        req.first_scheduled_time = time.monotonic()
+        req.first_scheduled_time = self.clock()
         self.waiting_for_kv[req.request_id] = req
         self.hooks.on_reserved(req)
         return True
@@ -206,7 +209,7 @@ class Scheduler:
         bisect.insort(self.running, req, key=Request.sort_key)
         self.blocks.cache_full_blocks(req)
         req.output_token_ids.append(first_token)
-        req.kv_landed_time = req.first_token_time = time.monotonic()
+        req.kv_landed_time = req.first_token_time = self.clock()
         req.remote_queue_s, req.remote_compute_s = prefill_times
         status = self._stop_status(req, first_token)
         if status is not None:
@@ -254,7 +257,7 @@ class Scheduler:
             assert token is not None
             req.output_token_ids.append(token)
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
+                req.first_token_time = self.clock()
             advanced.append(req)
             status = self._stop_status(req, token)
             if status is not None:
@@ -287,7 +290,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
         self.hooks.on_finished(req)
         self.blocks.free(req)
         return req

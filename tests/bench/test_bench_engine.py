@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +103,23 @@ def test_byte_count_matches_the_model(tiny: Path):
     assert "transformers" not in results["dtypes"]["float32"]["decode"][0]
 
 
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def test_main_writes_the_json(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(bench, "QUICK", TINY_SIZES)
     out = tmp_path / "results" / "bench.json"
     argv = ["--model", str(tiny), "--dtype", "float32", "--quick", "--no-transformers", "--no-default-model",
             "--out", str(out)]
+    peak_before, started = _peak_rss(), time.time()
     assert bench.main(argv) == 0
+    took, peak_after = time.time() - started, _peak_rss()
     results = json.loads(out.read_text())
     assert results["quick"] is True
     assert list(results["dtypes"]) == ["float32"]
-    assert results["wall_seconds"] > 0 and results["peak_rss_bytes"] > 0
+    # this process's own clock and peak RSS bracket what the benchmark reports of its run
+    assert 0 < results["wall_seconds"] <= took and peak_before <= results["peak_rss_bytes"] <= peak_after
 
 
 @pytest.mark.slow

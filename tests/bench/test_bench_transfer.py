@@ -27,7 +27,7 @@ def test_links_and_limits_take_turns(tiny_llama):
     finally:
         for c in contenders.values():
             c.close()  # a Link checks that the KV arrived unchanged
-    assert set(best) == set(contenders) and all(0 < s < 60 for s in best.values())
+    assert set(best) == set(contenders)  # each one's time is the machine's; only that it ran is ours
 
 
 def _tiny_cfg(tiny_llama) -> ArchConfig:
@@ -59,12 +59,17 @@ def test_a_transfer_that_does_not_land_is_an_error(tiny_llama):
 
 def test_ttft_and_quantized_parts(tiny_llama):
     ttft = first_token.ttft_comparison(str(tiny_llama), "float32", "tcp", prompt_len=40, reps=1, vocab=256)
-    assert ttft["colocated_ttft_s"] > 0 and ttft["disaggregated_ttft_s"] > 0 and ttft["kv_bytes_sent"] > 0
+    cfg = _tiny_cfg(tiny_llama)
+    token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers  # K and V, float32, every layer
+    assert ttft["kv_bytes_sent"] == (64 + 40) * token_bytes  # the warm-up prompt's KV and the measured one's
+    assert len(ttft["colocated_all_s"]) == len(ttft["disaggregated_all_s"]) == 1  # the times are the machine's
     prompts = [[(i * 13 + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
+    # int8 KV moves the tiny model's logits by about 1e-3: greedy decoding never notices
     agree = first_token.greedy_agreement(str(tiny_llama), "float32", "int8", prompts, new_tokens=4)
-    assert agree["prompts"] == 3 and 0 <= agree["identical"] <= 3
+    assert agree["prompts"] == 3 and agree["identical"] == 3 and agree["mean_tokens_before_first_difference"] == 4
     err = first_token.logit_error(str(tiny_llama), "float32", "int8", prompts)
-    assert 0 <= err["max_abs_logit_error"] < 1.0
+    assert err["first_token_flips"] == 0
+    assert 0 < err["max_abs_logit_error"] < 0.01  # not 0: the KV did go through int8
 
 
 @pytest.mark.slow

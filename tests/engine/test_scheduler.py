@@ -1,7 +1,5 @@
 """The scheduler on its own: no model, tokens 'sampled' by the test, leaks checked after each case."""
 
-import time
-
 from pdserve.engine.request import RequestStatus
 from tests.factories import assert_no_leaks, make_request, make_scheduler, run_fake_step
 
@@ -130,17 +128,26 @@ def admission_order(sched, requests):
 
 
 def test_shortest_prompt_first_with_a_maximum_wait():
-    now = time.monotonic()
+    now = 1000.0  # the schedulers' clock stands still: how long each request has waited is exact
+
+    def clock() -> float:
+        return now
 
     def requests():  # arrival order: long, long, short, then a short one of lower priority
         return [make_request(num_prompt_tokens=30, request_id="long1", arrival_time=now - 3),
                 make_request(num_prompt_tokens=20, request_id="long2", arrival_time=now - 2),
                 make_request(num_prompt_tokens=5, request_id="short", arrival_time=now - 1),
                 make_request(num_prompt_tokens=2, request_id="low", priority=1, arrival_time=now)]
-    fcfs = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False), requests())
+    fcfs = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, clock=clock), requests())
     assert fcfs == ["long1", "long2", "short", "low"]
-    spf = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=60), requests())
+    spf = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=60,
+                                        clock=clock), requests())
     assert spf == ["short", "long2", "long1", "low"]  # priority still comes first
     # long1 has waited past the maximum: it goes ahead of the shorter ones
-    aged = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=2.5), requests())
+    aged = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=2.5,
+                                         clock=clock), requests())
     assert aged == ["long1", "short", "long2", "low"]
+    # a second later long2 has waited past it too
+    later = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=2.5,
+                                           clock=lambda: now + 1), requests())
+    assert later == ["long1", "long2", "short", "low"]

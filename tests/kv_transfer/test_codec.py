@@ -80,6 +80,7 @@ def test_a_stale_write_is_dropped_and_the_stream_goes_on():
             read_frame(b, LIMITS, stale)
         assert read_frame(b, LIMITS, stale) == AbortHeader("r1", 1)
         t.join(timeout=10)
+        assert not t.is_alive()
 
 
 @pytest.mark.parametrize("mutate, message", [

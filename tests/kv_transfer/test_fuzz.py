@@ -37,6 +37,7 @@ def parse(raw: bytes, sink):
         finally:
             b.close()
             t.join(5)
+            assert not t.is_alive()
 
 
 def bounded_sink(h: WriteHeader, size: int):
@@ -124,3 +125,4 @@ def test_well_formed_frames_are_accepted_and_round_trip(headers, data):
                 assert bytes(dest) == payload
         finally:
             feeder.join(5)
+            assert not feeder.is_alive()

@@ -62,6 +62,7 @@ def test_the_handshake_has_a_deadline_for_the_whole_hello():
         trickle.start()
         assert read_until_closed(slow) == b""  # hung up on, never acknowledged
         trickle.join(30)
+        assert not trickle.is_alive()
         assert trickle.sent < len(hello_bytes())
         slow.close()
         connect(rx).close()  # and the port still serves others
@@ -86,6 +87,7 @@ def test_the_senders_handshake_has_a_deadline_too(monkeypatch):
         with pytest.raises(TransferError, match="handshake"):
             TcpSender(LAYOUT, torch.zeros(2, 8, 2, 2, 4), {"host": host, "port": port}, token=TOKEN)
         answering.join(30)
+        assert not answering.is_alive()
         assert trickles[0].sent < len(ack)
 
 

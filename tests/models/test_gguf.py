@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -237,14 +236,11 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
 
     monkeypatch.setattr(gguf_reader, "load_gguf", convert)
     first = default_model.load_checkpoint_cached(gguf_path, tmp_path)
-    start = time.perf_counter()
     cached = default_model.load_checkpoint_cached(gguf_path, tmp_path)
-    elapsed = time.perf_counter() - start
 
     assert first is ours and conversions == [gguf_path]
     stat = gguf_path.stat()
     assert [p.name for p in tmp_path.iterdir()] == [f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"]
-    assert elapsed < 5, f"cached load took {elapsed:.1f}s"
     assert cached.hf_config == ours.hf_config and cached.generation_config == ours.generation_config
     assert cached.tensors.keys() == ours.tensors.keys()
     for name, t in ours.tensors.items():

@@ -10,10 +10,12 @@ import openai
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.engine.request import RequestStatus
 from pdserve.worker.registration import RouterMembership
 from tests.factories import make_llm, offline_text
 from tests.router_server import MODEL, RouterServer
 from tests.wait import wait_for
+from tests.worker.cluster import HeldAtToken
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +189,27 @@ def test_models_and_health(client, router_cluster):
 
 def test_client_disconnect_frees_both_workers(router_cluster):
     prompt = "a long story about the sea " * 6
-    with httpx.stream("POST", router_cluster["url"] + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
-                            "ignore_eos": True}) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: {") for line in got)
-    p, d = router_cluster["p"], router_cluster["d"]
-    # the abort reaches the workers well within a second or two
-    wait_for(lambda: p.is_idle() and d.is_idle(), 10, "both workers idle",
+    p, d, router = router_cluster["p"], router_cluster["d"], router_cluster["router"]
+
+    def cancelled() -> float:
+        return router.metrics.registry.get_sample_value("pdserve_requests_total", {"outcome": "cancelled"}) or 0.0
+    cancelled_before, aborted_before = cancelled(), d.worker.stats().requests_aborted
+    with HeldAtToken(d.worker, num_tokens=8) as held:
+        with httpx.stream("POST", router_cluster["url"] + "/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+                                "stream": True, "ignore_eos": True}) as r:
+            assert held.reached.wait(30), "decode never reached the request's 8th token"
+            assert next(line for line in r.iter_lines() if line).startswith("data: {")  # text came
+        # the client is gone while decode cannot run on: only an abort can end the request early
+        assert held.aborts.wait(30), "the router never had the decode worker abort the request its client left"
+    wait_for(lambda: p.is_idle() and d.is_idle(), 30, "both workers idle",
              state=lambda: (p.worker.stats(), d.worker.stats()))
-    assert router_cluster["router"].admission.requests == 0
+    assert held.request.status == RequestStatus.FINISHED_ABORTED
+    assert len(held.request.output_token_ids) == held.num_tokens + 1  # of 400
+    assert d.worker.stats().requests_aborted == aborted_before + 1
+    assert router.admission.requests == 0
+    wait_for(lambda: cancelled() == cancelled_before + 1, 10, "the request counted as cancelled",
+             state=lambda: cancelled())
 
 
 def test_overload_gets_429_and_every_admitted_request_completes(router_cluster):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import time
 
 import httpx
 import pytest
@@ -40,7 +39,6 @@ def test_decode_killed_mid_stream(tiny_llama):
         body = {"model": "tiny", "prompt": "tell me a long story " * 4, "max_tokens": 900, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         events = []
-        t0 = time.monotonic()
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if not line:
@@ -48,7 +46,6 @@ def test_decode_killed_mid_stream(tiny_llama):
                 events.append(line)
                 if len(events) == 5:
                     d.kill()  # mid-stream
-        assert time.monotonic() - t0 < 30
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))
         assert error["error"]["type"] == "server_error" and "failed mid-request" in error["error"]["message"]

@@ -110,9 +110,53 @@ class Cluster:
             t.start()
         for t in threads:
             t.join(120)
+            assert not t.is_alive(), "a request had not ended after 120s"
         return results
 
     def wait_idle(self, timeout: float = 15.0) -> None:
         """Both workers back to no request, no lease, every block free (the leak check)."""
         wait_for(lambda: self.p.is_idle() and self.d.is_idle(), timeout, "both workers idle",
                  state=lambda: f"prefill {self.p.worker.stats()}, decode {self.d.worker.stats()}")
+
+
+class HeldAtToken:
+    """Hold a worker's engine thread in the first step in which a request has `num_tokens` output
+    tokens, until `release` is set; `request` is that request. Meanwhile every `worker.abort` call
+    is counted (`aborts`, set once one has been queued on the engine): an abort queued while the
+    engine is held runs before its next step, so a request aborted then ends with exactly
+    `num_tokens + 1` tokens (the held step's own token is still applied), however fast the engine."""
+
+    def __init__(self, worker: Worker, num_tokens: int) -> None:
+        self.reached, self.release, self.aborts = threading.Event(), threading.Event(), threading.Event()
+        self.num_tokens = num_tokens
+        self.request = None
+        self._worker, self._hooks = worker, worker.engine.hooks
+        self._abort = worker.abort
+        worker.abort = self._counting_abort
+        self._hooks.after_execute = self._after_execute  # shadows the class's hook on this instance
+
+    def _after_execute(self, step) -> None:
+        type(self._hooks).after_execute(self._hooks, step)
+        if self.reached.is_set():
+            return
+        for req in step.requests:
+            if len(req.output_token_ids) >= self.num_tokens:
+                self.request = req
+                self.reached.set()
+                self.release.wait(60)  # only a bound on a broken test; `restore` releases it
+                return
+
+    def _counting_abort(self, request_id: str) -> None:
+        self._abort(request_id)
+        self.aborts.set()
+
+    def restore(self) -> None:
+        self.release.set()
+        self._worker.abort = self._abort
+        del self._hooks.after_execute
+
+    def __enter__(self) -> HeldAtToken:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

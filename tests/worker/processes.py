@@ -23,6 +23,7 @@ def spawn(model: Path, role: str, *extra: str) -> tuple[subprocess.Popen, dict]:
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()))
     reader.start()
     reader.join(120)
+    assert not reader.is_alive(), "worker did not start: no ready line within 120s"
     assert line and line[0], f"worker did not start: {proc.stderr.read() if proc.poll() is not None else 'timeout'}"
     ready = json.loads(line[0])
     assert ready["event"] == "ready"

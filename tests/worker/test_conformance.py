@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.engine.request import RequestStatus
 from tests.factories import make_llm
 from tests.wait import wait_for
-from tests.worker.cluster import CASES, CASES_WITH_MEMORY, Cluster, prompt
+from tests.worker.cluster import CASES, CASES_WITH_MEMORY, Cluster, HeldAtToken, prompt
 
 LONG = 120  # 4 prefill chunks of 32 tokens
 
@@ -42,7 +43,8 @@ def gate_after_first_step(worker) -> tuple[threading.Event, threading.Event]:
 
 
 def start_stream(c: Cluster, tokens, **kw):
-    """A request streaming in the background; returns (thread, box with tokens or error)."""
+    """A request streaming in the background; returns (thread, box with tokens or error). Every
+    test reads its outcome with `outcome`."""
     box: dict = {}
 
     def run():
@@ -55,12 +57,19 @@ def start_stream(c: Cluster, tokens, **kw):
     return t, box
 
 
+def outcome(stream: threading.Thread, box: dict, timeout: float = 30) -> tuple[list[int], str]:
+    """The stream's tokens and finish reason, once it ended (the timeout only bounds a hang)."""
+    stream.join(timeout)
+    assert not stream.is_alive(), f"the stream had not ended after {timeout:.0f}s"
+    assert "error" not in box, f"the stream failed: {box.get('error')!r}"
+    return box["tokens"], box["last"]["outputs"][0]["finish_reason"]
+
+
 def abort_the_waiting_request(c: Cluster, stream: threading.Thread, box: dict) -> None:
     """Abort, through decode's endpoint, the request awaiting its KV; its stream ends with 'abort'."""
     rid = next(iter(c.d.worker.engine.scheduler.waiting_for_kv))
     c.http.post(c.d.url + "/v1/abort", json={"request_id": rid})
-    stream.join(20)
-    assert box["last"]["outputs"][0]["finish_reason"] == "abort"
+    assert outcome(stream, box) == ([], "abort")  # no token: its KV never landed
 
 
 @pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
@@ -88,12 +97,19 @@ def test_abort_during_transfer(tiny_llama, backend):
 
 @pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
 def test_client_disconnect_during_decode(tiny_llama, backend):
-    with Cluster(tiny_llama, backend) as c:
+    with Cluster(tiny_llama, backend) as c, HeldAtToken(c.d.worker, num_tokens=6) as held:
         with c.http.stream("POST", c.d.url + "/v1/generate", json=c.body(prompt(30), max_tokens=500)) as r:
             lines = r.iter_lines()
             for _ in range(3):
                 next(lines)
+            assert held.reached.wait(30), "decode never reached the request's 6th token"
+        # the client is gone while decode cannot run on: only an abort can end the request early
+        assert held.aborts.wait(30), "the worker never aborted the request its client left"
+        held.release.set()
         c.wait_idle()
+        assert held.request.status == RequestStatus.FINISHED_ABORTED
+        assert len(held.request.output_token_ids) == held.num_tokens + 1  # of 500
+        assert c.d.worker.stats().requests_aborted == 1
 
 
 @pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
@@ -105,8 +121,7 @@ def test_prefill_lost_mid_transfer_decode_recomputes(tiny_llama, colocated, back
         assert reached.wait(20)
         for sender in list(c.p.worker.prefill._senders.values()):
             sender.close()  # the prefill worker's side of the link goes down
-        t.join(30)
-        assert box["tokens"] == expected(colocated, tokens)  # decode computed the prompt itself
+        assert outcome(t, box) == (expected(colocated, tokens), "length")  # decode computed the prompt itself
         assert c.d.worker.stats().kv_recomputed == 1
         release.set()
         c.wait_idle()
@@ -125,18 +140,20 @@ def test_unreachable_prefill_worker_means_recompute(tiny_llama, colocated, backe
 
 
 @pytest.mark.parametrize("backend", CASES)
-def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, backend):
+def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, colocated, backend):
+    tokens = prompt(LONG, seed=3)
     with Cluster(tiny_llama, backend) as c:
         reached, release = gate_after_first_step(c.p.worker)
-        t, box = start_stream(c, prompt(LONG, seed=3), max_tokens=4)
+        t, box = start_stream(c, tokens, max_tokens=4)
         assert reached.wait(20)
         c.d.worker.receiver.close()  # decode's KV side goes down
         wait_for(lambda: not any(s.alive for s in c.p.worker.prefill._senders.values()), 10,
                  "every prefill sender closed")
         release.set()
-        t.join(30)
+        assert outcome(t, box) == (expected(colocated, tokens, 4), "length")  # decode computed the prompt itself
         c.wait_idle()  # prefill aborted its request and freed its blocks
         assert c.p.worker.prefill.num_notified == 0
+        assert c.d.worker.stats().kv_recomputed == 1
 
 
 def test_lease_timeout_falls_back_to_recompute(tiny_llama, colocated):

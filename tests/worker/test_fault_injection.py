@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 
+from tests.wait import wait_for
 from tests.worker.cluster import Cluster, WorkerServer, prompt
 
 TOKEN = "t" * 32
@@ -42,11 +43,11 @@ def test_a_lease_queued_when_its_link_is_cut_is_sent_on_a_new_link(tiny_llama):
     decode worker waits for its lease to time out."""
     import json
     import threading
-    import time
 
     with Cluster(tiny_llama, "tcp", token=TOKEN, fault_injection=True) as c:
         expected, _ = c.generate(prompt(40, seed=2))  # a link is open
-        c.p.worker.loop.call(lambda: time.sleep(3.0))  # the prefill engine is busy: the next lease waits
+        hold = threading.Event()
+        c.p.worker.loop.call(lambda: hold.wait(60))  # the prefill engine is busy: the next lease waits
         out: list = []
 
         def generate() -> None:  # the stream's empty lines are keep-alives while the request waits
@@ -56,13 +57,14 @@ def test_a_lease_queued_when_its_link_is_cut_is_sent_on_a_new_link(tiny_llama):
 
         t = threading.Thread(target=generate)
         t.start()
-        deadline = time.monotonic() + 10
-        while not c.d.worker.receiver.num_open_leases:  # the decode worker leased blocks, asked the prefill
-            assert time.monotonic() < deadline, "no lease was opened"
-            time.sleep(0.01)
-        time.sleep(0.5)  # the prefill worker took the lease (chose its link) and queued it
+        # the decode worker leased blocks and asked the prefill worker, which took the lease (chose
+        # its link) and queued it behind the held engine
+        wait_for(lambda: c.d.worker.receiver.num_open_leases, 10, "a lease opened on the decode worker")
+        wait_for(lambda: c.p.worker.loop._calls.qsize() >= 1, 10, "the lease queued on the prefill engine")
         assert c.p.worker.cut_kv_links()["sender_links"] == 1
+        hold.set()
         t.join(60)
+        assert not t.is_alive(), "the request had not ended after 60s"
         assert out == [expected]
         c.wait_idle()
         stats = c.d.worker.stats()

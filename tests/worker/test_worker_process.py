@@ -87,6 +87,7 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
         assert httpx.get(d_ready["url"] + "/stats", headers=AUTH).json()["kv_landed"] == 0, "prefill finished too soon"
         p.kill()
         t.join(60)
+        assert not t.is_alive(), "the request had not ended after 60s"
         got = box["r"].json()
         assert [t for line in got for t in line["outputs"][0]["token_ids"]] == expected
         stats = poll(d_ready["url"], lambda s: s["kv_blocks_used"] == 0, "every decode block free")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -92,7 +91,7 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
                        "sampling": {"max_tokens": 500, "ignore_eos": True}}).encode()
     sock = connect(worker.url)
     sock.sendall(head("POST", "/v1/generate", "Content-Type: application/json", f"Content-Length: {len(body)}") + body)
-    time.sleep(0.2)  # the request is in, waiting for the engine
+    wait_for(lambda: w.loop._calls.qsize() >= 1, 30, "the request in, waiting for the engine")
     sock.close()
     gate.set()
     wait_for(lambda: w.stats().requests_aborted == 1, 30, "the abort")
