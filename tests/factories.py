@@ -145,3 +145,17 @@ def paged_logits(llm: LLM, prompt: list[int], num_decode_steps: int) -> tuple[li
         sched.update(step, sampled)
     assert_no_leaks(engine.block_manager)
     return rows, req.output_token_ids
+
+
+class FailingSampler:
+    """Samples as usual (drawing every seeded request's noise), then raises when a request whose id
+    starts with `bad` is in the batch: one request that breaks its step."""
+
+    def __init__(self, sample, bad: str) -> None:
+        self.sample, self.bad = sample, bad
+
+    def __call__(self, logits, requests):
+        tokens = self.sample(logits, requests)
+        if any(r.request_id.startswith(self.bad) for r in requests):
+            raise RuntimeError("this request breaks the sampler")
+        return tokens

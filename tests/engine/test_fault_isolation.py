@@ -7,7 +7,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.sampling_params import SEED_LIMIT
-from tests.factories import assert_engine_idle, make_llm
+from tests.factories import FailingSampler, assert_engine_idle, make_llm
 
 PROMPTS = [{"prompt_token_ids": [(i * 13 + k) % 400 + 5 for k in range(9 + 3 * i)]} for i in range(3)]
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=1234, max_tokens=6, ignore_eos=True)
@@ -26,19 +26,6 @@ def run_all(llm, ids: list[str]) -> dict[str, object]:
             if out.finished:
                 finals[out.request_id] = out
     return {i: finals[i] for i in ids}
-
-
-class FailingSampler:
-    """Samples as usual (drawing every seeded request's noise), then raises when `bad` is in the batch."""
-
-    def __init__(self, sample, bad: str) -> None:
-        self.sample, self.bad = sample, bad
-
-    def __call__(self, logits, requests):
-        tokens = self.sample(logits, requests)
-        if any(r.request_id.startswith(self.bad) for r in requests):
-            raise RuntimeError("this request breaks the sampler")
-        return tokens
 
 
 def test_a_request_that_breaks_the_step_fails_alone(llm):

@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+from tests.factories import FailingSampler
 from tests.wait import wait_for
 from tests.worker.cluster import WorkerServer, prompt
 
@@ -20,19 +21,6 @@ from tests.worker.cluster import WorkerServer, prompt
 def worker(tiny_llama):
     with WorkerServer(tiny_llama, "both", ["tcp"]) as w:
         yield w
-
-
-class FailingSampler:
-    """Samples as usual, then raises when a request whose id starts with `bad` is in the batch."""
-
-    def __init__(self, sample, bad: str) -> None:
-        self.sample, self.bad = sample, bad
-
-    def __call__(self, logits, requests):
-        tokens = self.sample(logits, requests)
-        if any(r.request_id.startswith(self.bad) for r in requests):
-            raise RuntimeError("this request breaks the sampler")
-        return tokens
 
 
 def body(tokens: list[int], request_id: str | None = None, max_tokens: int = 4) -> dict:

@@ -69,7 +69,9 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
     tokens = prompt(600, seed=12)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = make_llm(tiny_llama).generate({"prompt_token_ids": tokens}, sp)[0].outputs[0].token_ids
-    slow = ["--max-num-batched-tokens", "4"]  # 150 prefill steps: a wide window to stop it in
+    # 150 prefill steps: a wide window to stop it in. Kept as a race on purpose: the prefill worker
+    # is another process, whose engine a test cannot hold; the check after SIGSTOP says if it was missed.
+    slow = ["--max-num-batched-tokens", "4"]
     procs = []
     try:
         p, p_ready = spawn(tiny_llama, "prefill", "--transfer", backend, *slow)
