@@ -52,7 +52,7 @@ class Member:
     name: str
     role: str  # "router" or a pool
     actor: object
-    placement_group: object | None = None
+    slot: tuple | None = None  # (placement group, bundle index) it runs in, if placed in one
     incarnation: str | None = None
     since: int = 0  # the actor's events already taken
     state: str = "starting"  # starting, serving, down, draining, lost
@@ -96,6 +96,8 @@ class Deployment:
         self.events = _Events()
         self.router_url = ""
         self._numbers = itertools.count()
+        self._groups: list = []  # placement groups made, removed at stop
+        self._free_slots: dict[str, list[tuple]] = {}  # per pool: bundles of removed workers, for new ones
         self._scaling = threading.Lock()
         self._stopping = threading.Event()
 
@@ -104,7 +106,7 @@ class Deployment:
     def start(self) -> dict:
         timeout = self.args.ready_timeout
         router = self._add_actor("router", "router", router_argv(self.args, "{node_ip}", self.args.port),
-                                 self.spec.router, None, None)
+                                 self.spec.router, None)
         self._await_ready([router], timeout)
         self.router_url = router.url
         for pool in POOLS:
@@ -123,14 +125,14 @@ class Deployment:
         return [m for m in self.members if m.role != "router" and (pool is None or m.role == pool)
                 and m.state not in ("draining", "lost")]
 
-    def _add_actor(self, name: str, role: str, argv: list[str], resources: Resources, pg, bundle: int | None) -> Member:
+    def _add_actor(self, name: str, role: str, argv: list[str], resources: Resources, slot: tuple | None) -> Member:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         options = {**resources.actor_options(), "max_restarts": self.spec.max_actor_restarts, "max_concurrency": 4}
-        if pg is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        if slot is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(*slot)
         actor = self.remote_process.options(**options).remote(name, argv, self.spec.env, self.spec.policy)
-        member = Member(name, role, actor, pg)
+        member = Member(name, role, actor, slot)
         self.members.append(member)
         return member
 
@@ -138,24 +140,40 @@ class Deployment:
         if count <= 0:
             return []
         resources = self.spec.pools[pool]
-        pg = None
-        if self.spec.placement:
-            pg = self.ray.util.placement_group([resources.bundle()] * count, strategy=self.spec.placement)
+        slots = self._slots(pool, count, timeout) if self.spec.placement else [None] * count
+        added = []
+        for slot in slots:
+            number = next(self._numbers)
+            argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.router_url, "{node_ip}",
+                                 self.args.threads or resources.threads()), "--node-name", "{node}"]
+            added.append(self._add_actor(f"{pool} worker {number}", pool, argv, resources, slot))
+        try:
+            self._await_ready(added, timeout)
+        except RuntimeError:
+            self._stop_and_kill(added, 2.0)  # none left half-started, their bundles free again
+            raise
+        return added
+
+    def _slots(self, pool: str, count: int, timeout: float) -> list[tuple]:
+        """(placement group, bundle) for `count` more workers of `pool`: bundles that workers removed
+        by a scale-down left free first (a placement group keeps its bundles reserved), then a new
+        group of the pool's strategy for the rest."""
+        free = self._free_slots.setdefault(pool, [])
+        slots = [free.pop() for _ in range(min(count, len(free)))]
+        missing = count - len(slots)
+        if missing:
+            bundle = self.spec.pools[pool].bundle()
+            pg = self.ray.util.placement_group([bundle] * missing, strategy=self.spec.placement)
             try:
                 self.ray.get(pg.ready(), timeout=timeout)
             except self.ray.exceptions.GetTimeoutError:
                 self.ray.util.remove_placement_group(pg)
-                raise RuntimeError(f"no placement of {count} {pool} workers ({self.spec.placement}, each "
-                                   f"{resources.bundle()}) fits this cluster within {timeout:.0f}s") from None
-        added = []
-        for bundle in range(count):
-            number = next(self._numbers)
-            argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.router_url, "{node_ip}",
-                                 self.args.threads or resources.threads()), "--node-name", "{node}"]
-            added.append(self._add_actor(f"{pool} worker {number}", pool, argv, resources, pg,
-                                         bundle if pg is not None else None))
-        self._await_ready(added, timeout)
-        return added
+                free.extend(slots)
+                raise RuntimeError(f"no placement of {missing} more {pool} workers ({self.spec.placement}, each "
+                                   f"{bundle}) fits this cluster within {timeout:.0f}s") from None
+            self._groups.append(pg)
+            slots += [(pg, i) for i in range(missing)]
+        return slots
 
     def _await_ready(self, members: list[Member], timeout: float) -> None:
         refs = [m.actor.ready.remote(timeout) for m in members]
@@ -220,8 +238,9 @@ class Deployment:
     def events_since(self, n: int) -> list[dict]:
         return self.events.since(n)
 
-    def scale(self, wanted: dict[str, int]) -> list[dict]:
-        """Each named pool to its number of workers; the members after."""
+    def scale(self, wanted: dict[str, int], timeout: float) -> list[dict]:
+        """Each named pool to its number of workers, new ones ready within `timeout` seconds; the
+        members after."""
         with self._scaling:
             left = {pool: len(self._workers(pool)) for pool in POOLS}
             left.update(wanted)
@@ -230,11 +249,11 @@ class Deployment:
             for pool, count in wanted.items():
                 have = self._workers(pool)
                 if count > len(have):
-                    for m in self._add_workers(pool, count - len(have), self.args.ready_timeout):
+                    for m in self._add_workers(pool, count - len(have), timeout):
                         self.events.emit({"event": "added", "name": m.name, "node_ip": m.node_ip, "url": m.url})
                 elif count < len(have):
                     self._remove(have[count:])
-            wait_registered(self.router_url, len(self._workers()), self.args.ready_timeout)
+            wait_registered(self.router_url, len(self._workers()), timeout)
             return self.view()
 
     def _remove(self, members: list[Member]) -> None:
@@ -253,10 +272,11 @@ class Deployment:
         for m in members:  # gone already, or stuck: killed either way
             self.ray.kill(m.actor, no_restart=True)
             self.members.remove(m)
-            if m.placement_group is not None and not any(o.placement_group is m.placement_group
-                                                         for o in self.members):
-                self.ray.util.remove_placement_group(m.placement_group)
+            if m.slot is not None:
+                self._free_slots.setdefault(m.role, []).append(m.slot)
 
     def stop(self, grace_s: float) -> None:
         self._stopping.set()
         self._stop_and_kill(sorted(self.members, key=lambda m: m.role == "router"), grace_s)  # workers first
+        for pg in self._groups:
+            self.ray.util.remove_placement_group(pg)

@@ -152,6 +152,8 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="pdserve", help="the deployment's name (`pdserve serve --ray --name`)")
     for pool in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{pool}", type=int, default=None, metavar="N", help=f"{pool} workers wanted")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds new workers have to be ready (no node with their resources free: an error)")
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -168,7 +170,7 @@ def run_scale(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"no pdserve deployment named {args.name!r} runs on this Ray cluster") from None
     try:
-        members = ray.get(deployment.scale.remote(wanted))
+        members = ray.get(deployment.scale.remote(wanted, args.timeout))
     except ray.exceptions.RayTaskError as e:
         raise ValueError(str(e.cause)) from None
     print(json.dumps({"event": "scaled", "actors": members}), flush=True)

@@ -1,6 +1,6 @@
 """`pdserve serve --ray` on a Ray cluster of four nodes on this machine (`ray.cluster_utils.Cluster`,
 every node on 127.0.0.1): a head node for the router, a node marked `prefill_node` and two marked
-`decode_node`. One deployment (1P2D, KV over tcp only) serves the module's scenarios in order:
+`decode_node`. One deployment (1P2D, each pool in a spread placement group, KV over tcp only) serves the module's scenarios in order:
 placement and token-exact output, a decode node lost mid-stream (its requests recover, its actor
 comes back when a node fits again), and `pdserve scale`."""
 
@@ -58,7 +58,7 @@ def deployment(cluster, tiny_llama):
     serve = ServeProcess(
         "--ray", c.address, "--name", "test", "--model", str(tiny_llama), "--port", str(_free_port()),
         "--decode", "2", "--transfer", "tcp", "--prefill-resources", '{"prefill_node": 1}',
-        "--decode-resources", '{"decode_node": 1}', "--migrate-on-failure", "--dtype", "float32",
+        "--decode-resources", '{"decode_node": 1}', "--placement", "spread", "--migrate-on-failure", "--dtype", "float32",
         "--kv-cache-memory", "8MiB", "--block-size", "4", "--max-restart-backoff", "1",
         env={**os.environ, "PDSERVE_TOKEN": TOKEN, "PDSERVE_ADMIN_KEY": ADMIN_KEY})
     try:
@@ -181,10 +181,13 @@ def test_scale_drains_and_adds_workers(deployment):
     up = subprocess.run([*scale, "--decode", "2"], capture_output=True, text=True, timeout=180)
     assert up.returncode == 0, up.stderr
     added = deployment.event("added")
-    assert added["name"] == "decode worker 3"  # on the node the removed one left free
+    assert added["name"] == "decode worker 3"  # in the bundle, and on the node, the removed one left free
     assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 2, "both": 0}
     refused = subprocess.run([*scale, "--prefill", "0", "--decode", "0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "at least one worker" in refused.stderr
+    full = subprocess.run([*scale, "--decode", "3", "--timeout", "5"], capture_output=True, text=True, timeout=120)
+    assert full.returncode == 2 and "no placement of 1 more decode workers" in full.stderr  # no third decode node
+    assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 2, "both": 0}  # left as it was
     missing = subprocess.run([*scale[:-1], "nobody", "--decode", "1"], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no pdserve deployment named 'nobody'" in missing.stderr
 
