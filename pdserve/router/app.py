@@ -222,13 +222,13 @@ class Router:
                 except (httpx.HTTPError, WorkerLost) as e:
                     log.warning("request %s: decode worker %s failed: %s: %s", request_id, d.url, type(e).__name__, e)
                     migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
+                    if not isinstance(e, WorkerSilent):  # unreachable or broken: its other streams fail
+                        self.drop_worker(d.worker_id, "it failed a request")  # now, not when its lease lapses
                     if (started or tried) and not migrate:  # the client hears no internal address or detail
                         raise APIError(502, "the decode worker failed mid-request", "server_error") from None
                     tried.add(d.worker_id)
                     if isinstance(e, WorkerSilent):
                         self.metrics.silent_streams.inc()
-                    else:  # it cannot be reached: its other streams fail now, not when its lease lapses
-                        self.drop_worker(d.worker_id, "it failed a request")
                     live.move_to = None
                     let_go()
                     d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)

@@ -106,3 +106,5 @@ def test_a_worker_that_fails_after_taking_a_request(tiny_llama, how):
         assert router.live == {} and len(router.line) == 0
         assert (router.admission.requests, router.admission.tokens) == (0, 0)
         assert entry.in_flight == 0
+        # dropped at its failure, not when its lease (60 s) lapses; a live worker registers again
+        assert router.registry.get(entry.worker_id) is None
