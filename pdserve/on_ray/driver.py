@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 
@@ -45,6 +46,21 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="each pool's workers in one Ray placement group of this strategy (default: none)")
     g.add_argument("--max-actor-restarts", type=int, default=-1,
                    help="times Ray starts an actor again after its node is lost (-1: no limit)")
+
+
+def _connect(ray, address: str) -> None:
+    """Join the Ray cluster at `address` (`auto`: this node's), or ValueError saying none answers
+    (Ray itself would retry an address nobody listens on for minutes)."""
+    host, _, port = address.rpartition(":")
+    if address != "auto" and port.isdigit():
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise ValueError(f"no Ray cluster answers at {address}: {e.strerror or e}") from None
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+    except ConnectionError as e:
+        raise ValueError(f"cannot join a Ray cluster at {address}: {e}") from None
 
 
 def _import_ray():
@@ -88,7 +104,7 @@ def run_serve_on_ray(args: argparse.Namespace, engine_argv: list[str]) -> int:
 
     say = lambda msg: print(f"[pdserve serve --ray] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     out = _events_only_stdout()
-    ray.init(address=args.ray, namespace=NAMESPACE, logging_level="WARNING")
+    _connect(ray, args.ray)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -164,7 +180,7 @@ def run_scale(args: argparse.Namespace) -> int:
     if any(n < 0 or n > 1024 for n in wanted.values()):
         raise ValueError("a pool's size is from 0 to 1024")
     ray = _import_ray()
-    ray.init(address=args.ray, namespace=NAMESPACE, logging_level="WARNING")
+    _connect(ray, args.ray)
     try:
         deployment = ray.get_actor(args.name, namespace=NAMESPACE)
     except ValueError:

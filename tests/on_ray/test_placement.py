@@ -87,3 +87,15 @@ def test_every_deployment_event_reads_as_a_sentence():
         "decode worker 2 removed (10.0.0.4)"
     assert "started again (restart 2, pid 7)" in describe(
         {"event": "restarted", "name": "w", "restarts": 2, "pid": 7})  # the in-actor supervisor's, as locally
+
+
+def test_an_address_where_no_ray_cluster_answers_is_refused_at_once():
+    import socket
+
+    from pdserve.on_ray.driver import _connect
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+        _connect(None, f"127.0.0.1:{port}")  # refused before Ray is asked (it would retry for minutes)
