@@ -10,6 +10,20 @@ from tests.factories import TINY_VARIANTS, make_tiny_model
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The run's last lines say which KV backends and optional extras this host let the tests use:
+    a case that cannot run is skipped with its reason (`-rs`), and this says what did run."""
+    import importlib.util
+
+    from tests.backends import TRANSFER, usable
+
+    ran = usable(TRANSFER)
+    extras = [name for name in ("ray",) if importlib.util.find_spec(name) is not None]
+    missing = ", ".join(sorted(set(TRANSFER) - set(ran))) or "none"
+    terminalreporter.write_line(f"KV transfer backends this host tests: {', '.join(ran)} (unusable here: {missing})")
+    terminalreporter.write_line(f"optional extras this host tests: {', '.join(extras) or 'none'}")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
