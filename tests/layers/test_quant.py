@@ -29,6 +29,7 @@ def test_requantizing_4bit_values_is_exact():
     scale = torch.rand(8, 2, 1, generator=g) + 0.1
     low = torch.randn(8, 2, 1, generator=g)
     w = (q.view(8, 2, 32) * scale + low).view(8, 64)
+    # exact in the 4-bit levels; 1e-5 is float32 rounding of scale * q + low for |w| of a few units
     torch.testing.assert_close(dequantize_int4_reference(w), w, atol=1e-5, rtol=0)
 
 

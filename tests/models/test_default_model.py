@@ -97,6 +97,7 @@ def test_int4_weights_reproduce_the_q4_1_file_and_answer(llm):
 
     ckpt = load_checkpoint(default_model_path())
     w = ckpt.tensors["model.layers.3.mlp.down_proj.weight"]  # a Q4_1 tensor of the file
+    # exact in the 4-bit levels; 1e-5 is float32 rounding of scale * q + low for the file's small weights
     torch.testing.assert_close(dequantize_int4_reference(w), w, atol=1e-5, rtol=0)
     q4 = LLM(str(default_model_path()), dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")
     out = q4.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=20))
