@@ -200,6 +200,8 @@ class Deployment:
         try:
             status = self.ray.get(m.actor.status.remote(m.since), timeout=STATUS_TIMEOUT_S)
         except exc.ActorDiedError:
+            if self._stopping.is_set() or m not in self.members:
+                return  # killed on purpose meanwhile (stop, or a scale-down)
             m.state = "lost"
             self.events.emit({"event": "actor_lost", "name": m.name, "node_ip": m.node_ip,
                               "max_restarts": self.spec.max_actor_restarts})
