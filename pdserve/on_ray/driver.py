@@ -79,6 +79,8 @@ def deployment_spec(args: argparse.Namespace, engine_argv: list[str]):
         raise ValueError("a cluster needs at least one worker")
     if args.port == 0:
         raise ValueError("--ray needs a fixed router --port: workers on other nodes keep its address")
+    if args.host != "127.0.0.1":
+        raise ValueError("--host is for one host: on Ray, each process binds to and advertises its node's address")
     if args.pin_cpus:
         raise ValueError("--pin-cpus is for one host; on Ray, give each pool its CPUs with --prefill-resources "
                          "and --decode-resources")

@@ -69,6 +69,7 @@ def test_a_spec_carries_the_secrets_apart_from_every_argv(monkeypatch):
 @pytest.mark.parametrize("flags, fragment", [
     (["--port", "0"], "fixed router --port"),
     (["--pin-cpus"], "--pin-cpus is for one host"),
+    (["--host", "0.0.0.0"], "--host is for one host"),
     (["--prefill", "0", "--decode", "0"], "at least one worker"),
     (["--router-resources", "{"], "--router-resources takes a JSON object"),
 ])
