@@ -82,8 +82,7 @@ def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, ind
     argv = ["worker", *_model(args), "--role", role, "--host", host, "--port", "0", "--router", router_url,
             "--transfer", args.transfer, "--threads", str(threads), *engine_argv,
             *(["--fault-injection"] if args.fault_injection else [])]
-    if args.record_steps:
-        Path(args.record_steps).mkdir(parents=True, exist_ok=True)
+    if args.record_steps:  # the worker makes the folder, on its own node
         argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{index}.jsonl")]
     return argv
 
@@ -138,7 +137,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
             say(f"{w.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
         wait_registered(url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
-        model_name = httpx.get(url + "/v1/models", headers=_auth(api_key)).json()["data"][0]["id"]
+        model_name = served_model(url, api_key)
         members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus}
                    for m in sup.members]
         print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "processes": members}),
@@ -174,8 +173,10 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
     argv[argv.index(flag) + 1] = value
 
 
-def _auth(api_key: str) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def served_model(router_url: str, api_key: str) -> str:
+    """The model's name as the router serves it (its /v1/models)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(router_url + "/v1/models", headers=headers).json()["data"][0]["id"]
 
 
 def wait_registered(url: str, count: int, timeout: float) -> None:

@@ -23,10 +23,8 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-import httpx
-
 from pdserve.credentials import API_KEY_ENV
-from pdserve.launcher import router_argv, worker_argv, wait_registered
+from pdserve.launcher import router_argv, served_model, wait_registered, worker_argv
 from pdserve.on_ray.placement import Resources
 from pdserve.on_ray.process_actor import ProcessActor
 
@@ -113,10 +111,8 @@ class Deployment:
             self._add_workers(pool, self._wanted(pool), timeout)
         wait_registered(self.router_url, len(self._workers()), timeout)
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
-        key = self.spec.env.get(API_KEY_ENV, "")
-        models = httpx.get(self.router_url + "/v1/models",
-                           headers={"Authorization": f"Bearer {key}"} if key else {}).json()
-        return {"url": self.router_url, "model": models["data"][0]["id"], "members": self.view()}
+        model = served_model(self.router_url, self.spec.env.get(API_KEY_ENV, ""))
+        return {"url": self.router_url, "model": model, "members": self.view()}
 
     def _wanted(self, pool: str) -> int:
         return {"prefill": self.args.prefill, "decode": self.args.decode, "both": self.args.colocated}[pool]
@@ -177,7 +173,7 @@ class Deployment:
 
     def _await_ready(self, members: list[Member], timeout: float) -> None:
         refs = [m.actor.ready.remote(timeout) for m in members]
-        ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout + STATUS_TIMEOUT_S)
+        _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout + STATUS_TIMEOUT_S)
         if pending:
             names = ", ".join(m.name for m, r in zip(members, refs) if r in pending)
             raise RuntimeError(f"{names} not ready within {timeout:.0f}s: no node has the resources asked "

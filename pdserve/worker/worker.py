@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import msgspec
@@ -121,6 +122,8 @@ class Worker:
         use_shm = "shm" in self.transfer and shm_available() and config.device == "cpu"
         self.engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None)
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
+        if record_steps:
+            Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
         self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
         self.loop = EngineLoop(self.engine, self.decode.poll, self._step_log)
         self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
