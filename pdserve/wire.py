@@ -35,20 +35,22 @@ MAX_PRIORITY = 1000  # priorities from peers are in [-MAX_PRIORITY, MAX_PRIORITY
 MAX_BLOCK_SIZE = 1024
 MAX_FENCE = (1 << 63) - 1
 # Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
-REQUEST_ID = r"^[A-Za-z0-9_.:\-]{1,200}$"
+# Every pattern ends in \Z, not $: `$` also matches before a trailing newline, which would pass.
+REQUEST_ID = r"^[A-Za-z0-9_.:\-]{1,200}\Z"
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_SEQUENCE_TOKENS)]
 Prompt = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
-Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?$")]
+Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?\Z")]
 Fence = Annotated[int, Meta(ge=0, le=MAX_FENCE)]
 Count = Annotated[int, Meta(ge=0, le=1 << 62)]
 Size = Annotated[int, Meta(ge=0, le=1 << 40)]  # requests, sequences, blocks: far below this in any pool
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
-NodeName = Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]*$")]
+NODE_NAME = r"^[A-Za-z0-9_.:@\-]{0,128}\Z"  # a host name, a Ray node id
+NodeName = Annotated[str, Meta(max_length=128, pattern=NODE_NAME)]
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 
 
@@ -203,7 +205,7 @@ def decode_line(raw: bytes | str) -> OutputLine | ErrorReply:
 # -- decode worker -> prefill worker: a lease of blocks ------------------------------------------
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
-Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:\-\[\]]+$")]
+Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.:\-\[\]]+\Z")]
 Slots = Annotated[int, Meta(ge=1, le=1 << 40)]
 
 
@@ -237,7 +239,7 @@ class MemoryOffer(Message):
     host: Host
     port: Port
     pid: Annotated[int, Meta(ge=1, le=1 << 31)]
-    endpoint: Annotated[str, Meta(pattern=r"^[0-9a-f]{1,64}$")]
+    endpoint: Annotated[str, Meta(pattern=r"^[0-9a-f]{1,64}\Z")]
 
 
 class DecodeOffers(Message, omit_defaults=True):
@@ -290,7 +292,7 @@ class KVInfo(Message):
 class Registration(Message):
     """POST /internal/register."""
 
-    url: Annotated[str, Meta(max_length=512, pattern=r"^https?://[^\s/?#]{1,255}/?$")]
+    url: Annotated[str, Meta(max_length=512, pattern=r"^https?://[^\s/?#]{1,255}/?\Z")]
     role: Role
     model_hash: ModelHash
     block_size: BlockSize = 16  # of its KV cache: the router hashes prompt prefixes in blocks this size

@@ -48,6 +48,12 @@ def test_every_message_round_trips(message):
     (wire.Heartbeat, {"worker_id": "w", "stats": {"running": -1}}, "stats.running"),
     (wire.Heartbeat, {"worker_id": "w", "stats": {"capacity": 1 << 41}}, "stats.capacity"),
     (wire.AbortRequest, {"request_id": "a b"}, "request_id"),
+    # `$` would let a trailing newline through; every pattern ends in \Z
+    (wire.AbortRequest, {"request_id": "a\n"}, "request_id"),
+    (wire.Registration, {"url": "http://h:1\n", "role": "decode", "model_hash": "h"}, "url"),
+    (wire.Registration, {"url": "http://h:1", "role": "decode", "model_hash": "h", "node": "n\n"}, "node"),
+    (wire.Registration, {"url": "http://h:1", "role": "decode", "model_hash": "h", "node": "a b"}, "node"),
+    (wire.Registration, {"url": "http://h:1", "role": "decode", "model_hash": "h", "node": "n" * 129}, "node"),
     (wire.AbortRequest, {}, "request_id"),
 ])
 def test_a_bad_message_is_refused_naming_its_field(kind, body, field):

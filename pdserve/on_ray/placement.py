@@ -50,7 +50,7 @@ def parse_resources(text: str | None, default: Resources, flag: str) -> Resource
     if not isinstance(value, dict):
         raise ValueError(f"{flag} takes a JSON object of resource names and amounts, got {text!r}")
     for name, amount in value.items():
-        if not _RESOURCE_NAME.match(name):
+        if not _RESOURCE_NAME.fullmatch(name):
             raise ValueError(f"{flag}: {name!r} is not a resource name (up to 128 letters, digits and _.:-)")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 <= amount <= MAX_RESOURCE:
             raise ValueError(f"{flag}: {name} must be a number from 0 to {MAX_RESOURCE:g}, got {amount!r}")

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -14,6 +15,7 @@ import time
 from pdserve.config import EngineConfig
 from pdserve.credentials import TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret
 from pdserve.net import WORKER_LIMITS, http_server, tcp_listener
+from pdserve.wire import NODE_NAME
 
 
 def _host(text: str) -> str:
@@ -25,9 +27,14 @@ def _host(text: str) -> str:
 
 
 def _node_name(text: str) -> str:
-    if len(text) > 128 or not all(c.isalnum() or c in "_.:@-" for c in text):
+    if not re.fullmatch(NODE_NAME, text):
         raise argparse.ArgumentTypeError(f"expected up to 128 letters, digits and _.:@-, got {text!r}")
     return text
+
+
+def _this_host() -> str:
+    """The host name as a node name: any character a node name cannot hold becomes '-'."""
+    return re.sub(r"[^A-Za-z0-9_.:@\-]", "-", socket.gethostname())[:128]
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +44,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-host", default=None, metavar="HOST", type=_host,
                    help="address the router and peers are told to reach this worker at (default: --host); with "
                         "--host 0.0.0.0 in Kubernetes, the pod's IP (the downward API's status.podIP)")
-    g.add_argument("--node-name", default=socket.gethostname()[:128], metavar="NAME", type=_node_name,
+    g.add_argument("--node-name", default=_this_host(), metavar="NAME", type=_node_name,
                    help="the machine this worker runs on, as the router's /admin/workers shows it (default: the "
                         "host name; on Ray, the Ray node)")
     g.add_argument("--port", type=int, default=8100, help="control endpoint port (0: any free one)")

@@ -36,6 +36,7 @@ def test_defaults_follow_the_device():
     ('{"GPU": "1"}', "GPU must be a number"),
     ('{"CPU": 1e9}', "CPU must be a number from 0 to 1e+06"),
     ('{"bad name": 1}', "'bad name' is not a resource name"),
+    ('{"gpu\\n": 1}', "is not a resource name"),
 ])
 def test_bad_resources_are_refused_naming_the_flag(text, fragment):
     with pytest.raises(ValueError, match="--prefill-resources") as e:

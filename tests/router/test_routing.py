@@ -125,6 +125,15 @@ def test_the_router_routes_by_the_block_size_each_worker_registered():
         refused = client.post("/internal/register", json=body)
         assert refused.status_code == 400 and "block_size" in refused.text
 
+    for node in ("n\n", "a/b", "n" * 129):  # a node name out of bounds is refused, naming the field
+        body = {"url": "http://127.0.0.1:9", "role": "decode", "model_hash": "m" * 64, "node": node}
+        refused = client.post("/internal/register", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "node"
+    body = {"url": "http://127.0.0.1:9", "role": "decode", "model_hash": "m" * 64, "node": "ray-0a1b@10.0.0.7"}
+    named = client.post("/internal/register", json=body).json()["worker_id"]
+    assert router.registry.get(named).node == "ray-0a1b@10.0.0.7"  # what /admin/workers shows as `node`
+    router.registry.remove(named)
+
     def heartbeats(queued: dict[str, int], **stats) -> None:
         for name, worker_id in ids.items():
             router.registry.heartbeat(worker_id, WorkerStats(kv_blocks_total=100,
