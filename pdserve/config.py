@@ -19,7 +19,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 ROLES = ("both", "prefill", "decode")
-QUANTIZATIONS = (None, "int4")
+QUANTIZATIONS = ("auto", "none", "int4", "int8")
 
 
 def parse_size(value: int | str) -> int:
@@ -33,14 +33,6 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _has_cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     import torch
 
@@ -50,7 +42,9 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _has_cpu_flag("avx512_bf16") else torch.float32
+        from pdserve.layers.cpu import has_native_bfloat16
+
+        return torch.bfloat16 if has_native_bfloat16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto, float32, bfloat16 or float16")
     return getattr(torch, name)
@@ -82,8 +76,10 @@ class EngineConfig:
     role: str = "both"  # which part of a request this engine computes (the worker's --role)
     seed: int = flag(0)  # for requests sampled without their own seed
     num_threads: int | None = flag(None, "CPU threads for torch", name="--threads")  # default: torch's choice
-    quantization: str | None = flag(  # None: weights in `dtype`
-        None, "int4: 4-bit weights in groups of 32 (CPU); exact for Q4_1 GGUF files", choices=QUANTIZATIONS[1:])
+    quantization: str | None = flag(  # layers/quant.py; None is "none"
+        "auto", "auto: weights as the checkpoint stores them (a GGUF's Q4_1 and Q8_0 tensors stay 4- and "
+        "8-bit, on CPU), the rest in --dtype | none: all in --dtype | int4 | int8: every matmul weight in "
+        "groups of 32 (CPU)", choices=QUANTIZATIONS)
     decode_headroom_tokens: int = flag(64, "decode: free KV a reservation must leave for generation")
     shortest_prompt_first: bool = flag(
         False, "admit the shortest waiting prompt first (within a priority); see --max-queue-wait")
@@ -106,10 +102,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.quantization is None:
+            self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of none, int4; got {self.quantization!r}")
-        if self.quantization == "int4" and str(self.device).split(":")[0] != "cpu":
-            raise ValueError("int4 weights use torch's CPU kernel; run them with device='cpu'")
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
+            raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
         if self.decode_headroom_tokens < 0:
             raise ValueError("decode_headroom_tokens must not be negative")
         if not self.max_queue_wait_s > 0:

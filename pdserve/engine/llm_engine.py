@@ -60,15 +60,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, device)
-        if config.quantization == "int4" and self.dtype != torch.bfloat16:
-            raise ValueError("int4 weights run with bfloat16 activations; pass dtype='bfloat16'")
         self.hooks = hooks or RoleHooks()
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step before it runs
         ckpt = load_checkpoint(config.model)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
         compile_decode = config.compile_decode and config.role != "prefill"  # a prefill worker never decodes
-        model = build_model(ckpt, self.dtype, device, config.quantization, pack_weights=not compile_decode)
+        quantization = config.quantization if device.type == "cpu" else "none"  # auto: CPU kernels only
+        model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)
         self.max_model_len = self._max_model_len(config)
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype)
         if num_blocks < 1:

@@ -1,9 +1,13 @@
-"""4-bit weights: groups of 32 along the input, each with its own scale and minimum (asymmetric
-round-to-nearest, the rule of GGUF's Q4_1), multiplied by torch's CPU int4 kernel.
+"""Quantized matmul weights, in groups of 32 along the input:
+- 4-bit: w = scale * q + min, q in 0..15 (asymmetric round-to-nearest between each group's minimum
+  and maximum: the rule of GGUF's Q4_1);
+- 8-bit: w = scale * q, q in -127..127 (scale = the group's largest magnitude / 127: GGUF's Q8_0).
 
-A batch-1 decode reads a quarter of the bytes of bfloat16. For a Q4_1 GGUF the dequantized
-weights re-quantize to exactly the file's own 4-bit values: each block's minimum and maximum are
-its q=0 and q=15 levels. Only the scales are rounded to the activation dtype.
+A GGUF file stored with those rules re-quantizes to exactly its own values from its dequantized
+weights (a group's extremes are its q=0 and q=15 levels, or +-127), so serving it this way loses
+nothing. The product runs in pdserve's own kernels (`kernels/qmatmul.c`: activations quantized to
+int8 per group of 32, byte dot products with VNNI or AVX2) where they build; otherwise 4-bit
+weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activation dtype at load.
 """
 
 from __future__ import annotations
@@ -12,11 +16,47 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.layers.kernels.native import NativeKernels
+
 GROUP_SIZE = 32
+BITS = (4, 8)
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A weight held quantized and multiplied by pdserve's kernels."""
+
+    bits: int
+    qs: torch.Tensor  # [out, in / 2] uint8 (two 4-bit values a byte) or [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] float32
+    mins: torch.Tensor | None  # [out, in / 32] float32; 4-bit only
+    kernels: NativeKernels
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return self.matmul(x.float()).to(x.dtype)
+        return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these values stand for, [out, in] float32."""
+        out = self.out_features
+        if self.bits == 8:
+            q = self.qs.view(out, -1, GROUP_SIZE).float()
+            return (q * self.scales.unsqueeze(-1)).view(out, -1)
+        packed = self.qs.view(out, -1, GROUP_SIZE // 2)
+        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # low nibbles hold elements 0-15
+        return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(out, -1)
 
 
 @dataclass(slots=True)
 class Int4Weight:
+    """4-bit weights in torch's own CPU int4 kernel's layout: the fallback where pdserve's kernels
+    are not built."""
+
     packed: torch.Tensor  # the kernel's tiled int4 layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2]: w = (q - 8) * scale + zero
     group_size: int
@@ -26,25 +66,64 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype, group_size: int = GROUP_SIZE) -> Int4Weight:
+def _groups(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out, in / 32, 32] float32
     out_features, in_features = weight.shape
-    if in_features % group_size:
-        raise ValueError(f"int4 needs input sizes divisible by {group_size}, got {in_features}")
-    groups = weight.float().view(out_features, in_features // group_size, group_size)
+    if in_features % GROUP_SIZE:
+        raise ValueError(f"quantized weights need input sizes divisible by {GROUP_SIZE}, got {in_features}")
+    return weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+
+
+def quantize_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q in 0..15 ([out, in] int32), scales and mins ([out, in / 32] float32) of `weight`."""
+    groups = _groups(weight)
     low, high = groups.amin(-1), groups.amax(-1)
     scale = (high - low).clamp(min=1e-12) / 15
     q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32)
-    zero = low + 8 * scale
+    return q.view(weight.shape), scale, low
+
+
+def quantize_8bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q in -127..127 ([out, in] int8) and scales ([out, in / 32] float32) of `weight`."""
+    groups = _groups(weight)
+    scale = groups.abs().amax(-1) / 127
+    q = (groups / scale.clamp(min=1e-30).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return q.view(weight.shape), scale
+
+
+def quantize(weight: torch.Tensor, bits: int, dtype: torch.dtype,
+             kernels: NativeKernels | None) -> QuantizedWeight | Int4Weight | torch.Tensor:
+    """`weight` ([out, in]) quantized to `bits`, held for the fastest kernel available: pdserve's
+    (`kernels`: `kernels.native.load()` gives this CPU's), else (None) torch's int4 kernel (for
+    outputs in multiples of 16, which it needs), else the quantized values expanded to `dtype`."""
+    if bits not in BITS:
+        raise ValueError(f"weights quantize to 4 or 8 bits, not {bits}")
+    if bits == 4:
+        q, scale, low = quantize_4bit(weight)
+        if kernels is None and q.shape[0] % 16 == 0:
+            return _torch_int4(q, scale, low, dtype)
+        if kernels is None:
+            return dequantize_reference(weight, 4).to(dtype)
+        groups = q.view(q.shape[0], -1, GROUP_SIZE).to(torch.uint8)
+        packed = (groups[..., : GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2 :] << 4)).view(q.shape[0], -1)
+        return QuantizedWeight(4, packed.contiguous(), scale.contiguous(), low.contiguous(), kernels)
+    q, scale = quantize_8bit(weight)
+    if kernels is None:
+        return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(q.shape).to(dtype)
+    return QuantizedWeight(8, q.contiguous(), scale.contiguous(), None, kernels)
+
+
+def _torch_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+    zero = low + 8 * scale  # torch's kernel computes (q - 8) * scale + zero
     scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
-    return Int4Weight(packed, scales_and_zeros, group_size, out_features)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    return Int4Weight(packed, scales_and_zeros, GROUP_SIZE, q.shape[0])
 
 
-def dequantize_int4_reference(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """What `quantize_int4` makes of a weight, in float32 (for tests and accuracy reports)."""
-    out_features, in_features = weight.shape
-    groups = weight.float().view(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = (high - low).clamp(min=1e-12) / 15
-    q = ((groups - low) / scale).round().clamp(0, 15)
-    return (q * scale + low).view(out_features, in_features)
+def dequantize_reference(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """What quantizing `weight` to `bits` makes of it, in float32 (for tests and accuracy reports)."""
+    if bits == 4:
+        q, scale, low = quantize_4bit(weight)
+        groups = q.view(q.shape[0], -1, GROUP_SIZE).float()
+        return (groups * scale.unsqueeze(-1) + low.unsqueeze(-1)).view(weight.shape)
+    q, scale = quantize_8bit(weight)
+    return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(weight.shape)

@@ -18,6 +18,9 @@ from safetensors.torch import save_file
 from pdserve.models.model_info import read_hf_info
 from pdserve.tokenizer import Tokenizer
 
+# Beside the weights: which tensors came quantized (GGUF), so they can be served that way again.
+QUANTIZED_BITS_FILE = "pdserve_quantized_bits.json"
+
 
 @dataclass(slots=True)
 class Checkpoint:
@@ -25,6 +28,9 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]  # Hugging Face parameter names
     tokenizer: Tokenizer
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # tensor name -> 4 or 8: stored quantized by a rule `layers/quant.py` reproduces exactly from
+    # the dequantized values (GGUF's Q4_1 and Q8_0), so quantizing it again loses nothing
+    quantized_bits: dict[str, int] = field(default_factory=dict)
 
     def save(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
         out = Path(out_dir)
@@ -33,12 +39,25 @@ class Checkpoint:
         (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
         self.tokenizer.save(out)
         _save_sharded(self.tensors, out, max_shard_bytes)
+        if self.quantized_bits:
+            (out / QUANTIZED_BITS_FILE).write_text(json.dumps(self.quantized_bits, indent=1))
 
 
 def load_hf_dir(path: str | Path) -> Checkpoint:
     path = Path(path)
     info = read_hf_info(path)
-    return Checkpoint(info.hf_config, _read_safetensors(path), info.tokenizer, info.generation_config)
+    return Checkpoint(info.hf_config, _read_safetensors(path), info.tokenizer, info.generation_config,
+                      _read_quantized_bits(path))
+
+
+def _read_quantized_bits(path: Path) -> dict[str, int]:
+    file = path / QUANTIZED_BITS_FILE
+    if not file.exists():
+        return {}
+    bits = json.loads(file.read_text())
+    if not isinstance(bits, dict) or not all(isinstance(k, str) and v in (4, 8) for k, v in bits.items()):
+        raise ValueError(f"{file} must map tensor names to 4 or 8")
+    return bits
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

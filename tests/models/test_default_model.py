@@ -27,7 +27,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(default_model_path()), dtype="float32", kv_cache_memory="256MiB")
+    # the file's float32 values, as transformers computes with them (not its 4-bit kernels)
+    return LLM(str(default_model_path()), dtype="float32", quantization="none", kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_export_writes_an_equivalent_hugging_face_directory(llm, tmp_path):
     from pdserve.cli import main
 
     assert main(["export", str(default_model_path()), str(tmp_path / "hf")]) == 0
-    exported = LLM(str(tmp_path / "hf"), dtype="float32", kv_cache_memory="64MiB")
+    exported = LLM(str(tmp_path / "hf"), dtype="float32", quantization="none", kv_cache_memory="64MiB")
     ids = chat_ids(llm, QUESTIONS[0])
     assert chat_ids(exported, QUESTIONS[0]) == ids
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -92,15 +93,25 @@ def test_export_writes_an_equivalent_hugging_face_directory(llm, tmp_path):
             == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids)
 
 
-def test_int4_weights_reproduce_the_q4_1_file_and_answer(llm):
-    from pdserve.layers.quant import dequantize_int4_reference
+def test_the_file_is_served_in_its_own_4_and_8_bits_and_answers():
+    from pdserve.layers.quant import QuantizedWeight, dequantize_reference
+    from pdserve.layers.kernels.native import load as load_kernels
     from pdserve.models.loader import load_checkpoint
 
     ckpt = load_checkpoint(default_model_path())
-    w = ckpt.tensors["model.layers.3.mlp.down_proj.weight"]  # a Q4_1 tensor of the file
-    # exact in the 4-bit levels; 1e-5 is float32 rounding of scale * q + low for the file's small weights
-    torch.testing.assert_close(dequantize_int4_reference(w), w, atol=1e-5, rtol=0)
-    q4 = LLM(str(default_model_path()), dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")
-    out = q4.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=20))
-    assert out[0].outputs[0].text == "The capital of France is Paris."  # still right from the 4-bit kernel
-    assert_engine_idle(q4)
+    # the file stores its layers in Q4_1 and its (tied) embedding in Q8_0; re-quantizing the
+    # dequantized values gives them back: exact up to float32 rounding of scale * q + low (1e-5
+    # for the file's small weights)
+    assert ckpt.quantized_bits["model.layers.3.mlp.down_proj.weight"] == 4
+    assert ckpt.quantized_bits["model.embed_tokens.weight"] == 8
+    for name, bits in (("model.layers.3.mlp.down_proj.weight", 4), ("model.embed_tokens.weight", 8)):
+        w = ckpt.tensors[name]
+        torch.testing.assert_close(dequantize_reference(w, bits), w, atol=1e-5, rtol=0)
+    served = LLM(str(default_model_path()), kv_cache_memory="64MiB")  # quantization "auto": the default
+    model = served.engine.runner.model
+    if load_kernels() is not None:
+        assert isinstance(model.layers[3].mlp.down_proj, QuantizedWeight) and model.layers[3].mlp.down_proj.bits == 4
+        assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.bits == 8
+    out = served.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=20))
+    assert out[0].outputs[0].text == "The capital of France is Paris."  # still right from the 4-bit kernels
+    assert_engine_idle(served)

@@ -240,8 +240,11 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
 
     assert first is ours and conversions == [gguf_path]
     stat = gguf_path.stat()
-    assert [p.name for p in tmp_path.iterdir()] == [f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"]
+    assert [p.name for p in tmp_path.iterdir()] == [default_model.cache_entry(gguf_path, tmp_path).name]
+    assert default_model.cache_entry(gguf_path, tmp_path).name.startswith(
+        f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-")
     assert cached.hf_config == ours.hf_config and cached.generation_config == ours.generation_config
+    assert cached.quantized_bits == ours.quantized_bits
     assert cached.tensors.keys() == ours.tensors.keys()
     for name, t in ours.tensors.items():
         assert cached.tensors[name].dtype == torch.float32 and torch.equal(cached.tensors[name], t), name
@@ -253,8 +256,7 @@ def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
 
 def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path, gguf_path, ours):
     monkeypatch.setattr(gguf_reader, "load_gguf", lambda path: ours)
-    stat = gguf_path.stat()
-    entry = tmp_path / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    entry = default_model.cache_entry(gguf_path, tmp_path)
     entry.mkdir()
     (entry / "config.json").write_text("{")  # truncated
     assert default_model.load_checkpoint_cached(gguf_path, tmp_path) is ours

@@ -1,0 +1,198 @@
+/* Matrix products with 4- and 8-bit weights, for CPUs.
+ *
+ * y[M, N] = x[M, K] @ w[N, K]^T, where w is stored in groups of 32 along K:
+ *   4-bit: w = d * q + m, q in 0..15, two values a byte (a group's 16 bytes hold elements 0-15 in
+ *          their low nibbles and 16-31 in their high ones; GGUF's Q4_0 and Q4_1 blocks, as stored);
+ *   8-bit: w = d * q, q in -127..127 (GGUF's Q8_0).
+ * Activations are quantized the same way, row by row, to int8 in groups of 32 (scale = max|x| /
+ * 127, rounded to nearest), so each group's product is a sum of byte products: one dpbusd with
+ * VNNI, maddubs + madd with AVX2. x and y are float32 or bfloat16.
+ *
+ * One shared library holds every variant; `pd_best_isa` asks the CPU which it can run and the
+ * caller passes the level it wants (lower levels always work: the tests run each of them).
+ * Threads come from OpenMP, which is torch's own runtime once torch is loaded (same soname), and
+ * their number is the caller's (torch's setting).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define TILE 4                     /* weight rows computed together: one activation load for four */
+#define PARALLEL_QUANTIZE (1 << 16) /* activations below this many values are quantized on one thread */
+
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_AVXVNNI = 3 };
+
+struct qmm {
+    int bits, threads, x_bf16;
+    int64_t M, K, N;
+    const void *x;
+    const void *qs;  /* [N, K / 2] uint8 (4-bit) or [N, K] int8 */
+    const float *wd, *wm;  /* [N, K / 32] scales, and minimums (4-bit only) */
+    void *y;
+    int8_t *xq;  /* scratch: [M, K] quantized activations */
+    float *xd, *xs;  /* scratch: [M, K / 32] their scales, and scale * sum of each group */
+};
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static void store_row(const struct qmm *a, int64_t m, int64_t n0, int64_t rows, const float *out) {
+    if (a->x_bf16) {
+        uint16_t *y = (uint16_t *)a->y + m * a->N + n0;
+        for (int64_t r = 0; r < rows; r++) y[r] = f32_to_bf16(out[r]);
+    } else {
+        memcpy((float *)a->y + m * a->N + n0, out, rows * sizeof(float));
+    }
+}
+
+/* ---- portable: plain C, any x86-64 (or other) CPU ---- */
+
+static void quantize_row_portable(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        float v[GROUP], a = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            int64_t i = g * GROUP + j;
+            v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            a = fmaxf(a, fabsf(v[j]));
+        }
+        float scale = a / 127.0f, inv = a > 0.0f ? 127.0f / a : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < GROUP; j++) {
+            int32_t qi = (int32_t)nearbyintf(v[j] * inv);
+            q[g * GROUP + j] = (int8_t)qi;
+            sum += qi;
+        }
+        d[g] = scale;
+        s[g] = scale * (float)sum;
+    }
+}
+
+static void quantize_portable(const struct qmm *a) {
+    const int64_t G = a->K / GROUP;
+#pragma omp parallel for num_threads(a->M * a->K >= PARALLEL_QUANTIZE ? a->threads : 1) schedule(static)
+    for (int64_t m = 0; m < a->M; m++) {
+        const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
+                                    : (const void *)((const float *)a->x + m * a->K);
+        quantize_row_portable(row, a->x_bf16, a->K, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
+    }
+}
+
+static float dot_row_portable(const struct qmm *a, int64_t m, int64_t n) {
+    const int64_t G = a->K / GROUP;
+    const int8_t *xq = a->xq + m * a->K;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t dot = 0;
+        if (a->bits == 4) {
+            const uint8_t *p = (const uint8_t *)a->qs + (n * G + g) * (GROUP / 2);
+            for (int j = 0; j < GROUP / 2; j++)
+                dot += (p[j] & 15) * xq[g * GROUP + j] + (p[j] >> 4) * xq[g * GROUP + GROUP / 2 + j];
+            acc += a->wd[n * G + g] * a->xd[m * G + g] * (float)dot + a->wm[n * G + g] * a->xs[m * G + g];
+        } else {
+            const int8_t *p = (const int8_t *)a->qs + (n * G + g) * GROUP;
+            for (int j = 0; j < GROUP; j++) dot += p[j] * xq[g * GROUP + j];
+            acc += a->wd[n * G + g] * a->xd[m * G + g] * (float)dot;
+        }
+    }
+    return acc;
+}
+
+static void gemm_portable(const struct qmm *a) {
+#pragma omp parallel for num_threads(a->threads) schedule(static)
+    for (int64_t n0 = 0; n0 < a->N; n0 += TILE) {
+        const int64_t rows = a->N - n0 < TILE ? a->N - n0 : TILE;
+        float out[TILE];
+        for (int64_t m = 0; m < a->M; m++) {
+            for (int64_t r = 0; r < rows; r++) out[r] = dot_row_portable(a, m, n0 + r);
+            store_row(a, m, n0, rows, out);
+        }
+    }
+}
+
+/* ---- AVX2 + FMA ---- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KSUF _avx2
+#define DOT_U8S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
+#include "qmatmul_simd.h"
+#undef DOT_U8S8
+#undef KSUF
+#pragma GCC pop_options
+
+/* ---- AVX-512 VNNI (its 256-bit form, with AVX512VL) ---- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#define KSUF _avx512vnni
+#define DOT_U8S8(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
+#include "qmatmul_simd.h"
+#undef DOT_U8S8
+#undef KSUF
+#pragma GCC pop_options
+
+/* ---- AVX-VNNI (the VEX form: CPUs with VNNI but without AVX-512) ---- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define KSUF _avxvnni
+#define DOT_U8S8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (w), (x))
+#include "qmatmul_simd.h"
+#undef DOT_U8S8
+#undef KSUF
+#pragma GCC pop_options
+
+/* ---- entry points ---- */
+
+/* Whether this CPU (and its operating system, which must save the wider registers) runs `isa`. */
+int pd_isa_supported(int isa) {
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    switch (isa) {
+    case ISA_PORTABLE: return 1;
+    case ISA_AVX2: return avx2;
+    case ISA_AVX512VNNI:
+        return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw");
+    case ISA_AVXVNNI: return avx2 && __builtin_cpu_supports("avxvnni");
+    default: return 0;
+    }
+}
+
+/* y = x @ w^T. Returns 0, or -1 for arguments the kernels do not take, -2 when out of memory. */
+int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K,
+               const void *qs, const float *wd, const float *wm, int64_t N, void *y) {
+    if ((bits != 4 && bits != 8) || K % GROUP || M < 0 || N < 0 || threads < 1 || (bits == 4 && !wm) ||
+        !pd_isa_supported(isa))
+        return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t G = K / GROUP;
+    struct qmm a = {bits, threads, x_bf16, M, K, N, x, qs, wd, wm, y, NULL, NULL, NULL};
+    a.xq = malloc(M * K);
+    a.xd = malloc(M * G * sizeof(float));
+    a.xs = malloc(M * G * sizeof(float));
+    if (!a.xq || !a.xd || !a.xs) {
+        free(a.xq), free(a.xd), free(a.xs);
+        return -2;
+    }
+    switch (isa) {
+    case ISA_AVX512VNNI: quantize_avx512vnni(&a), gemm_avx512vnni(&a); break;
+    case ISA_AVXVNNI: quantize_avxvnni(&a), gemm_avxvnni(&a); break;
+    case ISA_AVX2: quantize_avx2(&a), gemm_avx2(&a); break;
+    default: quantize_portable(&a), gemm_portable(&a);
+    }
+    free(a.xq), free(a.xd), free(a.xs);
+    return 0;
+}
