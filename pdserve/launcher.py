@@ -29,7 +29,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve import layout
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.layout import Layout
 from pdserve.router.main import add_controller_args, controller_argv
 from pdserve.supervisor import RestartPolicy, Supervisor
 
@@ -38,9 +40,13 @@ STOP_GRACE_S = 15.0
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    g.add_argument("--decode", type=int, default=1, help="decode workers")
-    g.add_argument("--colocated", type=int, default=0, help="colocated (both) workers")
+    g.add_argument("--prefill", type=int, default=None,
+                   help="prefill workers (given alone: a disaggregated cluster with 1 decode worker)")
+    g.add_argument("--decode", type=int, default=None,
+                   help="decode workers (given alone: a disaggregated cluster with 1 prefill worker)")
+    g.add_argument("--colocated", type=int, default=None,
+                   help="colocated (both) workers. With none of the three: the layout that serves this host best "
+                        "(one colocated worker below 8 cores, else 1P1D), said at start")
     g.add_argument("--transfer", default="shm,tcp")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
@@ -102,10 +108,23 @@ def _threads(args: argparse.Namespace, share: list[int]) -> int:
     return args.threads or len(share)
 
 
+def serve_layout(args: argparse.Namespace) -> Layout:
+    """The flags' layout, or the one chosen for this host (its usable cores, and GPUs with --device cuda)."""
+    given = layout.from_flags(args.prefill, args.decode, args.colocated)
+    if given is not None:
+        return given
+    device = str(getattr(args, "device", "cpu") or "cpu")
+    gpus = 0
+    if device.startswith("cuda"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return layout.choose(len(os.sched_getaffinity(0)), device, gpus)
+
+
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.colocated
-    if not roles:
-        raise ValueError("a cluster needs at least one worker")
+    chosen = serve_layout(args)
+    roles = chosen.roles
     api_key = read_secret(args.api_key_file, API_KEY_ENV)
     token = read_secret(args.token_file, TOKEN_ENV) or secrets.token_hex(32)  # a fresh one unless given
     env = {**os.environ, TOKEN_ENV: token, API_KEY_ENV: api_key,
@@ -123,6 +142,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     code = 0
     try:
         t0 = time.perf_counter()
+        say(f"layout: {chosen.describe()}")
         router = sup.start("router", router_argv(args, args.host, args.port))
         url = router.child.wait_ready(args.ready_timeout)["url"]
         _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
@@ -140,7 +160,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         model_name = served_model(url, api_key)
         members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus}
                    for m in sup.members]
-        print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "processes": members}),
+        print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "layout": chosen.reason,
+                          "processes": members}),
               flush=True)
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")

@@ -1,53 +1,55 @@
-"""The test suite's own layout: a test module takes what it shares from conftest fixtures and helper
-modules (factories, the clusters, `wait_for`), never from another test module, so that each one runs,
-moves and is renamed alone."""
+"""Which workers `pdserve serve` starts: the flags' layout, or the one chosen for the host."""
 
-from __future__ import annotations
+import pytest
 
-import ast
-from pathlib import Path
-from typing import Iterator
-
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
+from pdserve.cli import build_parser
+from pdserve.launcher import serve_layout
+from pdserve.layout import MIN_CORES_PER_POOL, choose, from_flags
 
 
-def imported_names(source: str, package: tuple[str, ...]) -> Iterator[str]:
-    """Every dotted name an import in `source` (a module of `package`) may load: the module of each
-    `import` and `from ... import`, relative ones resolved, and `from X import Y` as X.Y too (Y may be
-    a module). Imports inside functions count as well."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else ()
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            yield module
-            yield from (f"{module}.{alias.name}" for alias in node.names)
+def test_a_host_too_small_for_two_pools_runs_one_colocated_worker():
+    for cores in range(1, 2 * MIN_CORES_PER_POOL):
+        chosen = choose(cores)
+        assert chosen.roles == ["both"], cores
+        assert f"{cores} cores" in chosen.reason and "--prefill 1 --decode 1" in chosen.reason
 
 
-def is_test_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
-    return path.name.startswith("test_") and path.is_file()
+def test_a_host_with_cores_for_two_pools_disaggregates():
+    chosen = choose(2 * MIN_CORES_PER_POOL)
+    assert chosen.roles == ["prefill", "decode"] and f"each pool gets {MIN_CORES_PER_POOL}" in chosen.reason
 
 
-def test_every_form_of_importing_a_test_module_is_seen():
-    source = ("import tests.test_layout\n"
-              "from tests.test_layout import ROOT\n"
-              "from tests import test_layout\n"
-              "def f():\n    from ..test_layout import TESTS\n"
-              "from tests.wait import wait_for\n"
-              "from .cluster import Cluster\n")
-    names = list(imported_names(source, ("tests", "worker")))
-    assert "tests.worker.cluster" in names  # relative imports resolved from the importing module's package
-    assert [n for n in names if is_test_module(n)] == ["tests.test_layout"] * 4
+def test_gpus_one_colocated_two_split():
+    assert choose(64, "cuda", 1).roles == ["both"]
+    assert choose(64, "cuda:0", 2).roles == ["prefill", "decode"]
 
 
-def test_no_test_module_imports_another():
-    offenders = []
-    for path in sorted(TESTS.rglob("*.py")):
-        package = path.relative_to(ROOT).parent.parts
-        for name in imported_names(path.read_text(), package):
-            if is_test_module(name):
-                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert not offenders, "move what they share into conftest.py or a helper module:\n" + "\n".join(offenders)
+@pytest.mark.parametrize("flags, roles", [
+    ({}, None),
+    ({"colocated": 2}, ["both", "both"]),
+    ({"prefill": 2}, ["prefill", "prefill", "decode"]),  # a pool given alone: disaggregated, the other of one
+    ({"decode": 3}, ["prefill", "decode", "decode", "decode"]),
+    ({"prefill": 0, "decode": 0, "colocated": 1}, ["both"]),
+    ({"prefill": 1, "decode": 1, "colocated": 1}, ["prefill", "decode", "both"]),
+])
+def test_flags_give_the_layout(flags, roles):
+    given = from_flags(flags.get("prefill"), flags.get("decode"), flags.get("colocated"))
+    assert (given and given.roles) == roles
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"prefill": 0, "decode": 0}, "at least one worker"),
+    ({"colocated": 0}, "at least one worker"),
+    ({"decode": -1}, "--decode must not be negative"),
+])
+def test_a_layout_without_workers_is_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        from_flags(flags.get("prefill"), flags.get("decode"), flags.get("colocated"))
+
+
+def test_serve_without_layout_flags_chooses_for_this_host(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
+    assert serve_layout(build_parser().parse_args(["serve"])).roles == ["both"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert serve_layout(build_parser().parse_args(["serve"])).roles == ["prefill", "decode"]
+    assert serve_layout(build_parser().parse_args(["serve", "--colocated", "1"])).roles == ["both"]

@@ -21,7 +21,8 @@ from tests.wait import wait_for
 def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
     steps = tmp_path / "steps"
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama), "--port", "0",
-           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--pin-cpus", "--record-steps", str(steps)]
+           "--dtype", "float32", "--kv-cache-memory", "8MiB", "--pin-cpus", "--record-steps", str(steps),
+           "--prefill", "1", "--decode", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line: list[str] = []
@@ -32,6 +33,7 @@ def test_serve_starts_answers_and_stops(tiny_llama, tmp_path):
         assert line and line[0], proc.stderr.read() if proc.poll() is not None else "no ready line"
         ready = json.loads(line[0])
         assert ready["event"] == "ready" and ready["workers"] == ["prefill", "decode"]
+        assert ready["layout"] == "as the flags ask"
         cores = sorted(os.sched_getaffinity(0))
         for member in ready["processes"]:  # the cluster's token reached every child, but not on its command line
             argv = open(f"/proc/{member['pid']}/cmdline").read().split("\0")

@@ -205,7 +205,7 @@ def test_serve_fails_its_start_when_a_worker_exits_before_it_is_ready(fake_child
     from pdserve.cli import build_parser, engine_argv
     from pdserve.launcher import run_serve
 
-    args = build_parser().parse_args(["serve", "--port", "0", "--ready-timeout", "10"])
+    args = build_parser().parse_args(["serve", "--port", "0", "--ready-timeout", "10", "--prefill", "1"])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         assert run_serve(args, engine_argv(args)) == 1

@@ -47,9 +47,11 @@ BYTE_COUNT = (
     "for its whole context (mean context over the timed steps)."
 )
 COMPILED = "bfloat16_compiled"  # the default model's bfloat16 engine with compiled decode graphs
+AS_STORED = "gguf_"  # + dtype: the default model's own 4- and 8-bit weights, activations in dtype
 LLAMA_CPP_NOTE = (
-    "llama.cpp computes on the GGUF's quantized weights as they are (Q4_1: ~5 bits per weight); ours "
-    "dequantizes them to the dtype at load, so it reads ~3x (bfloat16) or ~6x (float32) the bytes per token."
+    "llama.cpp computes on the GGUF's quantized weights as they are (Q4_1: ~5 bits per weight), as ours "
+    "does in the gguf_* rows (the default); the float32 and bfloat16 rows dequantize them at load and read "
+    "~3x (bfloat16) or ~6x (float32) the bytes per token."
 )
 
 
@@ -69,6 +71,23 @@ def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_conte
     weights = non_embedding_parameters(cfg) + cfg.vocab_size * cfg.hidden_size  # + lm_head
     kv = 2 * cfg.num_layers * cfg.kv_size * mean_context * batch
     return (weights + kv) * element_size
+
+
+def matmul_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every matmul weight (the layers' and the head), as held: what a decode step reads."""
+    from pdserve.layers.quant import Int4Weight, QuantizedWeight
+    from pdserve.models.loader import matmul_weights
+
+    total = 0
+    for _, module, attr in matmul_weights(model):
+        w = getattr(module, attr)
+        if isinstance(w, QuantizedWeight):
+            total += w.qs.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
+        elif isinstance(w, Int4Weight):
+            total += w.packed.nbytes + w.scales_and_zeros.nbytes
+        else:
+            total += w.numel() * w.element_size()
+    return total
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -239,14 +258,17 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
         _say(f"default model: skipped ({e})")
         return {"skipped": str(e)}
     steps = sizes.default_decode_steps
-    engines = {dtype: LLM(str(path), dtype=dtype, kv_cache_memory="256MiB") for dtype in limits}
-    if "bfloat16" in limits:  # 4-bit weights (the file's own Q4_1 values), bfloat16 activations
-        engines["int4"] = LLM(str(path), dtype="bfloat16", quantization="int4", kv_cache_memory="256MiB")
+    engines: dict[str, LLM] = {}
+    for dtype in limits:  # the file's values in the dtype, and its own 4- and 8-bit weights with dtype activations
+        engines[dtype] = LLM(str(path), dtype=dtype, quantization="none", kv_cache_memory="256MiB")
+        engines[AS_STORED + dtype] = LLM(str(path), dtype=dtype, quantization="auto", kv_cache_memory="256MiB")
     if compiled and "bfloat16" in limits:
         _log("default model: compiling the decode graphs (minutes)")
-        engines[COMPILED] = LLM(str(path), dtype="bfloat16", kv_cache_memory="256MiB", compile_decode=True)
+        engines[COMPILED] = LLM(str(path), dtype="bfloat16", quantization="none", kv_cache_memory="256MiB",
+                                compile_decode=True)
         if not engines[COMPILED].engine.runner.compiled.warm_up():
             raise RuntimeError("the decode graphs did not compile; see the log")
+    weight_bytes = {name: matmul_weight_bytes(llm.engine.runner.model) for name, llm in engines.items()}
     cfg = next(iter(engines.values())).engine.model_config
     one = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
     prompts = make_workload(one, cfg.vocab_size, seed).decode[1]  # [warm-up, rep 1, ...], batches of one
@@ -265,13 +287,11 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
 
     mean_context = sizes.decode_prompt_len + 1 + (steps - 1) / 2
     for dtype in [d for d in seconds if d != "llama_cpp"]:
-        m = limits.get(dtype) or limits["bfloat16"]
-        if dtype == "int4":  # half a byte per weight, plus a bfloat16 scale and zero per 32
-            kv_bytes = decode_step_bytes(cfg, 2, 1, mean_context) - decode_step_bytes(cfg, 2, 1, 0)
-            step_bytes = decode_step_bytes(cfg, 1, 1, 0) * (0.5 + 4 / 32) + kv_bytes
-        else:
-            itemsize = torch_dtype("bfloat16" if dtype == COMPILED else dtype).itemsize
-            step_bytes = decode_step_bytes(cfg, itemsize, 1, mean_context)
+        activations = "bfloat16" if dtype == COMPILED else dtype.removeprefix(AS_STORED)
+        m = limits[activations]
+        itemsize = torch_dtype(activations).itemsize
+        kv_bytes = decode_step_bytes(cfg, itemsize, 1, mean_context) - decode_step_bytes(cfg, itemsize, 1, 0)
+        step_bytes = weight_bytes[dtype] + kv_bytes  # every matmul weight read once, and the context's KV
         tokens_per_s = _rate(steps, seconds[dtype])
         result[dtype] = {"ours": {"seconds": seconds[dtype], "tokens": steps, "tokens_per_s": tokens_per_s,
                                   "mbu_pct": 100 * step_bytes * tokens_per_s / 1e9 / m.read_gbs}}

@@ -12,14 +12,40 @@ weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.layers.kernels.native import NativeKernels
 
+log = logging.getLogger("pdserve.kernels")
+
 GROUP_SIZE = 32
 BITS = (4, 8)
+_CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+
+
+@dataclass(slots=True)
+class DenseProducts:
+    """When a model's quantized weights hand a product to a dense matmul instead.
+
+    Byte dot products win while a step has few rows (decode: the weight's bytes are the cost);
+    a prefill chunk's hundreds of rows are arithmetic, which oneDNN's float GEMM does faster than
+    int8 dot products with a float scale per group. From `min_rows` rows up, a weight is expanded
+    into one buffer the model's layers share (a step runs them one after another) and multiplied
+    densely. `min_rows` is measured on this CPU when the model loads (`calibrate`)."""
+
+    min_rows: int | None = None  # None: every product runs on the quantized kernels
+    _buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def buffer(self, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+        flat = self._buffers.get(dtype)
+        if flat is None or flat.numel() < out_features * in_features:
+            flat = self._buffers[dtype] = torch.empty(out_features * in_features, dtype=dtype)
+        return flat[: out_features * in_features].view(out_features, in_features)
 
 
 @dataclass(slots=True)
@@ -31,15 +57,26 @@ class QuantizedWeight:
     scales: torch.Tensor  # [out, in / 32] float32
     mins: torch.Tensor | None  # [out, in / 32] float32; 4-bit only
     kernels: NativeKernels
+    dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's weights
 
     @property
     def out_features(self) -> int:
         return self.qs.shape[0]
 
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * GROUP_SIZE
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
         if x.dtype not in (torch.float32, torch.bfloat16):
             return self.matmul(x.float()).to(x.dtype)
+        if self.dense.min_rows is not None and x.shape[0] >= self.dense.min_rows:
+            return self.matmul_dense(x)
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
+
+    def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dense.buffer(self.out_features, self.in_features, x.dtype)
+        return F.linear(x, self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, w))
 
     def dequantize(self) -> torch.Tensor:
         """The weight these values stand for, [out, in] float32."""
@@ -127,3 +164,29 @@ def dequantize_reference(weight: torch.Tensor, bits: int) -> torch.Tensor:
         return (groups * scale.unsqueeze(-1) + low.unsqueeze(-1)).view(weight.shape)
     q, scale = quantize_8bit(weight)
     return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(weight.shape)
+
+
+def calibrate(weight: QuantizedWeight, dtype: torch.dtype) -> int | None:
+    """The fewest rows from which `weight`'s products run faster dense than on the quantized
+    kernels, on this CPU now (None: at no size measured). Each candidate is timed a few times,
+    best of each: about half a second."""
+    for rows in _CALIBRATION_ROWS:
+        x = torch.randn(rows, weight.in_features).to(dtype)
+        quantized = _best_seconds(lambda: weight.kernels.qmatmul(
+            x, weight.bits, weight.qs, weight.scales, weight.mins, weight.out_features))
+        dense = _best_seconds(lambda: weight.matmul_dense(x))
+        if dense < quantized:
+            log.info("quantized weights: products of %d rows or more run dense (%.2f ms against %.2f ms)",
+                     rows, dense * 1e3, quantized * 1e3)
+            return rows
+    return None
+
+
+def _best_seconds(run, repeats: int = 3) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best

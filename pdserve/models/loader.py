@@ -11,7 +11,7 @@ from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.layers.linear import pack_weight
 from pdserve.layers.kernels.native import load as load_kernels
-from pdserve.layers.quant import quantize
+from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrate, quantize
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -99,12 +99,27 @@ def build_model(
     if any(bits.values()) and device.type != "cpu":
         raise ValueError("quantized weights run on CPU kernels; serve this model with --quantization none on "
                          f"{device.type}")
-    for name, module, attr in _matmul_weights(model):
+    for name, module, attr in matmul_weights(model):
         if bits[name]:
             _replace(module, attr, quantize(getattr(module, attr), bits[name], dtype, load_kernels()))
         elif pack_weights:
             _replace(module, attr, pack_weight(getattr(module, attr)))
+    _share_dense_products(model, dtype)
     return model.eval()
+
+
+def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """One `DenseProducts` for the model's quantized weights, its row threshold measured on the
+    largest layer weight (the head only ever multiplies the few rows a step samples)."""
+    held = [(name, getattr(module, attr)) for name, module, attr in matmul_weights(model)]
+    quantized = [(name, w) for name, w in held if isinstance(w, QuantizedWeight)]
+    if not quantized:
+        return
+    dense = DenseProducts()
+    for _, w in quantized:
+        w.dense = dense
+    layers = [w for name, w in quantized if name != "lm_head"] or [w for _, w in quantized]
+    dense.min_rows = calibrate(max(layers, key=lambda w: w.qs.numel()), dtype)
 
 
 def _bits(quantization: str | None, stored: list[int | None]) -> int | None:
@@ -115,7 +130,7 @@ def _bits(quantization: str | None, stored: list[int | None]) -> int | None:
     return {"int4": 4, "int8": 8}[quantization]
 
 
-def _matmul_weights(model: LlamaForCausalLM):
+def matmul_weights(model: LlamaForCausalLM):
     """(name, module, attribute) of every matmul weight; a tied head is its own entry (its packed or
     quantized copy is the head's; the embedding lookup keeps the plain table)."""
     for i, layer in enumerate(model.layers):

@@ -24,6 +24,7 @@ import threading
 
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, read_secret
 from pdserve.launcher import describe_event
+from pdserve.layout import Layout, from_flags
 from pdserve.on_ray.placement import ROUTER_DEFAULT, parse_resources, placement_strategy, worker_default
 
 NAMESPACE = "pdserve"
@@ -75,8 +76,9 @@ def deployment_spec(args: argparse.Namespace, engine_argv: list[str]):
     """What the deployment needs, every flag checked here, before Ray is asked for anything."""
     from pdserve.on_ray.deployment import DeploymentSpec
 
-    if args.prefill + args.decode + args.colocated < 1:
-        raise ValueError("a cluster needs at least one worker")
+    # a Ray cluster's nodes are not this host: without layout flags, one prefill and one decode worker
+    pools = from_flags(args.prefill, args.decode, args.colocated) or Layout(1, 1, 0, "on Ray: 1P1D")
+    args.prefill, args.decode, args.colocated = pools.prefill, pools.decode, pools.colocated
     if args.port == 0:
         raise ValueError("--ray needs a fixed router --port: workers on other nodes keep its address")
     if args.host != "127.0.0.1":

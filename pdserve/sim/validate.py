@@ -38,7 +38,10 @@ def layout(argv: list[str]) -> dict[str, int]:
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)
     args, _ = parser.parse_known_args(argv)
-    return {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}
+    from pdserve.launcher import serve_layout
+
+    chosen = serve_layout(args)  # no layout flag: the layout `pdserve serve` chose on this host
+    return {"prefill": chosen.prefill, "decode": chosen.decode, "colocated": chosen.colocated}
 
 
 def simulate_config(measured: dict, name: str, models: list[str], backend: str | None, vocab_size: int) -> list[dict]:

@@ -8,7 +8,9 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.layers.kernels import native
-from pdserve.layers.quant import Int4Weight, QuantizedWeight, dequantize_reference, quantize
+from pdserve.layers.quant import (
+    DenseProducts, Int4Weight, QuantizedWeight, calibrate, dequantize_reference, quantize,
+)
 from pdserve.models import loader
 from tests.factories import assert_engine_idle, make_llm, paged_logits
 
@@ -45,6 +47,24 @@ def test_a_weight_is_held_for_pdserves_kernels_and_stands_for_its_rule(bits):
     assert isinstance(held, QuantizedWeight) and held.out_features == 40
     assert held.qs.numel() == w.numel() * bits // 8  # the bytes a decode step reads
     torch.testing.assert_close(held.dequantize(), dequantize_reference(w, bits), atol=1e-6, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dtype):
+    held = quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)), 4, torch.float32, native.load())
+    held.dense = DenseProducts(min_rows=8)
+    x = torch.randn(8, 96).to(dtype)
+    dense = held.matmul(x)
+    # the weight expanded to the activations' dtype, then a dense product (bfloat16 rounds the weight)
+    expected = (x.float() @ held.dequantize().to(dtype).float().t()).to(dtype)
+    torch.testing.assert_close(dense, expected, atol=1e-3 if dtype == torch.float32 else 0.1, rtol=1e-2)
+    # fewer rows: the quantized kernel (int8 activations), a different rounding of the same product
+    few = held.matmul(x[:7])
+    assert not torch.equal(few, dense[:7])
+    torch.testing.assert_close(few.float(), dense[:7].float(), atol=0.3, rtol=0.05)
+    threshold = calibrate(held, dtype)  # measured now: any answer is a valid one, and it is used
+    assert threshold is None or threshold >= 1
 
 
 def test_without_pdserves_kernels_4_bits_run_torchs_kernel_and_8_bits_are_expanded():

@@ -22,8 +22,10 @@ QUIET = {"others": 0.0, "steal": 0.0}
 NOISY = {"others": NOISY_OTHERS_CORES + 1.0, "steal": 0.0}
 
 
-def test_layout_reads_the_serve_flags_and_their_defaults():
-    assert layout([]) == {"prefill": 1, "decode": 1, "colocated": 0}
+def test_layout_reads_the_serve_flags_and_their_defaults(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert layout([]) == {"prefill": 0, "decode": 0, "colocated": 1}  # what serve chooses on 2 cores
+    assert layout(["--decode", "2"]) == {"prefill": 1, "decode": 2, "colocated": 0}
     assert layout(["--dtype", "float32", "--decode", "3", "--colocated", "2", "--prefill", "0"]) == \
         {"prefill": 0, "decode": 3, "colocated": 2}
 

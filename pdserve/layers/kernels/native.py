@@ -70,6 +70,17 @@ class NativeKernels:
         return y
 
 
+    def dequantize(self, bits: int, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   out: torch.Tensor) -> torch.Tensor:
+        """The weight into `out` ([out, in] float32 or bfloat16, contiguous)."""
+        rc = self.lib.pd_dequantize(torch.get_num_threads(), bits, qs.data_ptr(), scales.data_ptr(),
+                                    None if mins is None else mins.data_ptr(), out.shape[0], out.shape[1],
+                                    out.data_ptr(), out.dtype == torch.bfloat16)
+        if rc:
+            raise RuntimeError(f"pd_dequantize refused a {bits}-bit weight into {tuple(out.shape)} {out.dtype}")
+        return out
+
+
 @functools.cache
 def load() -> NativeKernels | None:
     """The kernels, built if need be; None where they cannot be built here."""
@@ -84,6 +95,8 @@ def load() -> NativeKernels | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pd_qmatmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul.restype = i32
+    lib.pd_dequantize.argtypes = [i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.pd_dequantize.restype = i32
     supported = tuple(name for i, name in enumerate(ISA_NAMES) if lib.pd_isa_supported(i))
     kernels = NativeKernels(lib, ISA_NAMES.index(_preferred(supported)), supported)
     log.info("CPU kernels: %s (this CPU runs %s)", kernels.isa_name, ", ".join(supported))
