@@ -10,6 +10,7 @@ from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from pdserve.layers.kernels import native
 from pdserve.layers.sampler import Sampler, SamplingBatch
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -30,6 +31,7 @@ class ModelRunner:
         seed: int,
         kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         compile_decode: bool = False,
+        use_kernels: bool = True,  # pdserve's CPU kernels where they apply (False: torch's throughout)
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -43,6 +45,11 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(seed)
         self.compiled = CompiledDecode(model, self.kv_cache) if compile_decode else None
+        # pdserve's CPU kernels for norms, rotary, cache writes and decode attention; a compiled
+        # decode graph has torch compute them (one metadata form for both kinds of step)
+        usable = (use_kernels and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                  and not compile_decode)
+        self.kernels = native.load() if usable else None
 
     @torch.inference_mode()
     def forward(
@@ -97,6 +104,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, device=dev),
             block_size=bs,
             num_decode_tokens=step.num_decodes,
+            kernels=self.kernels,
         )
         if step.num_decodes:
             self._decode_metadata(step, meta)
@@ -119,6 +127,12 @@ class ModelRunner:
     def _decode_metadata(self, step: SchedulerOutput, meta: AttentionMetadata) -> None:
         nd = step.num_decodes
         lens = [r.num_computed_tokens + 1 for r in step.requests[:nd]]
+        if meta.kernels is not None:  # each row over its own context: only the tables need padding
+            max_blocks = -(-max(lens) // self.block_size)
+            meta.decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                                               for t in step.block_tables[:nd]])
+            meta.decode_lens = torch.tensor(lens)
+            return
         groups = decode_groups(lens)
         if len(groups) == 1:  # the usual case: every row in its own place, no reordering
             meta.decode_groups.append(self._decode_group(None, lens, step.block_tables[:nd]))

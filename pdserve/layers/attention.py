@@ -10,6 +10,10 @@ token (decodes) share batched calls, one per group of similar context lengths (a
 its longest context would make 60 short requests read a 2,000-token one's length each step);
 multi-token chunks (prefills) are computed one by one.
 
+Where the step runs pdserve's kernels (`AttentionMetadata.kernels`), the layer writes the new K/V
+itself (with rotary, in one call) and `attend_cached` reads the cache: decodes in one kernel call
+for all rows, each over its own context (no padding, no gather), prefill chunks as above.
+
 Under `torch.compile` the attention is one opaque operator (`pdserve::paged_attention`) that reads
 the step's metadata from `step_metadata(...)`: a compiled graph then depends on the number of
 tokens only, not on context lengths or block tables, and one graph serves every decode step.
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.layers.kernels.native import NativeKernels
 
 
 @dataclass(slots=True)
@@ -50,8 +56,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
     block_size: int
     num_decode_tokens: int  # the batch's first tokens are decodes, one per request
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # torch's decode attention
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # pdserve's kernels run this step's norms, rotary, cache writes and decode attention; None: torch
+    kernels: NativeKernels | None = None
+    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks] int64, padded: for the kernel
+    decode_lens: torch.Tensor | None = None  # [decodes] int64 context lengths, the new token included
 
 
 def paged_attention(
@@ -62,13 +72,28 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [tokens, heads * head_dim]
     kv_cache.index_copy_(0, meta.slot_mapping, kv)
+    return attend_cached(q, kv_cache, meta, scale)
+
+
+def attend_cached(
+    q: torch.Tensor,  # [tokens, heads, head_dim] (rows may be strided)
+    kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim], the step's new K/V already in it
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [tokens, heads * head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv.shape[2]
+    num_kv_heads = kv_cache.shape[2]
     gqa = num_heads != num_kv_heads
     nd = meta.num_decode_tokens
     out = None if nd == num_tokens else torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
-    if nd:
+    if nd and meta.kernels is not None:
+        o = meta.kernels.decode_attention(q[:nd], kv_cache, meta.block_size, meta.decode_tables, meta.decode_lens,
+                                          scale)
+        if not meta.prefills:
+            return o
+        out[:nd] = o.view(nd, num_heads, head_dim)
+    elif nd:
         # The query heads sharing a KV head act as that head's queries: plain attention, no copies.
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         groups = meta.decode_groups

@@ -1,4 +1,5 @@
-"""Quantized matmul weights, in groups of 32 along the input:
+"""Quantized matmul weights, in groups of 32 along the input, each group's scale (and minimum)
+stored in float16 as GGUF does:
 - 4-bit: w = scale * q + min, q in 0..15 (asymmetric round-to-nearest between each group's minimum
   and maximum: the rule of GGUF's Q4_1);
 - 8-bit: w = scale * q, q in -127..127 (scale = the group's largest magnitude / 127: GGUF's Q8_0).
@@ -54,8 +55,8 @@ class QuantizedWeight:
 
     bits: int
     qs: torch.Tensor  # [out, in / 2] uint8 (two 4-bit values a byte) or [out, in] int8
-    scales: torch.Tensor  # [out, in / 32] float32
-    mins: torch.Tensor | None  # [out, in / 32] float32; 4-bit only
+    scales: torch.Tensor  # [out, in / 32] float16
+    mins: torch.Tensor | None  # [out, in / 32] float16; 4-bit only
     kernels: NativeKernels
     dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's weights
 
@@ -81,12 +82,12 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The weight these values stand for, [out, in] float32."""
         out = self.out_features
+        scales = self.scales.float().unsqueeze(-1)
         if self.bits == 8:
-            q = self.qs.view(out, -1, GROUP_SIZE).float()
-            return (q * self.scales.unsqueeze(-1)).view(out, -1)
+            return (self.qs.view(out, -1, GROUP_SIZE).float() * scales).view(out, -1)
         packed = self.qs.view(out, -1, GROUP_SIZE // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # low nibbles hold elements 0-15
-        return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(out, -1)
+        return (q * scales + self.mins.float().unsqueeze(-1)).view(out, -1)
 
 
 @dataclass(slots=True)
@@ -110,20 +111,26 @@ def _groups(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out, in / 32
     return weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
 
 
+def _divisor(scale: torch.Tensor) -> torch.Tensor:  # a group of equal values has scale 0: its q are 0
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+
+
 def quantize_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q in 0..15 ([out, in] int32), scales and mins ([out, in / 32] float32) of `weight`."""
+    """q in 0..15 ([out, in] int32), scales and mins ([out, in / 32], float32 values of float16:
+    q is computed against the rounded ones) of `weight`."""
     groups = _groups(weight)
     low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low).clamp(min=1e-12) / 15
-    q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32)
+    scale = ((high - low) / 15).half().float()
+    low = low.half().float()
+    q = ((groups - low.unsqueeze(-1)) / _divisor(scale)).round().clamp(0, 15).to(torch.int32)
     return q.view(weight.shape), scale, low
 
 
 def quantize_8bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q in -127..127 ([out, in] int8) and scales ([out, in / 32] float32) of `weight`."""
+    """q in -127..127 ([out, in] int8) and scales ([out, in / 32], float32 values of float16)."""
     groups = _groups(weight)
-    scale = groups.abs().amax(-1) / 127
-    q = (groups / scale.clamp(min=1e-30).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    scale = (groups.abs().amax(-1) / 127).half().float()
+    q = (groups / _divisor(scale)).round().clamp(-127, 127).to(torch.int8)
     return q.view(weight.shape), scale
 
 
@@ -142,11 +149,11 @@ def quantize(weight: torch.Tensor, bits: int, dtype: torch.dtype,
             return dequantize_reference(weight, 4).to(dtype)
         groups = q.view(q.shape[0], -1, GROUP_SIZE).to(torch.uint8)
         packed = (groups[..., : GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2 :] << 4)).view(q.shape[0], -1)
-        return QuantizedWeight(4, packed.contiguous(), scale.contiguous(), low.contiguous(), kernels)
+        return QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels)
     q, scale = quantize_8bit(weight)
     if kernels is None:
         return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(q.shape).to(dtype)
-    return QuantizedWeight(8, q.contiguous(), scale.contiguous(), None, kernels)
+    return QuantizedWeight(8, q.contiguous(), scale.half(), None, kernels)
 
 
 def _torch_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> Int4Weight:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.layers.attention import AttentionMetadata, paged_attention, paged_attention_op
+from pdserve.layers.attention import AttentionMetadata, attend_cached, paged_attention, paged_attention_op
+from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -45,6 +46,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        if meta is not None and meta.kernels is not None:
+            return linear(self._attend_in_place(qkv, cos_sin, kv_cache, meta), self.o_proj)
         v = qkv[:, self.q_size + self.kv_size :].view(t, 1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side: one rotary pass for both
@@ -62,6 +65,20 @@ class LlamaAttention(nn.Module):
             o = paged_attention(q, kv, kv_cache, meta, self.scale)
         return linear(o, self.o_proj)
 
+    def _attend_in_place(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's kernels: rotary on qkv's q and k heads and the new K/V into the cache in one
+        call, then attention reading the cache ([tokens, heads * head_dim])."""
+        t, q_end = qkv.shape[0], self.q_size + self.kv_size
+        if self.q_norm is not None:  # per head, before rotary
+            qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].view(t, -1, self.head_dim), meta.kernels).view(t, -1)
+            qkv[:, self.q_size : q_end] = self.k_norm(
+                qkv[:, self.q_size : q_end].view(t, -1, self.head_dim), meta.kernels).view(t, -1)
+        cos, sin = cos_sin
+        meta.kernels.rotary_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, kv_cache,
+                                  meta.slot_mapping)
+        return attend_cached(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache, meta, self.scale)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
@@ -70,8 +87,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = _weight(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _weight(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, kernels: NativeKernels | None = None) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj)
+        if kernels is not None:
+            return linear(kernels.silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
 
@@ -84,8 +104,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        kernels = None if meta is None else meta.kernels  # pdserve's, when the step runs them
+        x = x + self.self_attn(self.input_layernorm(x, kernels), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, None if kv_caches is None else kv_caches[i], meta)
             if on_layer is not None:
                 on_layer(i)
-        return self.norm(x)
+        return self.norm(x, None if meta is None else meta.kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return linear(hidden, self.lm_head).float()

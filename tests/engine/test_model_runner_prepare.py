@@ -15,10 +15,12 @@ from tests.factories import make_request
 BLOCK = 4
 
 
-def runner() -> ModelRunner:
+def runner(use_kernels: bool = False) -> ModelRunner:
+    """torch's decode attention takes groups of padded tables and masks (checked here unless
+    `use_kernels`: pdserve's kernel takes every row's table and length)."""
     shape_only = SimpleNamespace(cfg=SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=2))
     return ModelRunner(shape_only, num_blocks=16, block_size=BLOCK, dtype=torch.float32,
-                       device=torch.device("cpu"), seed=0)
+                       device=torch.device("cpu"), seed=0, use_kernels=use_kernels)
 
 
 def request(prompt: list[int], output: list[int], computed: int):
@@ -89,3 +91,19 @@ def test_decodes_of_very_different_lengths_attend_in_groups_of_their_own():
     assert first.blocks.tolist() == [[12], [13]]  # one block covers 3 positions: the rest is cut
     assert second.rows.tolist() == [0] and second.context_len == 700
     assert second.blocks.tolist() == [list(range(175))]
+
+
+def test_for_pdserves_kernel_each_decode_has_its_table_and_length():
+    from pdserve.layers.kernels import native
+
+    if native.load() is None:
+        import pytest
+
+        pytest.skip("pdserve's CPU kernels do not build here")
+    short = request([1, 2], [3], computed=2)  # context 3
+    long = request(list(range(1, 10)), [5], computed=9)  # context 10: 3 blocks
+    step = SchedulerOutput(requests=[short, long], num_new_tokens=[1, 1], num_decodes=2,
+                           block_tables=[[12], [4, 5, 6]])
+    _, _, meta, _, _ = runner(use_kernels=True)._prepare(step)
+    assert meta.kernels is native.load() and meta.decode_groups == []
+    assert meta.decode_tables.tolist() == [[12, 0, 0], [4, 5, 6]] and meta.decode_lens.tolist() == [3, 10]

@@ -82,14 +82,15 @@ def test_one_seeded_request_decoding_many_tokens_draws_from_the_top_p_softmax():
 
 def dequantize_q4_1(weight: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """The format's rule, written out: each group of 32 inputs of a row has a minimum m and a step
-    d = (max - m) / 15; a weight is stored as q = round((w - m) / d) in 0..15 and stands for
-    q * d + m. The kernel keeps d and (m + 8 d) in the activation dtype (it computes
-    (q - 8) * d + (m + 8 d)), so they are rounded to it here too."""
+    d = (max - m) / 15, both stored in float16; a weight is stored as q = round((w - m) / d) in
+    0..15 and stands for q * d + m. torch's kernel keeps d and (m + 8 d) in the activation dtype
+    (it computes (q - 8) * d + (m + 8 d)), so they are rounded to it here too."""
     rows, cols = weight.shape
-    w = weight.double().view(rows, cols // 32, 32)
+    w = weight.float().view(rows, cols // 32, 32)
     m, top = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = (top - m) / 15
-    q = torch.clamp(torch.round((w - m) / d), 0, 15)
+    d = ((top - m) / 15).half().float()
+    m = m.half().float()
+    q = torch.clamp(torch.round((w - m) / d), 0, 15).double()
     d_stored = d.to(scale_dtype).double()
     zero_stored = (m + 8 * d).to(scale_dtype).double()
     return ((q - 8) * d_stored + zero_stored).view(rows, cols)
@@ -113,12 +114,21 @@ def test_torchs_int4_kernel_multiplies_by_the_weights_the_format_defines():
 
 
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """Q4_1 with float32 steps: q = round((w - m) / d) in 0..15 for d = (max - m) / 15."""
+    """Q4_1: q = round((w - m) / d) in 0..15 for d = (max - m) / 15, with m and d stored in float16."""
     rows, cols = weight.shape
-    w = weight.double().view(rows, cols // 32, 32)
-    m, top = w.amin(-1, keepdim=True).float().double(), w.amax(-1, keepdim=True)
-    d = ((top - m) / 15).float().double()
-    return (torch.clamp(torch.round((w - m) / d), 0, 15) * d + m).view(rows, cols)
+    w = weight.float().view(rows, cols // 32, 32)
+    m, top = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = ((top - m) / 15).half().double()
+    m = m.half().double()
+    return (torch.clamp(torch.round((w.double() - m) / d), 0, 15) * d + m).view(rows, cols)
+
+
+def q8_0_weights(weight: torch.Tensor) -> torch.Tensor:
+    """Q8_0 as a file stores weights: q = round(w / d) for d = max|w| / 127 in float16."""
+    rows, cols = weight.shape
+    w = weight.float().view(rows, cols // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().double()
+    return (torch.clamp(torch.round(w.double() / d), -127, 127) * d).view(rows, cols)
 
 
 def q8_0(values: torch.Tensor) -> torch.Tensor:
@@ -143,14 +153,14 @@ def _isas() -> list:
 
 @pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows, cols, out", [(1, 128, 96), (5, 64, 30), (33, 256, 7)])
+@pytest.mark.parametrize("rows, cols, out", [(1, 128, 96), (5, 64, 30), (33, 256, 7), (2, 96, 12)])
 def test_pdserves_kernels_multiply_by_the_weights_and_activations_the_formats_define(isa, bits, rows, cols, out):
     kernels = native.load().with_isa(isa)
     g = torch.Generator().manual_seed(bits * 1000 + rows)
     w = torch.randn(out, cols, generator=g)
     x = torch.randn(rows, cols, generator=g) * 3
     x[0, :32] = 0  # a group of zeros has no scale
-    w_hat = q4_1(w) if bits == 4 else q8_0(w)
+    w_hat = q4_1(w) if bits == 4 else q8_0_weights(w)
     ref = q8_0(x) @ w_hat.t()
     got = quantize(w, bits, torch.float32, kernels).matmul(x).double()
     # float32 sums of `cols` products, each group's exact integer sum scaled once: the error is

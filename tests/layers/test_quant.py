@@ -24,8 +24,8 @@ def test_requantizing_4bit_values_is_exact():
     q = torch.randint(0, 16, (8, 64), generator=g).float()
     q[:, ::32] = 0  # every group uses its lowest and highest level, as Q4_1 blocks do
     q[:, 1::32] = 15
-    scale = torch.rand(8, 2, 1, generator=g) + 0.1
-    low = torch.randn(8, 2, 1, generator=g)
+    scale = (torch.rand(8, 2, 1, generator=g) + 0.1).half().float()  # float16, as a file stores them
+    low = torch.randn(8, 2, 1, generator=g).half().float()
     w = (q.view(8, 2, 32) * scale + low).view(8, 64)
     # exact in the 4-bit levels; 1e-5 is float32 rounding of scale * q + low for |w| of a few units
     torch.testing.assert_close(dequantize_reference(w, 4), w, atol=1e-5, rtol=0)
@@ -35,7 +35,7 @@ def test_requantizing_8bit_values_is_exact():
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (8, 64), generator=g).float()
     q[:, ::32] = 127  # every group's largest magnitude is its 127th step, as in Q8_0 blocks
-    w = (q.view(8, 2, 32) * (torch.rand(8, 2, 1, generator=g) + 0.01)).view(8, 64)
+    w = (q.view(8, 2, 32) * (torch.rand(8, 2, 1, generator=g) + 0.01).half().float()).view(8, 64)
     torch.testing.assert_close(dequantize_reference(w, 8), w, atol=1e-5, rtol=0)
 
 

@@ -1,5 +1,6 @@
-"""pdserve's own CPU kernels (`qmatmul.c`): built with the system's C compiler on first use, cached
-on disk, and loaded with ctypes.
+"""pdserve's own CPU kernels (`qmatmul.c`: quantized matmuls; `ops.c`: the per-token operations of
+a decoder layer): built with the system's C compiler on first use, cached on disk, and loaded with
+ctypes.
 
 The library holds a variant per instruction set (portable C, AVX2, AVX-512 VNNI, AVX-VNNI) and
 reports which this CPU runs; the fastest is used unless `PDSERVE_CPU_ISA` names a lower one (the
@@ -28,7 +29,8 @@ import torch  # first: the library's OpenMP runtime must resolve to the one torc
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("qmatmul.c", "qmatmul_simd.h")
+_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "ops.c", "ops_body.h")
+_COMPILED = ("qmatmul.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
 ISA_ENV = "PDSERVE_CPU_ISA"
@@ -81,6 +83,62 @@ class NativeKernels:
         return out
 
 
+    # -- the per-token operations (ops.c); tensors are float32 or bfloat16, contiguous rows --------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, hidden] -> normalized and scaled, a new tensor."""
+        _contiguous(x, weight)
+        y = torch.empty_like(x)
+        _check(self.lib.pd_rms_norm(self.isa, torch.get_num_threads(), x.data_ptr(), weight.data_ptr(), eps,
+                                    x.shape[0], x.shape[1], y.data_ptr(), x.dtype == torch.bfloat16), "rms_norm")
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] (gate | up) -> silu(gate) * up, [rows, inter]."""
+        _contiguous(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        _check(self.lib.pd_silu_mul(self.isa, torch.get_num_threads(), gate_up.data_ptr(), rows, width // 2,
+                                    out.data_ptr(), gate_up.dtype == torch.bfloat16), "silu_mul")
+        return out
+
+    def rotary_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+                     sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotary embedding on qkv's q and k heads ([tokens, (heads + 2 kv_heads) * head_dim], in
+        place, with cos/sin [tokens, head_dim]), then each token's k and v into its slot of
+        kv_cache ([slots, 2, kv_heads, head_dim]; slots int64 [tokens])."""
+        _contiguous(qkv, cos, sin, kv_cache, slots)
+        _check(self.lib.pd_rotary_store(
+            self.isa, torch.get_num_threads(), qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim,
+            cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), qkv.dtype == torch.bfloat16),
+            "rotary_store")
+
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_size: int, tables: torch.Tensor,
+                         lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [rows, heads, head_dim] (rows may be strided) attending to each row's context of
+        `lens` tokens in the paged cache (tables int64 [rows, max_blocks]) -> [rows, heads * head_dim]."""
+        rows, heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("decode_attention needs each row's heads side by side")
+        _contiguous(kv_cache, tables, lens)
+        out = torch.empty(rows, heads * head_dim, dtype=q.dtype)
+        _check(self.lib.pd_decode_attention(
+            self.isa, torch.get_num_threads(), q.data_ptr(), q.stride(0), rows, heads, kv_cache.shape[2], head_dim,
+            kv_cache.data_ptr(), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+            out.data_ptr(), q.dtype == torch.bfloat16), "decode_attention")
+        return out
+
+
+def _contiguous(*tensors: torch.Tensor) -> None:
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("pdserve's kernels take contiguous tensors")
+
+
+def _check(rc: int, name: str) -> None:
+    if rc:
+        raise RuntimeError(f"pdserve's {name} kernel refused its arguments")
+
+
 @functools.cache
 def load() -> NativeKernels | None:
     """The kernels, built if need be; None where they cannot be built here."""
@@ -96,7 +154,13 @@ def load() -> NativeKernels | None:
     lib.pd_qmatmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul.restype = i32
     lib.pd_dequantize.argtypes = [i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
-    lib.pd_dequantize.restype = i32
+    f32 = ctypes.c_float
+    lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, f32, i64, i64, ptr, i32]
+    lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
+    lib.pd_rotary_store.argtypes = [i32, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
+    lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]
+    for name in ("pd_dequantize", "pd_rms_norm", "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
+        getattr(lib, name).restype = i32
     supported = tuple(name for i, name in enumerate(ISA_NAMES) if lib.pd_isa_supported(i))
     kernels = NativeKernels(lib, ISA_NAMES.index(_preferred(supported)), supported)
     log.info("CPU kernels: %s (this CPU runs %s)", kernels.isa_name, ", ".join(supported))
@@ -126,14 +190,14 @@ def _build() -> Path:
     digest = hashlib.sha256(version.encode() + " ".join(_CFLAGS).encode())
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
-    target = cache_dir() / f"qmatmul-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / f"pdserve-kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_CFLAGS, str(here / "qmatmul.c"), "-o", tmp],
+        done = subprocess.run([compiler, *_CFLAGS, *(str(here / name) for name in _COMPILED), "-o", tmp],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

@@ -2,53 +2,42 @@
  *
  * y[M, N] = x[M, K] @ w[N, K]^T, where w is stored in groups of 32 along K:
  *   4-bit: w = d * q + m, q in 0..15, two values a byte (a group's 16 bytes hold elements 0-15 in
- *          their low nibbles and 16-31 in their high ones; GGUF's Q4_0 and Q4_1 blocks, as stored);
- *   8-bit: w = d * q, q in -127..127 (GGUF's Q8_0).
- * Activations are quantized the same way, row by row, to int8 in groups of 32 (scale = max|x| /
- * 127, rounded to nearest), so each group's product is a sum of byte products: one dpbusd with
- * VNNI, maddubs + madd with AVX2. x and y are float32 or bfloat16.
+ *          their low nibbles and 16-31 in their high ones, as GGUF's Q4_1 blocks do);
+ *   8-bit: w = d * q, q in -127..127 (GGUF's Q8_0);
+ * with d and m float16, as in those blocks. Activations are quantized row by row to int8 in groups
+ * of 32 (scale = max|x| / 127, rounded to nearest), so each group's product is a sum of byte
+ * products: one dpbusd with VNNI, maddubs + madd with AVX2. For 4-bit weights two groups are
+ * computed at once: the 32 bytes of a pair unpack into [g0 0-15 | g1 0-15] and [g0 16-31 |
+ * g1 16-31], so the activations of a pair are stored in that order. x and y are float32 or bfloat16.
  *
  * One shared library holds every variant; `pd_best_isa` asks the CPU which it can run and the
  * caller passes the level it wants (lower levels always work: the tests run each of them).
  * Threads come from OpenMP, which is torch's own runtime once torch is loaded (same soname), and
  * their number is the caller's (torch's setting).
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #define GROUP 32
 #define TILE 4                     /* weight rows computed together: one activation load for four */
 #define PARALLEL_QUANTIZE (1 << 16) /* activations below this many values are quantized on one thread */
-
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_AVXVNNI = 3 };
 
 struct qmm {
     int bits, threads, x_bf16;
     int64_t M, K, N;
     const void *x;
     const void *qs;  /* [N, K / 2] uint8 (4-bit) or [N, K] int8 */
-    const float *wd, *wm;  /* [N, K / 32] scales, and minimums (4-bit only) */
+    const uint16_t *wd, *wm;  /* [N, K / 32] float16 scales, and minimums (4-bit only) */
     void *y;
     int8_t *xq;  /* scratch: [M, K] quantized activations */
     float *xd, *xs;  /* scratch: [M, K / 32] their scales, and scale * sum of each group */
 };
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
+/* Where element k of an activation row is stored: for 4-bit weights, each pair of groups as
+ * [g0 0-15 | g1 0-15 | g0 16-31 | g1 16-31]; an odd last group, and 8-bit weights, in order. */
+static inline int64_t x_offset(int64_t k, int64_t K, int pairs) {
+    const int64_t g = k / GROUP, j = k % GROUP;
+    if (!pairs || g >= ((K / GROUP) & ~(int64_t)1)) return k;
+    return (g & ~(int64_t)1) * GROUP + (j / 16) * GROUP + (g & 1) * 16 + j % 16;
 }
 
 static void store_row(const struct qmm *a, int64_t m, int64_t n0, int64_t rows, const float *out) {
@@ -62,7 +51,7 @@ static void store_row(const struct qmm *a, int64_t m, int64_t n0, int64_t rows, 
 
 /* ---- portable: plain C, any x86-64 (or other) CPU ---- */
 
-static void quantize_row_portable(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+static void quantize_row_portable(const void *x, int bf16, int64_t K, int pairs, int8_t *q, float *d, float *s) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         float v[GROUP], a = 0.0f;
         for (int j = 0; j < GROUP; j++) {
@@ -74,7 +63,7 @@ static void quantize_row_portable(const void *x, int bf16, int64_t K, int8_t *q,
         int32_t sum = 0;
         for (int j = 0; j < GROUP; j++) {
             int32_t qi = (int32_t)nearbyintf(v[j] * inv);
-            q[g * GROUP + j] = (int8_t)qi;
+            q[x_offset(g * GROUP + j, K, pairs)] = (int8_t)qi;
             sum += qi;
         }
         d[g] = scale;
@@ -88,7 +77,7 @@ static void quantize_portable(const struct qmm *a) {
     for (int64_t m = 0; m < a->M; m++) {
         const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
                                     : (const void *)((const float *)a->x + m * a->K);
-        quantize_row_portable(row, a->x_bf16, a->K, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
+        quantize_row_portable(row, a->x_bf16, a->K, a->bits == 4, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
     }
 }
 
@@ -98,15 +87,17 @@ static float dot_row_portable(const struct qmm *a, int64_t m, int64_t n) {
     float acc = 0.0f;
     for (int64_t g = 0; g < G; g++) {
         int32_t dot = 0;
+        const float d = half_to_float(a->wd[n * G + g]) * a->xd[m * G + g];
         if (a->bits == 4) {
             const uint8_t *p = (const uint8_t *)a->qs + (n * G + g) * (GROUP / 2);
             for (int j = 0; j < GROUP / 2; j++)
-                dot += (p[j] & 15) * xq[g * GROUP + j] + (p[j] >> 4) * xq[g * GROUP + GROUP / 2 + j];
-            acc += a->wd[n * G + g] * a->xd[m * G + g] * (float)dot + a->wm[n * G + g] * a->xs[m * G + g];
+                dot += (p[j] & 15) * xq[x_offset(g * GROUP + j, a->K, 1)] +
+                       (p[j] >> 4) * xq[x_offset(g * GROUP + GROUP / 2 + j, a->K, 1)];
+            acc += d * (float)dot + half_to_float(a->wm[n * G + g]) * a->xs[m * G + g];
         } else {
             const int8_t *p = (const int8_t *)a->qs + (n * G + g) * GROUP;
             for (int j = 0; j < GROUP; j++) dot += p[j] * xq[g * GROUP + j];
-            acc += a->wd[n * G + g] * a->xd[m * G + g] * (float)dot;
+            acc += d * (float)dot;
         }
     }
     return acc;
@@ -128,9 +119,9 @@ static void gemm_portable(const struct qmm *a) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define KSUF _avx2
-#define DOT_U8S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
+#define DOT_ACC(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
 #include "qmatmul_simd.h"
-#undef DOT_U8S8
+#undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options
 
@@ -138,9 +129,9 @@ static void gemm_portable(const struct qmm *a) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define KSUF _avx512vnni
-#define DOT_U8S8(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
+#define DOT_ACC(acc, w, x) _mm256_dpbusd_epi32((acc), (w), (x))
 #include "qmatmul_simd.h"
-#undef DOT_U8S8
+#undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options
 
@@ -148,9 +139,9 @@ static void gemm_portable(const struct qmm *a) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 #define KSUF _avxvnni
-#define DOT_U8S8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (w), (x))
+#define DOT_ACC(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
 #include "qmatmul_simd.h"
-#undef DOT_U8S8
+#undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options
 
@@ -174,18 +165,18 @@ int pd_isa_supported(int isa) {
 /* The weight these values stand for, [N, K] float32 or bfloat16, for products of many rows (a
  * prefill chunk), which a dense matmul computes faster than byte dot products. Plain C: gcc
  * vectorizes it, and it streams at memory speed. */
-int pd_dequantize(int threads, int bits, const void *qs, const float *wd, const float *wm, int64_t N, int64_t K,
-                  void *out, int out_bf16) {
+int pd_dequantize(int threads, int bits, const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                  int64_t K, void *out, int out_bf16) {
     if ((bits != 4 && bits != 8) || K % GROUP || N < 0 || threads < 1 || (bits == 4 && !wm)) return -1;
     const int64_t G = K / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float row[GROUP];
         for (int64_t g = 0; g < G; g++) {
-            const float d = wd[n * G + g];
+            const float d = half_to_float(wd[n * G + g]);
             if (bits == 4) {
                 const uint8_t *p = (const uint8_t *)qs + (n * G + g) * (GROUP / 2);
-                const float m = wm[n * G + g];
+                const float m = half_to_float(wm[n * G + g]);
                 for (int j = 0; j < GROUP / 2; j++) {
                     row[j] = d * (float)(p[j] & 15) + m;
                     row[j + GROUP / 2] = d * (float)(p[j] >> 4) + m;
@@ -207,7 +198,7 @@ int pd_dequantize(int threads, int bits, const void *qs, const float *wd, const 
 
 /* y = x @ w^T. Returns 0, or -1 for arguments the kernels do not take, -2 when out of memory. */
 int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K,
-               const void *qs, const float *wd, const float *wm, int64_t N, void *y) {
+               const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, void *y) {
     if ((bits != 4 && bits != 8) || K % GROUP || M < 0 || N < 0 || threads < 1 || (bits == 4 && !wm) ||
         !pd_isa_supported(isa))
         return -1;

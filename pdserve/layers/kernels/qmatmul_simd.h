@@ -1,17 +1,19 @@
 /* The SIMD kernels of qmatmul.c, included once per instruction set. The includer defines
- *   KSUF             the suffix of every function name here (_avx2, _avx512vnni, ...)
- *   DOT_U8S8(w, x)   eight int32 sums of four u8*s8 products each, from 32 unsigned and 32
- *                    signed bytes (AVX2: maddubs + madd; VNNI: one dpbusd)
+ *   KSUF                 the suffix of every function name here (_avx2, _avx512vnni, ...)
+ *   DOT_ACC(acc, w, x)   acc + eight int32 sums of four u8*s8 products each, from 32 unsigned
+ *                        and 32 signed bytes (AVX2: maddubs + madd + add; VNNI: one dpbusd)
  * and selects the target with `#pragma GCC target` around the include.
  *
- * Shapes: x [M, K] activations, weights [N, K] in groups of 32 along K, y [M, N]. */
+ * Shapes: x [M, K] activations, weights [N, K] in groups of 32 along K, y [M, N]. Four weight
+ * rows are computed together (one activation load serves four), written out by hand: a loop over
+ * an array of vector accumulators is not kept in registers. */
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, KSUF)
 
 static inline __m256 FN(load8)(const void *x, int bf16, int64_t i) {
-    if (bf16) {  /* bfloat16 is the top half of a float32 */
+    if (bf16) { /* bfloat16 is the top half of a float32 */
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
@@ -39,11 +41,22 @@ static inline int32_t FN(hsum_i32)(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row of activations to int8 in groups of 32 (see quantize_row_portable for the rule). */
-static void FN(quantize_row)(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+static inline float FN(h2f)(uint16_t h) { return _cvtsh_ss(h); }
+
+/* Two float16 values (a pair's scales) as floats in the two low lanes. */
+static inline __m128 FN(load_half2)(const uint16_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
+/* One row of activations to int8 in groups of 32 (rule: quantize_row_portable), stored in the
+ * order `x_offset` gives (pairs interleaved for 4-bit weights). */
+static void FN(quantize_row)(const void *x, int bf16, int64_t K, int pairs, int8_t *q, float *d, float *s) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t g = 0; g < K / GROUP; g++) {
+    const int64_t G = K / GROUP;
+    for (int64_t g = 0; g < G; g++) {
         __m256 v[4], amax = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
             v[j] = FN(load8)(x, bf16, g * GROUP + j * 8);
@@ -52,85 +65,157 @@ static void FN(quantize_row)(const void *x, int bf16, int64_t K, int8_t *q, floa
         float a = FN(hmax)(amax);
         float scale = a / 127.0f, inv = a > 0.0f ? 127.0f / a : 0.0f;
         __m256i i[4];
-        for (int j = 0; j < 4; j++)  /* round to nearest, ties to even, as nearbyintf */
+        for (int j = 0; j < 4; j++) /* round to nearest, ties to even, as nearbyintf */
             i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
         int32_t sum = FN(hsum_i32)(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
         /* packs work within 128-bit lanes: the dword permute puts the 32 bytes back in order */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(p, order));
+        __m256i p = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
+        if (pairs && (g < (G & ~(int64_t)1))) { /* halves 0-15 and 16-31 to their places in the pair */
+            int8_t *base = q + (g & ~(int64_t)1) * GROUP + (g & 1) * (GROUP / 2);
+            _mm_storeu_si128((__m128i *)base, _mm256_castsi256_si128(p));
+            _mm_storeu_si128((__m128i *)(base + GROUP), _mm256_extracti128_si256(p, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(q + g * GROUP), p);
+        }
         d[g] = scale;
         s[g] = scale * (float)sum;
     }
 }
 
-/* A group of 16 packed bytes as 32 unsigned 4-bit values: low nibbles are elements 0-15, high
- * nibbles 16-31. */
-static inline __m256i FN(unpack_q4)(const uint8_t *p) {
+/* Nibbles of 32 packed bytes (a pair of groups of one row): low ones [g0 0-15 | g1 0-15],
+ * high ones [g0 16-31 | g1 16-31], which is how the activations of a pair are laid out. */
+#define UNPACK_PAIR(p, lo, hi)                                                      \
+    do {                                                                            \
+        __m256i b_ = _mm256_loadu_si256((const __m256i *)(p));                      \
+        lo = _mm256_and_si256(b_, low4);                                            \
+        hi = _mm256_and_si256(_mm256_srli_epi16(b_, 4), low4);                      \
+    } while (0)
+
+/* acc += (int32 dot of a pair, lanes 0-3 group 0 and 4-7 group 1) * (d_w * d_x per group). */
+#define PAIR_FMA(acc, lo, hi, scales_w)                                             \
+    do {                                                                            \
+        __m256i d_ = DOT_ACC(DOT_ACC(_mm256_setzero_si256(), lo, xa), hi, xb);      \
+        __m256 s_ = _mm256_permutevar8x32_ps(                                       \
+            _mm256_castps128_ps256(_mm_mul_ps(FN(load_half2)(scales_w), dx)), spread); \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_), s_, acc);                     \
+    } while (0)
+
+/* One group alone (the last of an odd count), in natural order. */
+static inline __m256 FN(q4_single)(__m256 acc, const uint8_t *p, const int8_t *x, float scale) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m128i b = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    __m256i d = DOT_ACC(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
 }
 
-/* y[n] for R weight rows starting at row n of one activation row: a 4-bit weight is
- * d * q + m, so each group adds d_w * d_x * sum(q_w q_x) + m_w * (d_x * sum(q_x)). */
+/* sum over groups of m_w * (d_x * sum(q_x)): a 4-bit weight is d * q + m. */
+static inline float FN(mins_dot)(const uint16_t *wm, const float *xs, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g))), _mm256_loadu_ps(xs + g), acc);
+    float sum = FN(hsum)(acc);
+    for (; g < G; g++) sum += FN(h2f)(wm[g]) * xs[g];
+    return sum;
+}
+
+/* y[m, n0 .. n0 + R) for R = 4 or 1 weight rows: 4-bit weights against one activation row. */
 static inline __attribute__((always_inline)) void FN(q4_rows)(
-        const int8_t *xq, const float *xd, const float *xs, int64_t G,
-        const uint8_t *qs, const float *wd, const float *wm, float *out, const int R) {
-    __m256 acc[4];
-    float mins[4];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.0f; }
-    for (int64_t g = 0; g < G; g++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        for (int r = 0; r < R; r++) {
-            __m256i w = FN(unpack_q4)(qs + r * G * (GROUP / 2) + g * (GROUP / 2));
-            __m256 p = _mm256_cvtepi32_ps(DOT_U8S8(w, x));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[r * G + g] * xd[g]), acc[r]);
-            mins[r] += wm[r * G + g] * xs[g];
+        const struct qmm *a, int64_t m, int64_t n0, int R, float *out) {
+    const int64_t G = a->K / GROUP, pairs = G / 2, row_bytes = G * (GROUP / 2);
+    const int8_t *xq = a->xq + m * a->K;
+    const float *xd = a->xd + m * G;
+    const uint8_t *w = (const uint8_t *)a->qs + n0 * row_bytes;
+    const uint16_t *wd = a->wd + n0 * G;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + p * 2 * GROUP));
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + p * 2 * GROUP + GROUP));
+        const __m128 dx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
+        __m256i lo, hi;
+        UNPACK_PAIR(w + p * GROUP, lo, hi);
+        PAIR_FMA(a0, lo, hi, wd + 2 * p);
+        if (R == 4) {
+            UNPACK_PAIR(w + row_bytes + p * GROUP, lo, hi);
+            PAIR_FMA(a1, lo, hi, wd + G + 2 * p);
+            UNPACK_PAIR(w + 2 * row_bytes + p * GROUP, lo, hi);
+            PAIR_FMA(a2, lo, hi, wd + 2 * G + 2 * p);
+            UNPACK_PAIR(w + 3 * row_bytes + p * GROUP, lo, hi);
+            PAIR_FMA(a3, lo, hi, wd + 3 * G + 2 * p);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + mins[r];
+    if (G & 1) { /* an odd last group */
+        const int64_t g = G - 1;
+        const int8_t *xg = xq + g * GROUP;
+        a0 = FN(q4_single)(a0, w + g * (GROUP / 2), xg, FN(h2f)(wd[g]) * xd[g]);
+        if (R == 4) {
+            a1 = FN(q4_single)(a1, w + row_bytes + g * (GROUP / 2), xg, FN(h2f)(wd[G + g]) * xd[g]);
+            a2 = FN(q4_single)(a2, w + 2 * row_bytes + g * (GROUP / 2), xg, FN(h2f)(wd[2 * G + g]) * xd[g]);
+            a3 = FN(q4_single)(a3, w + 3 * row_bytes + g * (GROUP / 2), xg, FN(h2f)(wd[3 * G + g]) * xd[g]);
+        }
+    }
+    const float *xs = a->xs + m * G;
+    const uint16_t *wm = a->wm + n0 * G;
+    out[0] = FN(hsum)(a0) + FN(mins_dot)(wm, xs, G);
+    if (R == 4) {
+        out[1] = FN(hsum)(a1) + FN(mins_dot)(wm + G, xs, G);
+        out[2] = FN(hsum)(a2) + FN(mins_dot)(wm + 2 * G, xs, G);
+        out[3] = FN(hsum)(a3) + FN(mins_dot)(wm + 3 * G, xs, G);
+    }
 }
 
-/* The same for signed 8-bit weights (d * q): u8*s8 instructions take |q_w| and q_x with q_w's sign. */
+/* 8-bit weights (d * q, natural order): u8*s8 instructions take |q_w| and q_x with q_w's sign. */
+#define Q8_FMA(acc, row)                                                                        \
+    do {                                                                                        \
+        __m256i w_ = _mm256_loadu_si256((const __m256i *)(w + (row) * a->K + g * GROUP));        \
+        __m256i d_ = DOT_ACC(_mm256_setzero_si256(), _mm256_sign_epi8(w_, w_), _mm256_sign_epi8(x, w_)); \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_), _mm256_set1_ps(FN(h2f)(wd[(row) * G + g]) * dx), acc); \
+    } while (0)
+
 static inline __attribute__((always_inline)) void FN(q8_rows)(
-        const int8_t *xq, const float *xd, int64_t G, const int8_t *qs, const float *wd, float *out, const int R) {
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        const struct qmm *a, int64_t m, int64_t n0, int R, float *out) {
+    const int64_t G = a->K / GROUP;
+    const int8_t *xq = a->xq + m * a->K;
+    const int8_t *w = (const int8_t *)a->qs + n0 * a->K;
+    const uint16_t *wd = a->wd + n0 * G;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t g = 0; g < G; g++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        for (int r = 0; r < R; r++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * G * GROUP + g * GROUP));
-            __m256 p = _mm256_cvtepi32_ps(DOT_U8S8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[r * G + g] * xd[g]), acc[r]);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const float dx = a->xd[m * G + g];
+        Q8_FMA(a0, 0);
+        if (R == 4) {
+            Q8_FMA(a1, 1);
+            Q8_FMA(a2, 2);
+            Q8_FMA(a3, 3);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]);
+    out[0] = FN(hsum)(a0);
+    if (R == 4) {
+        out[1] = FN(hsum)(a1);
+        out[2] = FN(hsum)(a2);
+        out[3] = FN(hsum)(a3);
+    }
 }
 
 static void FN(gemm)(const struct qmm *a) {
-    const int64_t G = a->K / GROUP, tiles = (a->N + TILE - 1) / TILE;
+    const int64_t tiles = (a->N + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(a->threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * TILE, rows = a->N - n0 < TILE ? a->N - n0 : TILE;
         float out[TILE];
         for (int64_t m = 0; m < a->M; m++) {
-            const int8_t *xq = a->xq + m * a->K;
-            const float *xd = a->xd + m * G, *xs = a->xs + m * G;
-            if (a->bits == 4) {
-                const uint8_t *qs = (const uint8_t *)a->qs + n0 * G * (GROUP / 2);
-                if (rows == TILE)
-                    FN(q4_rows)(xq, xd, xs, G, qs, a->wd + n0 * G, a->wm + n0 * G, out, TILE);
-                else
-                    for (int64_t r = 0; r < rows; r++)
-                        FN(q4_rows)(xq, xd, xs, G, qs + r * G * (GROUP / 2), a->wd + (n0 + r) * G,
-                                    a->wm + (n0 + r) * G, out + r, 1);
+            if (rows == TILE) {
+                if (a->bits == 4) FN(q4_rows)(a, m, n0, TILE, out);
+                else FN(q8_rows)(a, m, n0, TILE, out);
             } else {
-                const int8_t *qs = (const int8_t *)a->qs + n0 * G * GROUP;
-                if (rows == TILE)
-                    FN(q8_rows)(xq, xd, G, qs, a->wd + n0 * G, out, TILE);
-                else
-                    for (int64_t r = 0; r < rows; r++)
-                        FN(q8_rows)(xq, xd, G, qs + r * G * GROUP, a->wd + (n0 + r) * G, out + r, 1);
+                for (int64_t r = 0; r < rows; r++) {
+                    if (a->bits == 4) FN(q4_rows)(a, m, n0 + r, 1, out + r);
+                    else FN(q8_rows)(a, m, n0 + r, 1, out + r);
+                }
             }
             store_row(a, m, n0, rows, out);
         }
@@ -143,10 +228,13 @@ static void FN(quantize)(const struct qmm *a) {
     for (int64_t m = 0; m < a->M; m++) {
         const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
                                     : (const void *)((const float *)a->x + m * a->K);
-        FN(quantize_row)(row, a->x_bf16, a->K, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
+        FN(quantize_row)(row, a->x_bf16, a->K, a->bits == 4, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
     }
 }
 
+#undef UNPACK_PAIR
+#undef PAIR_FMA
+#undef Q8_FMA
 #undef FN
 #undef CAT
 #undef CAT_

@@ -1,0 +1,66 @@
+/* The per-token operations around the matmuls of a decoder layer, for CPUs: RMS norm, SiLU times
+ * up, rotary embedding with the KV cache write, and decode attention over the paged cache. In
+ * torch each is several operators of a few microseconds of dispatch each on rows of a few
+ * hundred values: at batch 1 that overhead, not the arithmetic, is their cost. Here each is one
+ * call. x and y are float32 or bfloat16; threads come from OpenMP as in qmatmul.c.
+ *
+ * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
+#include "common.h"
+
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP 64 /* query heads per KV head */
+
+#define KSUF _portable /* the compiler's baseline instructions */
+#include "ops_body.h"
+#undef KSUF
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KSUF _avx2
+#include "ops_body.h"
+#undef KSUF
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
+#define KSUF _avx512
+#include "ops_body.h"
+#undef KSUF
+#pragma GCC pop_options
+
+/* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */
+#define DISPATCH(isa, name, ...)                                                            \
+    do {                                                                                    \
+        if (!pd_isa_supported(isa)) return -1;                                             \
+        if ((isa) == ISA_AVX512VNNI) name##_avx512(__VA_ARGS__);                            \
+        else if ((isa) == ISA_AVX2 || (isa) == ISA_AVXVNNI) name##_avx2(__VA_ARGS__);        \
+        else name##_portable(__VA_ARGS__);                                                          \
+        return 0;                                                                           \
+    } while (0)
+
+int pd_rms_norm(int isa, int threads, const void *x, const void *w, float eps, int64_t T, int64_t H, void *y,
+                int bf16) {
+    if (T < 0 || H < 1 || threads < 1) return -1;
+    DISPATCH(isa, rms_norm, threads, x, w, eps, T, H, y, bf16);
+}
+
+int pd_silu_mul(int isa, int threads, const void *gate_up, int64_t T, int64_t I, void *out, int bf16) {
+    if (T < 0 || I < 1 || threads < 1) return -1;
+    DISPATCH(isa, silu_mul, threads, gate_up, T, I, out, bf16);
+}
+
+int pd_rotary_store(int isa, int threads, void *qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const void *cos,
+                    const void *sin, void *cache, const int64_t *slots, int bf16) {
+    if (T < 0 || H < 1 || KV < 1 || D < 2 || D % 2 || D > MAX_HEAD_DIM || threads < 1) return -1;
+    DISPATCH(isa, rotary_store, threads, qkv, T, H, KV, D, cos, sin, cache, slots, bf16);
+}
+
+int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
+                        int64_t D, const void *cache, int64_t block_size, const int64_t *tables, int64_t max_blocks,
+                        const int64_t *lens, float scale, void *out, int bf16) {
+    if (R < 0 || KV < 1 || H % KV || H / KV > MAX_GROUP || D < 1 || block_size < 1 || threads < 1) return -1;
+    for (int64_t r = 0; r < R; r++)
+        if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
+    DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,
+             scale, out, bf16);
+}

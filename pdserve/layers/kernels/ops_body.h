@@ -1,0 +1,175 @@
+/* The per-token operations of ops.c, included once per instruction set (KSUF names the variant,
+ * `#pragma GCC target` around the include selects it; `omp simd` loops vectorize to its width).
+ * Rows are converted to float32 on entry and rounded back on exit; bfloat16 results round where
+ * the reference implementation (transformers, in that dtype) rounds. */
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, KSUF)
+
+static inline void FN(to_float)(const void *x, int bf16, int64_t n, float *out) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)x;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)h[i] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            out[i] = f;
+        }
+    } else {
+        memcpy(out, x, n * sizeof(float));
+    }
+}
+
+static inline void FN(from_float)(const float *x, int64_t n, void *out, int bf16) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)out;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+    } else {
+        memcpy(out, x, n * sizeof(float));
+    }
+}
+
+static inline void FN(round_bf16)(float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w, row by row (bfloat16: normalized in float32, rounded, then
+ * scaled and rounded again, as transformers computes it). */
+static void FN(rms_norm)(int threads, const void *x, const void *w, float eps, int64_t T, int64_t H, void *y,
+                         int bf16) {
+#pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = malloc(2 * H * sizeof(float)), *weight = row + H;
+        const int64_t off = t * H * (bf16 ? 2 : 4);
+        FN(to_float)((const char *)x + off, bf16, H, row);
+        FN(to_float)(w, bf16, H, weight);
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) ss += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) row[i] *= inv;
+        if (bf16) FN(round_bf16)(row, H);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) row[i] *= weight[i];
+        FN(from_float)(row, H, (char *)y + off, bf16);
+        free(row);
+    }
+}
+
+/* out = silu(gate) * up for gate_up = [gate | up] rows of 2I. */
+static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void *out, int bf16) {
+#pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *g = malloc(2 * I * sizeof(float)), *u = g + I;
+        FN(to_float)((const char *)gu + t * 2 * I * (bf16 ? 2 : 4), bf16, 2 * I, g);
+        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
+        if (bf16) FN(round_bf16)(g, I);
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) g[i] *= u[i];
+        FN(from_float)(g, I, (char *)out + t * I * (bf16 ? 2 : 4), bf16);
+        free(g);
+    }
+}
+
+/* Rotary embedding (rotate-half) on the q and k heads of each token's qkv row, in place, then the
+ * token's k and v into its slot of the KV cache ([slots, 2, kv_heads, head_dim]). */
+static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
+                             const void *cos, const void *sin, void *cache, const int64_t *slots, int bf16) {
+    const int64_t width = (H + 2 * KV) * D, half = D / 2, es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *c = malloc(2 * D * sizeof(float) + D * sizeof(float)), *s = c + D, *x = s + D;
+        FN(to_float)((const char *)cos + t * D * es, bf16, D, c);
+        FN(to_float)((const char *)sin + t * D * es, bf16, D, s);
+        char *row = (char *)qkv + t * width * es;
+        for (int64_t h = 0; h < H + KV; h++) {
+            FN(to_float)(row + h * D * es, bf16, D, x);
+            float r[MAX_HEAD_DIM];
+            if (bf16) { /* x * cos + rotate_half(x) * sin, each product and the sum rounded */
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = bf16_to_f32(f32_to_bf16(x[i] * c[i])), b = bf16_to_f32(f32_to_bf16(-x[i + half] * s[i]));
+                    float a2 = bf16_to_f32(f32_to_bf16(x[i + half] * c[i + half]));
+                    float b2 = bf16_to_f32(f32_to_bf16(x[i] * s[i + half]));
+                    r[i] = a + b;
+                    r[i + half] = a2 + b2;
+                }
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    r[i] = x[i] * c[i] - x[i + half] * s[i];
+                    r[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+                }
+            }
+            FN(from_float)(r, D, row + h * D * es, bf16);
+        }
+        char *slot = (char *)cache + slots[t] * 2 * KV * D * es;
+        memcpy(slot, row + H * D * es, KV * D * es);                       /* k */
+        memcpy(slot + KV * D * es, row + (H + KV) * D * es, KV * D * es);  /* v */
+        free(c);
+    }
+}
+
+/* One new token per row attending to its whole context in the paged cache. Each (row, KV head)
+ * is one task: its query heads share the K and V rows read. */
+static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
+                                 int64_t D, const void *cache, int64_t block_size, const int64_t *tables,
+                                 int64_t max_blocks, const int64_t *lens, float scale, void *out, int bf16) {
+    const int64_t G = H / KV, es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < R * KV; task++) {
+        const int64_t r = task / KV, kvh = task % KV, len = lens[r];
+        float *qf = malloc((G * D + G * D + D + G * len) * sizeof(float));
+        float *acc = qf + G * D, *kv = acc + G * D, *p = kv + D;
+        for (int64_t g = 0; g < G; g++)
+            FN(to_float)((const char *)q + (r * q_stride + (kvh * G + g) * D) * es, bf16, D, qf + g * D);
+        float top[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t slot = tables[r * max_blocks + j / block_size] * block_size + j % block_size;
+            FN(to_float)((const char *)cache + (slot * 2 * KV + kvh) * D * es, bf16, D, kv);
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+                const float *qg = qf + g * D;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += qg[i] * kv[i];
+                p[g * len + j] = dot * scale;
+                if (p[g * len + j] > top[g]) top[g] = p[g * len + j];
+            }
+        }
+        float total[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < len; j++) sum += (p[g * len + j] = expf(p[g * len + j] - top[g]));
+            total[g] = sum;
+        }
+        memset(acc, 0, G * D * sizeof(float));
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t slot = tables[r * max_blocks + j / block_size] * block_size + j % block_size;
+            FN(to_float)((const char *)cache + ((slot * 2 + 1) * KV + kvh) * D * es, bf16, D, kv);
+            for (int64_t g = 0; g < G; g++) {
+                const float w = p[g * len + j];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) ag[i] += w * kv[i];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *ag = acc + g * D;
+            const float inv = 1.0f / total[g];
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) ag[i] *= inv;
+            FN(from_float)(ag, D, (char *)out + (r * H + kvh * G + g) * D * es, bf16);
+        }
+        free(qf);
+    }
+}
+
+#undef FN
+#undef CAT
+#undef CAT_
