@@ -4,7 +4,7 @@ ctypes.
 
 The library holds a variant per instruction set (portable C, AVX2, AVX-512 VNNI, AVX-VNNI) and
 reports which this CPU runs; the fastest is used unless `PDSERVE_CPU_ISA` names a lower one (the
-tests run every variant the CPU has this way). Where no compiler is found or the build fails,
+tests run every variant the CPU has this way), or `none`: torch's kernels throughout. Where no compiler is found or the build fails,
 `load()` returns None once, with the reason logged, and callers use torch's own kernels instead.
 
 The build is keyed by the sources, the compiler's version and this module's flags, so an upgrade
@@ -141,7 +141,10 @@ def _check(rc: int, name: str) -> None:
 
 @functools.cache
 def load() -> NativeKernels | None:
-    """The kernels, built if need be; None where they cannot be built here."""
+    """The kernels, built if need be; None where they cannot be built here (or are turned off)."""
+    if os.environ.get(ISA_ENV) == "none":
+        log.info("pdserve's CPU kernels are off (%s=none); torch's kernels are used", ISA_ENV)
+        return None
     try:
         path = _build()
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
@@ -171,7 +174,7 @@ def _preferred(supported: tuple[str, ...]) -> str:
     asked = os.environ.get(ISA_ENV)
     if asked:
         if asked not in ISA_NAMES:
-            raise ValueError(f"{ISA_ENV}={asked!r}: choose one of {', '.join(ISA_NAMES)}")
+            raise ValueError(f"{ISA_ENV}={asked!r}: choose one of {', '.join(ISA_NAMES)}, or none")
         if asked not in supported:
             raise ValueError(f"{ISA_ENV}={asked!r}, but this CPU runs only {', '.join(supported)}")
         return asked

@@ -1,0 +1,95 @@
+"""pdserve's per-token kernels (norm, SiLU times up, rotary with the cache write, decode attention)
+against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.layers.kernels import native
+from pdserve.layers.rotary import apply_rotary
+
+H, KV, D = 6, 2, 32  # grouped-query attention: three query heads per KV head
+
+
+def _isas() -> list:
+    kernels = native.load()
+    if kernels is None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason="pdserve's CPU kernels do not build here"))]
+    return [pytest.param(name, marks=() if name in kernels.supported else pytest.mark.skip(
+        reason=f"this CPU lacks the instructions of the {name} kernels")) for name in native.ISA_NAMES]
+
+
+@pytest.fixture(params=_isas())
+def kernels(request):
+    return native.load().with_isa(request.param)
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# float32: summation order only (a few units of 2^-24 of the values' size); bfloat16 rounds where
+# transformers rounds, so its results are torch's bit for bit except where a sum is involved
+EXACT = {torch.float32: 1e-5, torch.bfloat16: 0.0}
+
+
+@DTYPES
+def test_rms_norm(kernels, dtype):
+    x = (torch.randn(3, 96) * 4).to(dtype)
+    w = (torch.rand(96) + 0.5).to(dtype)
+    ref = (F.rms_norm(x, (96,), w, 1e-6) if dtype == torch.float32
+           else w * F.rms_norm(x.float(), (96,), None, 1e-6).to(dtype))
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, atol=EXACT[dtype], rtol=1e-5)
+
+
+@DTYPES
+def test_silu_times_up(kernels, dtype):
+    gate_up = (torch.randn(2, 2 * 80) * 3).to(dtype)
+    gate, up = gate_up.split(80, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@DTYPES
+def test_rotary_in_place_then_k_and_v_into_their_slots(kernels, dtype):
+    t = 4
+    qkv = torch.randn(t, (H + 2 * KV) * D).to(dtype)
+    cos, sin = torch.randn(t, 1, D).to(dtype), torch.randn(t, 1, D).to(dtype)
+    rotated = apply_rotary(qkv[:, : (H + KV) * D].view(t, -1, D), (cos, sin)).reshape(t, -1)
+    v = qkv[:, (H + KV) * D :].clone()
+    cache = torch.zeros(32, 2, KV, D, dtype=dtype)
+    slots = torch.tensor([3, 17, 4, 30])
+    kernels.rotary_store(qkv, H, KV, D, cos, sin, cache, slots)
+    torch.testing.assert_close(qkv[:, : (H + KV) * D], rotated, atol=EXACT[dtype], rtol=1e-6)
+    assert torch.equal(cache[slots, 0].reshape(t, -1), qkv[:, H * D : (H + KV) * D])
+    assert torch.equal(cache[slots, 1].reshape(t, -1), v)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].any()  # no other slot written
+
+
+@DTYPES
+def test_decode_attention_reads_each_rows_own_context(kernels, dtype):
+    block = 4
+    cache = torch.randn(20 * block, 2, KV, D).to(dtype)
+    tables = torch.tensor([[7, 2, 0, 0, 0], [3, 1, 9, 12, 5], [4, 0, 0, 0, 0]])
+    lens = torch.tensor([6, 19, 1])
+    q = torch.randn(3, H + 2 * KV, D).to(dtype)[:, :H]  # strided rows, as the q heads of qkv are
+    out = kernels.decode_attention(q, cache, block, tables, lens, D**-0.5)
+    for r in range(3):
+        slots = torch.tensor([tables[r, j // block] * block + j % block for j in range(lens[r])])
+        k, v = cache[slots, 0].float(), cache[slots, 1].float()  # [len, KV, D]
+        ref = F.scaled_dot_product_attention(q[r].float().unsqueeze(1), k.transpose(0, 1).repeat_interleave(H // KV, 0),
+                                             v.transpose(0, 1).repeat_interleave(H // KV, 0), scale=D**-0.5)
+        # float32 throughout; a bfloat16 result is rounded once (2^-9 of its size)
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(out[r].float().view(H, D), ref.squeeze(1), atol=tol, rtol=tol)
+
+
+def test_what_the_kernels_cannot_take_is_refused(kernels):
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
+    lens = torch.tensor([9])  # longer than its table holds
+    with pytest.raises(RuntimeError, match="refused"):
+        kernels.decode_attention(torch.randn(1, H, D), torch.zeros(8, 2, KV, D), 4, torch.tensor([[0, 1]]), lens, 1.0)
+
+
+def test_none_turns_them_off(monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "none")
+    assert native.load.__wrapped__() is None
