@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.on_ray.driver import add_ray_args, add_scale_args
     from pdserve.router.main import add_router_args
 
-    sv = sub.add_parser("serve", help="the cluster: router + prefill and decode workers (default 1P1D), as local "
+    sv = sub.add_parser("serve", help="the cluster: router + prefill and decode workers (by default the layout that suits this host), as local "
                         "processes or, with --ray, as actors on a Ray cluster")
     add_engine_args(sv)
     add_serve_args(sv)

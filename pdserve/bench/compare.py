@@ -2,6 +2,7 @@
 
 1. For each configuration, start a local cluster with `pdserve serve --pin-cpus` (workers share the
    machine's cores equally) and wait until it is ready:
+   - default: `pdserve serve` as a user starts it, no layout flag (the layout it picks for this host);
    - colocated: one worker doing prefill and decode on all cores;
    - disaggregated: one prefill and one decode worker, the cores split between them;
    - replicas: two colocated workers, the cores split.
@@ -35,6 +36,7 @@ from pdserve.credentials import add_secret_args, read_secret
 PEER_KEY_ENV = "PDSERVE_PEER_API_KEY"
 
 CONFIGS = {
+    "default": [],  # no layout flag, no pinning: what `pdserve serve` does by itself here
     "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"],
     "disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0"],
     "replicas": ["--prefill", "0", "--decode", "0", "--colocated", "2"],
@@ -48,7 +50,8 @@ def total_memory_mib(pids: list[int]) -> float:
 
 def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
     print(f"[bench compare] starting {name}", file=sys.stderr, flush=True)
-    cluster = LocalCluster(args.model, ["--pin-cpus", *CONFIGS[name], *args.serve_args.split()])
+    pinned = ["--pin-cpus"] if CONFIGS[name] else []
+    cluster = LocalCluster(args.model, [*pinned, *CONFIGS[name], *args.serve_args.split()])
     try:
         result, records = measure(name, cluster.url, [cluster.proc.pid, *cluster.pids.values()], args, points)
     finally:
@@ -89,16 +92,16 @@ def measure(name: str, url: str, pids: list[int], args: argparse.Namespace, poin
             "workload": spec.describe()}, records
 
 
-def table(results: dict[str, dict]) -> str:
+def table(results: dict[str, dict], baseline: str = "colocated") -> str:
+    """The seeds' table; the ratios are each row's output tok/s and TTFT / TPOT means against the
+    `baseline` row's (a configuration or a peer) at the same load."""
     lines = ["| config | load | done/sent | output tok/s | TTFT mean / p99 ms | TPOT mean / p99 ms | goodput req/s "
-             "| SLA % | vs colocated | memory MiB |", "|" + " --- |" * 10]
-    base = results.get("colocated")
+             f"| SLA % | vs {baseline}: tok/s, TTFT, TPOT | memory MiB |", "|" + " --- |" * 10]
+    base = results.get(baseline)
     for name, res in results.items():
         for i, s in enumerate(res["runs"]):
             load = s["load"]["concurrency"] if s["load"]["concurrency"] else (s["load"]["request_rate"] or "inf")
-            ratio = "-"
-            if base is not None and base["runs"][i]["goodput"] > 0:
-                ratio = f"{s['goodput'] / base['runs'][i]['goodput']:.2f}x"
+            ratio = "-" if base is None else _ratios(s, base["runs"][i])
             f = lambda d: "-" if d["mean"] is None else f"{d['mean']:.0f} / {d['p99']:.0f}"  # noqa: E731
             mark = " (noisy)" if noisy(s.get("host_cpu")) else ""
             memory = "-" if res["memory_mib_peak"] is None else f"{res['memory_mib_peak']:.0f}"
@@ -110,6 +113,14 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"\n(noisy): other processes on this machine took more than {NOISY_OTHERS_CORES} cores while "
                      "that point ran (`host_cpu` in the JSON); measure it again on a quiet machine.")
     return "\n".join(lines)
+
+
+def _ratios(run: dict, base: dict) -> str:
+    def over(a: float | None, b: float | None) -> str:
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    return ", ".join((over(run["output_throughput"], base["output_throughput"]),
+                      over(run["ttft"]["mean"], base["ttft"]["mean"]), over(run["tpot"]["mean"], base["tpot"]["mean"])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                         "sweep, as one more row; repeatable")
     p.add_argument("--peer-model", default=None, help="the model name to ask peers for (default: their first)")
     add_secret_args(p, "peer-api-key", PEER_KEY_ENV, "the peers' API key")
+    p.add_argument("--baseline", default=None, help="the row the table's ratios are against: a configuration or a "
+                   "peer's name (default: colocated, if measured, else the first)")
     p.add_argument("--result-json", default="results/bench_compare.json")
     p.add_argument("--plot-dir", default="results/plots")
     args = p.parse_args(argv)
@@ -143,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if len(peers) != len(args.peer_url) or set(peers) & set(CONFIGS):
         p.error("peers need names of their own, none of " + ", ".join(CONFIGS))
+    measured = [*names, *peers]
+    baseline = args.baseline or ("colocated" if "colocated" in measured else measured[0])
+    if baseline not in measured:
+        p.error(f"--baseline {baseline!r} names no configuration or peer measured here")
     results, records = {}, {}
     for name in names:
         results[name], records[name] = run_config(name, args, points)
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}
     out = write_json(args.result_json, {"settings": settings, "results": results})
     written = _plots(results, records, Path(args.plot_dir), args.model)
-    print(table(results))
+    print(table(results, baseline))
     print(f"wrote {out} and {', '.join(str(w) for w in written)}", file=sys.stderr)
     return 0
 

@@ -1,4 +1,5 @@
-"""`pdserve bench compare` on the tiny model: three real local clusters, one sweep each (slow)."""
+"""`pdserve bench compare` on the tiny model: three real local clusters, one sweep each (slow), and
+its table of ratios against a baseline row."""
 
 from __future__ import annotations
 
@@ -54,3 +55,19 @@ def test_a_running_server_is_compared_as_a_peer(tmp_path, capsys):
     assert [p["pid"] for p in other["processes"]][0] == peer.pids["router"]
     assert other["memory_mib_peak"] > 0 and all(r["completed"] == 4 for r in other["runs"])
     assert "| other | 2" in capsys.readouterr().out  # its row (marked "(noisy)" when a neighbour was busy)
+
+
+def test_the_table_gives_each_row_against_the_baseline():
+    from pdserve.bench.compare import table
+
+    def run(tok_s, ttft, tpot):
+        return {"load": {"concurrency": 1, "request_rate": None}, "completed": 4, "num_requests": 4,
+                "output_throughput": tok_s, "ttft": {"mean": ttft, "p99": ttft}, "tpot": {"mean": tpot, "p99": tpot},
+                "goodput": 1.0, "sla_attainment_pct": 100.0, "host_cpu": None}
+
+    results = {"default": {"runs": [run(30.0, 200.0, 30.0)], "memory_mib_peak": 900.0},
+               "vllm": {"runs": [run(20.0, 400.0, 50.0)], "memory_mib_peak": None}}
+    shown = table(results, "vllm")
+    assert "vs vllm: tok/s, TTFT, TPOT" in shown
+    assert "| default | 1 | 4/4 | 30.0 | 200 / 200 | 30 / 30 | 1.000 | 100 | 1.50x, 0.50x, 0.60x | 900 |" in shown
+    assert "| vllm | 1 | 4/4 | 20.0 | 400 / 400 | 50 / 50 | 1.000 | 100 | 1.00x, 1.00x, 1.00x | - |" in shown

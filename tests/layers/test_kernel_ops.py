@@ -43,7 +43,9 @@ def test_rms_norm(kernels, dtype):
 def test_silu_times_up(kernels, dtype):
     gate_up = (torch.randn(2, 2 * 80) * 3).to(dtype)
     gate, up = gate_up.split(80, dim=-1)
-    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    # its exp is within 1e-7 of torch's: a bfloat16 result may round one unit (2^-8) the other way
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=tol)
 
 
 @DTYPES

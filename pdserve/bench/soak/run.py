@@ -89,13 +89,16 @@ def server_log(path: Path, keep: int = 40) -> dict:
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
-    """`--serve-args`, with float32 unless they name a dtype (greedy answers are compared exactly,
-    and bfloat16 CPU kernels are not batch-invariant: three greedy sequences batched together give
-    another text than one alone, so at that precision a right answer under load can differ), and
-    the router's queue limit `--router-queue`."""
+    """`--serve-args`, with float32 unless they name a dtype and unquantized unless they name a
+    quantization (greedy answers are compared exactly, and neither bfloat16 CPU kernels nor
+    quantized weights, which hand products of many rows to a dense GEMM, are batch-invariant: three
+    greedy sequences batched together give another text than one alone, so a right answer under
+    load can differ), and the router's queue limit `--router-queue`."""
     extra = args.serve_args.split()
     if "--dtype" not in extra:
         extra = ["--dtype", "float32", *extra]
+    if "--quantization" not in extra:
+        extra = ["--quantization", "none", *extra]
     return [*extra, "--max-queued-requests", str(args.router_queue)]
 
 
