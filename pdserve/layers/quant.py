@@ -26,7 +26,7 @@ log = logging.getLogger("pdserve.kernels")
 
 GROUP_SIZE = 32
 BITS = (4, 8)
-_CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+_CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
 
 
 @dataclass(slots=True)

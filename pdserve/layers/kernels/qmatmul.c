@@ -163,8 +163,9 @@ int pd_isa_supported(int isa) {
 }
 
 /* The weight these values stand for, [N, K] float32 or bfloat16, for products of many rows (a
- * prefill chunk), which a dense matmul computes faster than byte dot products. Plain C: gcc
- * vectorizes it, and it streams at memory speed. */
+ * prefill chunk), which a dense matmul computes faster than byte dot products. Plain C that gcc
+ * vectorizes, once per vector width (target_clones: the loader picks the widest the CPU has). */
+__attribute__((target_clones("avx512f", "avx2", "default")))
 int pd_dequantize(int threads, int bits, const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N,
                   int64_t K, void *out, int out_bf16) {
     if ((bits != 4 && bits != 8) || K % GROUP || N < 0 || threads < 1 || (bits == 4 && !wm)) return -1;
@@ -177,16 +178,19 @@ int pd_dequantize(int threads, int bits, const void *qs, const uint16_t *wd, con
             if (bits == 4) {
                 const uint8_t *p = (const uint8_t *)qs + (n * G + g) * (GROUP / 2);
                 const float m = half_to_float(wm[n * G + g]);
+#pragma omp simd
                 for (int j = 0; j < GROUP / 2; j++) {
                     row[j] = d * (float)(p[j] & 15) + m;
                     row[j + GROUP / 2] = d * (float)(p[j] >> 4) + m;
                 }
             } else {
                 const int8_t *p = (const int8_t *)qs + (n * G + g) * GROUP;
+#pragma omp simd
                 for (int j = 0; j < GROUP; j++) row[j] = d * (float)p[j];
             }
             if (out_bf16) {
                 uint16_t *o = (uint16_t *)out + n * K + g * GROUP;
+#pragma omp simd
                 for (int j = 0; j < GROUP; j++) o[j] = f32_to_bf16(row[j]);
             } else {
                 memcpy((float *)out + n * K + g * GROUP, row, sizeof row);
