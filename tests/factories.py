@@ -159,3 +159,17 @@ class FailingSampler:
         if any(r.request_id.startswith(self.bad) for r in requests):
             raise RuntimeError("this request breaks the sampler")
         return tokens
+
+
+def kernel_isa_params() -> list:
+    """pytest params, one per variant of pdserve's CPU kernels; those this CPU cannot run (or all,
+    where the kernels do not build) skipped with the reason."""
+    import pytest
+
+    from pdserve.layers.kernels import native
+
+    kernels = native.load()
+    if kernels is None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason="pdserve's CPU kernels do not build here"))]
+    return [pytest.param(name, marks=() if name in kernels.supported else pytest.mark.skip(
+        reason=f"this CPU lacks the instructions of the {name} kernels")) for name in native.ISA_NAMES]

@@ -7,19 +7,12 @@ import torch.nn.functional as F
 
 from pdserve.layers.kernels import native
 from pdserve.layers.rotary import apply_rotary
+from tests.factories import kernel_isa_params
 
 H, KV, D = 6, 2, 32  # grouped-query attention: three query heads per KV head
 
 
-def _isas() -> list:
-    kernels = native.load()
-    if kernels is None:
-        return [pytest.param(None, marks=pytest.mark.skip(reason="pdserve's CPU kernels do not build here"))]
-    return [pytest.param(name, marks=() if name in kernels.supported else pytest.mark.skip(
-        reason=f"this CPU lacks the instructions of the {name} kernels")) for name in native.ISA_NAMES]
-
-
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=kernel_isa_params())
 def kernels(request):
     return native.load().with_isa(request.param)
 

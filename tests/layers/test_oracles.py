@@ -7,16 +7,16 @@ the formats' rules."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.engine.model_runner import sampling_batch
 from pdserve.engine.request import Request
-import pytest
-
 from pdserve.layers.kernels import native
 from pdserve.layers.quant import GROUP_SIZE, quantize
 from pdserve.layers.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
+from tests.factories import kernel_isa_params
 
 LOGITS = torch.tensor([2.0, 1.5, 0.3, 0.0, -0.4, -1.0])  # a vocabulary of 6
 
@@ -143,15 +143,7 @@ def q8_0(values: torch.Tensor) -> torch.Tensor:
     return (torch.round(v * inv).double() * (top / 127).double()).view(rows, cols)
 
 
-def _isas() -> list:
-    kernels = native.load()
-    if kernels is None:
-        return [pytest.param(None, marks=pytest.mark.skip(reason="pdserve's CPU kernels do not build here"))]
-    return [pytest.param(name, marks=() if name in kernels.supported else pytest.mark.skip(
-        reason=f"this CPU lacks the instructions of the {name} kernels")) for name in native.ISA_NAMES]
-
-
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", kernel_isa_params())
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows, cols, out", [(1, 128, 96), (5, 64, 30), (33, 256, 7), (2, 96, 12)])
 def test_pdserves_kernels_multiply_by_the_weights_and_activations_the_formats_define(isa, bits, rows, cols, out):
