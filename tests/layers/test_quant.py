@@ -12,7 +12,7 @@ from pdserve.layers.quant import (
     DenseProducts, Int4Weight, QuantizedWeight, calibrate, dequantize_reference, quantize,
 )
 from pdserve.models import loader
-from tests.factories import assert_engine_idle, make_llm, paged_logits
+from tests.factories import assert_engine_idle, kernel_isa_params, make_llm, paged_logits
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -47,6 +47,21 @@ def test_a_weight_is_held_for_pdserves_kernels_and_stands_for_its_rule(bits):
     assert isinstance(held, QuantizedWeight) and held.out_features == 40
     assert held.qs.numel() == w.numel() * bits // 8  # the bytes a decode step reads
     torch.testing.assert_close(held.dequantize(), dequantize_reference(w, bits), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("isa", kernel_isa_params())
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_kernel_variant_expands_a_weight_to_exactly_its_values(isa, bits):
+    w = torch.randn(24, 160, generator=torch.Generator().manual_seed(bits)) * 3
+    w[0, :32] = float("nan")  # a group that quantizes to NaN stays NaN in either dtype
+    kernels = native.load().with_isa(isa)
+    held = quantize(w, bits, torch.float32, kernels)
+    expand = lambda dtype: kernels.dequantize(bits, held.qs, held.scales, held.mins,  # noqa: E731
+                                              torch.empty(24, 160, dtype=dtype))
+    f32 = expand(torch.float32)
+    torch.testing.assert_close(f32, held.dequantize(), atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.equal(expand(torch.bfloat16).view(torch.int16)[1:], f32.bfloat16().view(torch.int16)[1:])
+    assert expand(torch.bfloat16)[0, :32].isnan().all()
 
 
 @needs_kernels

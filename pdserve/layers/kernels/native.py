@@ -29,8 +29,8 @@ import torch  # first: the library's OpenMP runtime must resolve to the one torc
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "ops.c", "ops_body.h")
-_COMPILED = ("qmatmul.c", "ops.c")
+_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h")
+_COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
 ISA_ENV = "PDSERVE_CPU_ISA"
@@ -75,7 +75,7 @@ class NativeKernels:
     def dequantize(self, bits: int, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                    out: torch.Tensor) -> torch.Tensor:
         """The weight into `out` ([out, in] float32 or bfloat16, contiguous)."""
-        rc = self.lib.pd_dequantize(torch.get_num_threads(), bits, qs.data_ptr(), scales.data_ptr(),
+        rc = self.lib.pd_dequantize(self.isa, torch.get_num_threads(), bits, qs.data_ptr(), scales.data_ptr(),
                                     None if mins is None else mins.data_ptr(), out.shape[0], out.shape[1],
                                     out.data_ptr(), out.dtype == torch.bfloat16)
         if rc:
@@ -156,7 +156,7 @@ def load() -> NativeKernels | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pd_qmatmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul.restype = i32
-    lib.pd_dequantize.argtypes = [i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.pd_dequantize.argtypes = [i32, i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
     f32 = ctypes.c_float
     lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, f32, i64, i64, ptr, i32]
     lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]

@@ -162,44 +162,6 @@ int pd_isa_supported(int isa) {
     }
 }
 
-/* The weight these values stand for, [N, K] float32 or bfloat16, for products of many rows (a
- * prefill chunk), which a dense matmul computes faster than byte dot products. Plain C that gcc
- * vectorizes, once per vector width (target_clones: the loader picks the widest the CPU has). */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-int pd_dequantize(int threads, int bits, const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N,
-                  int64_t K, void *out, int out_bf16) {
-    if ((bits != 4 && bits != 8) || K % GROUP || N < 0 || threads < 1 || (bits == 4 && !wm)) return -1;
-    const int64_t G = K / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float row[GROUP];
-        for (int64_t g = 0; g < G; g++) {
-            const float d = half_to_float(wd[n * G + g]);
-            if (bits == 4) {
-                const uint8_t *p = (const uint8_t *)qs + (n * G + g) * (GROUP / 2);
-                const float m = half_to_float(wm[n * G + g]);
-#pragma omp simd
-                for (int j = 0; j < GROUP / 2; j++) {
-                    row[j] = d * (float)(p[j] & 15) + m;
-                    row[j + GROUP / 2] = d * (float)(p[j] >> 4) + m;
-                }
-            } else {
-                const int8_t *p = (const int8_t *)qs + (n * G + g) * GROUP;
-#pragma omp simd
-                for (int j = 0; j < GROUP; j++) row[j] = d * (float)p[j];
-            }
-            if (out_bf16) {
-                uint16_t *o = (uint16_t *)out + n * K + g * GROUP;
-#pragma omp simd
-                for (int j = 0; j < GROUP; j++) o[j] = f32_to_bf16(row[j]);
-            } else {
-                memcpy((float *)out + n * K + g * GROUP, row, sizeof row);
-            }
-        }
-    }
-    return 0;
-}
-
 /* y = x @ w^T. Returns 0, or -1 for arguments the kernels do not take, -2 when out of memory. */
 int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K,
                const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, void *y) {
