@@ -120,7 +120,8 @@ class Worker:
             return self._pool.tensor
 
         use_shm = "shm" in self.transfer and shm_available() and config.device == "cpu"
-        self.engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None)
+        self.engine = _built_on_own_thread(
+            lambda: LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None))
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
         if record_steps:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
@@ -332,3 +333,25 @@ class Worker:
             out.update(part.stats())
         return wire.WorkerStats(**out)
 
+
+def _built_on_own_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
+    """`build()` run on a thread that ends with it. OpenMP keeps a pool of threads for each thread
+    that ever ran a parallel region; while the process holds more of them than it has cores, each
+    waiting thread spins only briefly before sleeping, so every parallel region of a step waits for
+    sleeping threads to wake (measured here: a decode step twice as long as the same step in a
+    process with one pool). Loading on a thread that exits frees its pool: the engine thread's own
+    is then the only one."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as e:  # re-raised on the caller's thread
+            result.append(e)
+
+    thread = threading.Thread(target=run, name="engine-load")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
