@@ -27,6 +27,7 @@ from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, TransferSta
 from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader
 from pdserve.kv_transfer.control import ControlLink
 from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, WriteJob
+from pdserve.layers.kernels.native import serial_torch_on_this_thread
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -153,6 +154,7 @@ class QueuedSender:
             self._cond.notify_all()
 
     def _send_loop(self) -> None:
+        serial_torch_on_this_thread()  # the engine thread keeps the process's only OpenMP pool
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._jobs or self._closed)

@@ -32,6 +32,7 @@ from pdserve.kv_transfer.codec import (
 from pdserve.kv_transfer.leases import EventKind, LeaseTable, ReceiverEvent
 from pdserve.kv_transfer.listener import Listener, PeerLimits
 from pdserve.kv_transfer.quant import ENCODINGS, dequantize_into, encoded_size
+from pdserve.layers.kernels.native import serial_torch_on_this_thread
 
 __all__ = ["EventKind", "KVReceiver", "ReceiverEvent"]
 log = logging.getLogger("pdserve.kv_transfer")
@@ -184,6 +185,7 @@ class _Connection:
             return True
 
     def run(self, hello_deadline: float) -> None:
+        serial_torch_on_this_thread()  # the engine thread keeps the process's only OpenMP pool
         try:
             hello = read_frame(self.sock, self.rx.limits, self._no_payload, deadline=hello_deadline)
             if not isinstance(hello, HelloHeader):

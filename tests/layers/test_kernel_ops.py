@@ -1,6 +1,8 @@
 """pdserve's per-token kernels (norm, SiLU times up, rotary with the cache write, decode attention)
 against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,3 +90,21 @@ def test_what_the_kernels_cannot_take_is_refused(kernels):
 def test_none_turns_them_off(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, "none")
     assert native.load.__wrapped__() is None
+
+
+def test_a_thread_made_serial_runs_torch_alone_and_leaves_the_others_as_they_were():
+    if native.load() is None:
+        pytest.skip("pdserve's CPU kernels do not build here")
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def transfer_thread() -> None:
+        native.serial_torch_on_this_thread()
+        seen.append(torch.get_num_threads())
+        torch.ones(1 << 20).add_(1)  # an operator large enough to go parallel runs anyway
+
+    t = threading.Thread(target=transfer_thread)
+    t.start()
+    t.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == before

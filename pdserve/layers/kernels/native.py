@@ -164,10 +164,24 @@ def load() -> NativeKernels | None:
     lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]
     for name in ("pd_dequantize", "pd_rms_norm", "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32
+    lib.pd_openmp_serial_here.argtypes, lib.pd_openmp_serial_here.restype = [], None
     supported = tuple(name for i, name in enumerate(ISA_NAMES) if lib.pd_isa_supported(i))
     kernels = NativeKernels(lib, ISA_NAMES.index(_preferred(supported)), supported)
     log.info("CPU kernels: %s (this CPU runs %s)", kernels.isa_name, ", ".join(supported))
     return kernels
+
+
+def serial_torch_on_this_thread() -> None:
+    """Torch's operators called from this thread run on it alone, never in an OpenMP team of its
+    own. For threads beside the engine's (KV transfer): OpenMP keeps a pool for each thread that
+    started a parallel region, and while a process holds more pooled threads than it has cores,
+    waiting threads spin only briefly before sleeping, so the engine's every region waits for its
+    threads to wake. Where the kernels do not build this does nothing."""
+    kernels = load()
+    if kernels is None:
+        return
+    torch.get_num_threads()  # torch sets a thread's team size on its first use there: before ours
+    kernels.lib.pd_openmp_serial_here()
 
 
 def _preferred(supported: tuple[str, ...]) -> str:

@@ -7,6 +7,8 @@
  * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
 #include "common.h"
 
+#include <omp.h>
+
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64 /* query heads per KV head */
 
@@ -64,3 +66,7 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
     DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,
              scale, out, bf16);
 }
+
+/* Parallel regions started from the calling thread run on it alone (OpenMP's team size is a
+ * per-thread setting): see native.serial_torch_on_this_thread. */
+void pd_openmp_serial_here(void) { omp_set_num_threads(1); }
