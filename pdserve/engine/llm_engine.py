@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -271,6 +272,32 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def warm_up(self) -> float:
+        """Run one prompt of two full steps' tokens (a chunk alone, then one after a cached prefix)
+        through the model and drop its output, before any request comes: the first steps of those
+        shapes set up the math library's kernels (seconds on some CPUs), which a server's first
+        request would otherwise wait for. The engine must be idle. Returns the seconds it took."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up needs an idle engine")
+        t0 = time.perf_counter()
+        room = (self.block_manager.num_free_blocks - 1) * self.config.block_size
+        n = min(2 * self.config.max_num_batched_tokens, self.max_model_len - 1, room)
+        if n < 1:
+            return 0.0
+        vocab = self.model_config.vocab_size
+        prompt = {"prompt_token_ids": [1 + i % (vocab - 1) for i in range(n)]}
+        hooks = self.hooks  # a role's hooks see requests, and this is none
+        self.hooks = self.scheduler.hooks = RoleHooks()
+        try:
+            self.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            while self.has_unfinished_requests():
+                self.step()
+            if self.num_failed:
+                raise RuntimeError("the warm-up prompt failed: see the log")
+        finally:
+            self.hooks = self.scheduler.hooks = hooks
+        return time.perf_counter() - t0
 
     # -- one step ------------------------------------------------------------------------------
 

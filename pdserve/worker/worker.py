@@ -120,8 +120,12 @@ class Worker:
             return self._pool.tensor
 
         use_shm = "shm" in self.transfer and shm_available() and config.device == "cpu"
-        self.engine = _built_on_own_thread(
-            lambda: LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None))
+        def build() -> LLMEngine:
+            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None)
+            log.info("engine warmed up in %.2f s", engine.warm_up())
+            return engine
+
+        self.engine = _built_on_own_thread(build)
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
         if record_steps:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)

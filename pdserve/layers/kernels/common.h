@@ -51,7 +51,10 @@ static inline float half_to_float(uint16_t h) {  /* IEEE binary16, subnormals in
  * series to the 6th power (remainder below (ln2 / 2)^7 / 7! ~ 1.2e-7), 2^n by the exponent bits. */
 static inline float pd_expf(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.4426950408889634f, n = floorf(t + 0.5f), f = (t - n) * 0.6931471805599453f;
+    /* n = t rounded to nearest by adding and taking away 1.5 * 2^23 (exact for |t| < 2^22): unlike
+     * floorf, plain arithmetic the vectorizer takes */
+    const float t = x * 1.4426950408889634f, n = (t + 12582912.0f) - 12582912.0f;
+    const float f = (t - n) * 0.6931471805599453f;
     float p = 1.0f / 720.0f;
     p = p * f + 1.0f / 120.0f;
     p = p * f + 1.0f / 24.0f;
