@@ -14,6 +14,7 @@ weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activatio
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ log = logging.getLogger("pdserve.kernels")
 
 GROUP_SIZE = 32
 BITS = (4, 8)
-_CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
+_CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
 
 
 @dataclass(slots=True)
@@ -34,12 +35,16 @@ class DenseProducts:
     """When a model's quantized weights hand a product to a dense matmul instead.
 
     Byte dot products win while a step has few rows (decode: the weight's bytes are the cost);
-    a prefill chunk's hundreds of rows are arithmetic, which oneDNN's float GEMM does faster than
-    int8 dot products with a float scale per group. From `min_rows` rows up, a weight is expanded
-    into one buffer the model's layers share (a step runs them one after another) and multiplied
-    densely. `min_rows` is measured on this CPU when the model loads (`calibrate`)."""
+    a prefill chunk's hundreds of rows, or a large decode batch, are arithmetic, which the math
+    library's float GEMM does faster (AMX, where the CPU has it) than int8 dot products with a float
+    scale per group. From `min_rows` rows up a product runs dense, on the weight expanded either
+    once and kept (`keep`: where the model's expanded weights fit the memory set aside for them,
+    `dense_memory_budget`) or at each product into one buffer the model's layers share (a step runs
+    them one after another). `min_rows` is measured on this CPU when the model loads
+    (`calibrate`)."""
 
     min_rows: int | None = None  # None: every product runs on the quantized kernels
+    keep: bool = False
     _buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def buffer(self, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +52,16 @@ class DenseProducts:
         if flat is None or flat.numel() < out_features * in_features:
             flat = self._buffers[dtype] = torch.empty(out_features * in_features, dtype=dtype)
         return flat[: out_features * in_features].view(out_features, in_features)
+
+
+def dense_memory_budget() -> int:
+    """Bytes of expanded copies a model's quantized weights may keep: an eighth of this machine's
+    memory. A small model (the default one: 270 MB in bfloat16) keeps them and serves batches at
+    dense speed; a large one keeps only its quantized bytes, which is what quantizing it is for."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+    except (ValueError, OSError):
+        return 0
 
 
 @dataclass(slots=True)
@@ -59,6 +74,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None  # [out, in / 32] float16; 4-bit only
     kernels: NativeKernels
     dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's weights
+    expanded: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # kept copies (`dense.keep`)
 
     @property
     def out_features(self) -> int:
@@ -76,8 +92,14 @@ class QuantizedWeight:
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dense.buffer(self.out_features, self.in_features, x.dtype)
-        return F.linear(x, self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, w))
+        w = self.expanded.get(x.dtype)
+        if w is None:
+            into = (torch.empty(self.out_features, self.in_features, dtype=x.dtype) if self.dense.keep
+                    else self.dense.buffer(self.out_features, self.in_features, x.dtype))
+            w = self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, into)
+            if self.dense.keep:
+                self.expanded[x.dtype] = w
+        return F.linear(x, w)
 
     def dequantize(self) -> torch.Tensor:
         """The weight these values stand for, [out, in] float32."""

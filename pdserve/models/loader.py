@@ -11,7 +11,7 @@ from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.layers.linear import pack_weight
 from pdserve.layers.kernels.native import load as load_kernels
-from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrate, quantize
+from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrate, dense_memory_budget, quantize
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -109,13 +109,15 @@ def build_model(
 
 
 def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
-    """One `DenseProducts` for the model's quantized weights, its row threshold measured on the
-    largest layer weight (the head only ever multiplies the few rows a step samples)."""
+    """One `DenseProducts` for the model's quantized weights, keeping their expanded copies where
+    those fit the memory set aside for them, its row threshold measured on the largest layer weight
+    (the head only ever multiplies the few rows a step samples)."""
     held = [(name, getattr(module, attr)) for name, module, attr in matmul_weights(model)]
     quantized = [(name, w) for name, w in held if isinstance(w, QuantizedWeight)]
     if not quantized:
         return
-    dense = DenseProducts()
+    expanded_bytes = sum(w.out_features * w.in_features for _, w in quantized) * dtype.itemsize
+    dense = DenseProducts(keep=expanded_bytes <= dense_memory_budget())
     for _, w in quantized:
         w.dense = dense
     layers = [w for name, w in quantized if name != "lm_head"] or [w for _, w in quantized]

@@ -82,6 +82,17 @@ def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dty
     assert threshold is None or threshold >= 1
 
 
+@needs_kernels
+def test_a_kept_expansion_gives_the_products_of_the_shared_buffer():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(5))
+    shared, kept = (quantize(w, 4, torch.float32, native.load()) for _ in range(2))
+    shared.dense, kept.dense = DenseProducts(min_rows=4), DenseProducts(min_rows=4, keep=True)
+    x = torch.randn(6, 96).bfloat16()
+    assert torch.equal(kept.matmul(x), shared.matmul(x))
+    assert list(kept.expanded) == [torch.bfloat16] and not shared.expanded
+    assert torch.equal(kept.matmul(x), shared.matmul(x))  # the kept copy, used again
+
+
 def test_without_pdserves_kernels_4_bits_run_torchs_kernel_and_8_bits_are_expanded():
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
     x = torch.randn(3, 96)
