@@ -62,21 +62,24 @@ def test_rotary_in_place_then_k_and_v_into_their_slots(kernels, dtype):
 
 
 @DTYPES
-def test_decode_attention_reads_each_rows_own_context(kernels, dtype):
-    block = 4
-    cache = torch.randn(20 * block, 2, KV, D).to(dtype)
-    tables = torch.tensor([[7, 2, 0, 0, 0], [3, 1, 9, 12, 5], [4, 0, 0, 0, 0]])
-    lens = torch.tensor([6, 19, 1])
-    q = torch.randn(3, H + 2 * KV, D).to(dtype)[:, :H]  # strided rows, as the q heads of qkv are
-    out = kernels.decode_attention(q, cache, block, tables, lens, D**-0.5)
-    for r in range(3):
+@pytest.mark.parametrize("head_dim", [D, 64])  # 64 (and 128) run a variant compiled for that size
+@pytest.mark.parametrize("many_rows", [False, True])  # few rows: a task per KV head; many: per row
+def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, many_rows):
+    block, g = 4, torch.Generator().manual_seed(3)
+    rows = 2 * torch.get_num_threads() + 1 if many_rows else 3
+    cache = torch.randn(20 * block, 2, KV, head_dim, generator=g).to(dtype)
+    tables = torch.randint(0, 20, (rows, 5), generator=g)
+    lens = torch.randint(1, 5 * block + 1, (rows,), generator=g)
+    q = torch.randn(rows, H + 2 * KV, head_dim, generator=g).to(dtype)[:, :H]  # strided, as qkv's q heads are
+    out = kernels.decode_attention(q, cache, block, tables, lens, head_dim**-0.5)
+    for r in range(rows):
         slots = torch.tensor([tables[r, j // block] * block + j % block for j in range(lens[r])])
         k, v = cache[slots, 0].float(), cache[slots, 1].float()  # [len, KV, D]
         ref = F.scaled_dot_product_attention(q[r].float().unsqueeze(1), k.transpose(0, 1).repeat_interleave(H // KV, 0),
-                                             v.transpose(0, 1).repeat_interleave(H // KV, 0), scale=D**-0.5)
+                                             v.transpose(0, 1).repeat_interleave(H // KV, 0), scale=head_dim**-0.5)
         # float32 throughout; a bfloat16 result is rounded once (2^-9 of its size)
         tol = 1e-5 if dtype == torch.float32 else 2**-8
-        torch.testing.assert_close(out[r].float().view(H, D), ref.squeeze(1), atol=tol, rtol=tol)
+        torch.testing.assert_close(out[r].float().view(H, head_dim), ref.squeeze(1), atol=tol, rtol=tol)
 
 
 def test_what_the_kernels_cannot_take_is_refused(kernels):

@@ -116,80 +116,84 @@ static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64
     }
 }
 
-/* One new token per row attending to its whole context in the paged cache. Each (row, KV head)
- * is one task: its query heads share the K and V rows read. Scores first, then softmax, then the
- * weighted sum of V; a float32 cache is read in place, a bfloat16 one converted row by row. The
- * task is compiled apart for the usual head sizes (64, 128): with D known the compiler keeps a
- * row in registers and unrolls its dot products, a third of the time of the general loop. */
+/* One new token per row attending to its whole context in the paged cache. A task is one row's
+ * KV heads kv0..kv1 with their query heads: each cached token's K (then V) values of those heads
+ * are read once, side by side in its slot, and serve all of them. Scores first, then softmax,
+ * then the weighted sum of V; a float32 cache is read in place, a bfloat16 one converted. The task
+ * is compiled apart for the usual head sizes (64, 128): with D known the compiler unrolls the dot
+ * products and keeps a head's row in registers. */
 static inline __attribute__((always_inline)) void FN(attend_task)(
-        const void *q, int64_t q_stride, int64_t r, int64_t kvh, int64_t H, int64_t KV, const int64_t D,
+        const void *q, int64_t q_stride, int64_t r, int64_t kv0, int64_t kv1, int64_t H, int64_t KV, const int64_t D,
         const void *cache, int64_t block_size, const int64_t *table, int64_t len, float scale, void *out, int bf16) {
-    const int64_t G = H / KV, es = bf16 ? 2 : 4;
-    float *qf = malloc((2 * G * D + D + G * len) * sizeof(float));
-    float *acc = qf + G * D, *row = acc + G * D, *p = row + D;
-    for (int64_t g = 0; g < G; g++)
-        FN(to_float)((const char *)q + (r * q_stride + (kvh * G + g) * D) * es, bf16, D, qf + g * D);
+    const int64_t G = H / KV, es = bf16 ? 2 : 4, nkv = kv1 - kv0, nq = nkv * G, h0 = kv0 * G;
+    float *qf = malloc((2 * nq * D + nkv * D + nq * len) * sizeof(float));
+    float *acc = qf + nq * D, *row = acc + nq * D, *p = row + nkv * D;
+    for (int64_t h = 0; h < nq; h++)
+        FN(to_float)((const char *)q + (r * q_stride + (h0 + h) * D) * es, bf16, D, qf + h * D);
     for (int64_t half = 0; half < 2; half++) { /* 0: scores against K; 1: the sum of V they weight */
         if (half) {
-            for (int64_t g = 0; g < G; g++) { /* softmax over the row's context */
-                float *pg = p + g * len, top = -INFINITY, sum = 0.0f;
+            for (int64_t h = 0; h < nq; h++) { /* softmax over the row's context */
+                float *ph = p + h * len, top = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : top)
-                for (int64_t j = 0; j < len; j++) top = pg[j] > top ? pg[j] : top;
+                for (int64_t j = 0; j < len; j++) top = ph[j] > top ? ph[j] : top;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < len; j++) sum += (pg[j] = pd_expf(pg[j] - top));
+                for (int64_t j = 0; j < len; j++) sum += (ph[j] = pd_expf(ph[j] - top));
                 const float inv = 1.0f / sum;
 #pragma omp simd
-                for (int64_t j = 0; j < len; j++) pg[j] *= inv;
+                for (int64_t j = 0; j < len; j++) ph[j] *= inv;
             }
-            memset(acc, 0, G * D * sizeof(float));
+            memset(acc, 0, nq * D * sizeof(float));
         }
         for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
             const int64_t n = len - j0 < block_size ? len - j0 : block_size;
             for (int64_t o = 0; o < n; o++) {
                 const int64_t j = j0 + o, slot = table[b] * block_size + o;
-                const char *src = (const char *)cache + ((slot * 2 + half) * KV + kvh) * D * es;
+                const char *src = (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * es;
                 const float *kv = (const float *)src;
                 if (bf16) {
-                    const uint16_t *h = (const uint16_t *)src;
+                    const uint16_t *bits = (const uint16_t *)src;
 #pragma omp simd
-                    for (int64_t i = 0; i < D; i++) row[i] = bf16_to_f32(h[i]);
+                    for (int64_t i = 0; i < nkv * D; i++) row[i] = bf16_to_f32(bits[i]);
                     kv = row;
                 }
-                for (int64_t g = 0; g < G; g++) {
+                for (int64_t h = 0; h < nq; h++) {
+                    const float *kh = kv + (h / G) * D;
                     if (!half) {
-                        const float *qg = qf + g * D;
+                        const float *qh = qf + h * D;
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < D; i++) dot += qg[i] * kv[i];
-                        p[g * len + j] = dot * scale;
+                        for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
+                        p[h * len + j] = dot * scale;
                     } else {
-                        const float w = p[g * len + j];
-                        float *ag = acc + g * D;
+                        const float w = p[h * len + j];
+                        float *ah = acc + h * D;
 #pragma omp simd
-                        for (int64_t i = 0; i < D; i++) ag[i] += w * kv[i];
+                        for (int64_t i = 0; i < D; i++) ah[i] += w * kh[i];
                     }
                 }
             }
         }
     }
-    for (int64_t g = 0; g < G; g++)
-        FN(from_float)(acc + g * D, D, (char *)out + (r * H + kvh * G + g) * D * es, bf16);
+    for (int64_t h = 0; h < nq; h++)
+        FN(from_float)(acc + h * D, D, (char *)out + (r * H + h0 + h) * D * es, bf16);
     free(qf);
 }
 
 static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                                  int64_t D, const void *cache, int64_t block_size, const int64_t *tables,
                                  int64_t max_blocks, const int64_t *lens, float scale, void *out, int bf16) {
+    /* a task per row where rows give every thread a few; else a task per row and KV head */
+    const int64_t split = R >= 2 * threads ? 1 : KV, tasks = R * split;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < R * KV; task++) {
-        const int64_t r = task / KV, kvh = task % KV;
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split, kv1 = split == 1 ? KV : kv0 + 1;
         const int64_t *table = tables + r * max_blocks;
         if (D == 64)
-            FN(attend_task)(q, q_stride, r, kvh, H, KV, 64, cache, block_size, table, lens[r], scale, out, bf16);
+            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 64, cache, block_size, table, lens[r], scale, out, bf16);
         else if (D == 128)
-            FN(attend_task)(q, q_stride, r, kvh, H, KV, 128, cache, block_size, table, lens[r], scale, out, bf16);
+            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 128, cache, block_size, table, lens[r], scale, out, bf16);
         else
-            FN(attend_task)(q, q_stride, r, kvh, H, KV, D, cache, block_size, table, lens[r], scale, out, bf16);
+            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, D, cache, block_size, table, lens[r], scale, out, bf16);
     }
 }
 
