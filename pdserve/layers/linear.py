@@ -6,9 +6,8 @@ per thread and running the slices as a batched matmul uses every core: 1.8x fast
 still ahead at 64 rows on the demo model's shapes (past that, in the engine's mixed prefill steps,
 plain `F.linear` measured as fast or faster).
 
-bfloat16 weights on CPU are kept in oneDNN's blocked layout (`pack_weight`) where oneDNN supports
-it (AVX-512 or AVX-NE-CONVERT; not on an AVX2-only CPU, which keeps them plain): the same results,
-bit for bit, and 1.2-1.8x faster than `F.linear` from batch 1 to 64 rows (no slower at 512).
+bfloat16 weights on CPU are kept in oneDNN's blocked layout (`packed.pack_weight`) where oneDNN
+supports it.
 """
 
 from __future__ import annotations
@@ -16,17 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.layers.cpu import onednn_packs_bfloat16
+from pdserve.layers.packed import pack_weight, packed_linear
 from pdserve.layers.quant import Int4Weight, QuantizedWeight
 
+__all__ = ["linear", "pack_weight"]
+
 _SPLIT_MAX_ROWS = 64
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in the layout the fastest kernel for its device and dtype reads."""
-    if weight.is_cpu and weight.dtype == torch.bfloat16 and onednn_packs_bfloat16():
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight,
@@ -36,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight,
         y = weight.matmul(x)
         return y if bias is None else y + bias
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return packed_linear(x, weight, bias)
     if torch.compiler.is_compiling():  # the compiler picks its own kernels
         return F.linear(x, weight, bias)
     rows = x.shape[0]

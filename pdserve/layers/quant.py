@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.kernels.native import NativeKernels
+from pdserve.layers.packed import pack_weight, packed_linear
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -93,13 +94,14 @@ class QuantizedWeight:
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
         w = self.expanded.get(x.dtype)
-        if w is None:
-            into = (torch.empty(self.out_features, self.in_features, dtype=x.dtype) if self.dense.keep
-                    else self.dense.buffer(self.out_features, self.in_features, x.dtype))
-            w = self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, into)
-            if self.dense.keep:
-                self.expanded[x.dtype] = w
-        return F.linear(x, w)
+        if w is None and not self.dense.keep:
+            buffer = self.dense.buffer(self.out_features, self.in_features, x.dtype)
+            return F.linear(x, self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, buffer))
+        if w is None:  # kept in the layout the dense kernel reads fastest
+            into = torch.empty(self.out_features, self.in_features, dtype=x.dtype)
+            w = self.expanded[x.dtype] = pack_weight(self.kernels.dequantize(self.bits, self.qs, self.scales,
+                                                                             self.mins, into))
+        return packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
 
     def dequantize(self) -> torch.Tensor:
         """The weight these values stand for, [out, in] float32."""
