@@ -63,13 +63,17 @@ def test_rotary_in_place_then_k_and_v_into_their_slots(kernels, dtype):
 
 @DTYPES
 @pytest.mark.parametrize("head_dim", [D, 64])  # 64 (and 128) run a variant compiled for that size
-@pytest.mark.parametrize("many_rows", [False, True])  # few rows: a task per KV head; many: per row
-def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, many_rows):
-    block, g = 4, torch.Generator().manual_seed(3)
+# few rows: a task per KV head, and per part of a long context (merged after); many rows: per row
+@pytest.mark.parametrize("many_rows,long_context", [(False, False), (True, False), (False, True), (True, True)])
+def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, many_rows, long_context):
+    block, num_blocks, g = 4, 20, torch.Generator().manual_seed(3)
     rows = 2 * torch.get_num_threads() + 1 if many_rows else 3
-    cache = torch.randn(20 * block, 2, KV, head_dim, generator=g).to(dtype)
-    tables = torch.randint(0, 20, (rows, 5), generator=g)
-    lens = torch.randint(1, 5 * block + 1, (rows,), generator=g)
+    table_len = 200 if long_context else 5  # up to 800 cached tokens: several parts of 128 or more
+    cache = torch.randn(num_blocks * block, 2, KV, head_dim, generator=g).to(dtype)
+    tables = torch.randint(0, num_blocks, (rows, table_len), generator=g)
+    lens = torch.randint(1, table_len * block + 1, (rows,), generator=g)
+    if long_context:
+        lens[0] = table_len * block  # the longest, split among every thread
     q = torch.randn(rows, H + 2 * KV, head_dim, generator=g).to(dtype)[:, :H]  # strided, as qkv's q heads are
     out = kernels.decode_attention(q, cache, block, tables, lens, head_dim**-0.5)
     for r in range(rows):

@@ -11,6 +11,11 @@
 
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64 /* query heads per KV head */
+#define MIN_PART_TOKENS 128 /* decode attention: the fewest cached tokens worth a task of their own */
+
+/* What a decode attention task over part of a context leaves for the merge: each query head's
+ * largest score, sum of exponentials against it, and unnormalized sum of V ([G], [G], [G * D]). */
+struct attn_part { float *top, *sum, *acc; };
 
 #define KSUF _portable /* the compiler's baseline instructions */
 #include "ops_body.h"

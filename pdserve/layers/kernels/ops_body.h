@@ -116,86 +116,149 @@ static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64
     }
 }
 
-/* One new token per row attending to its whole context in the paged cache. A task is one row's
- * KV heads kv0..kv1 with their query heads: each cached token's K (then V) values of those heads
- * are read once, side by side in its slot, and serve all of them. Scores first, then softmax,
- * then the weighted sum of V; a float32 cache is read in place, a bfloat16 one converted. The task
- * is compiled apart for the usual head sizes (64, 128): with D known the compiler unrolls the dot
- * products and keeps a head's row in registers. */
+/* One new token per row attending to its context in the paged cache. A task is one row's KV heads
+ * kv0..kv1 with their query heads over the cached tokens jb..je: each token's K (then V) values of
+ * those heads are read once, side by side in its slot, and serve all of them. Scores first, then
+ * their exponentials against the largest, then the weighted sum of V; a float32 cache is read in
+ * place, a bfloat16 one converted. A task over the whole context normalizes and writes its heads'
+ * output; a task over part of it (`part`) leaves each head's largest score, sum of exponentials
+ * and unnormalized sum for `merge_parts`. The task is compiled apart for the usual head sizes (64,
+ * 128): with D known the compiler unrolls the dot products and keeps a head's row in registers. */
 static inline __attribute__((always_inline)) void FN(attend_task)(
         const void *q, int64_t q_stride, int64_t r, int64_t kv0, int64_t kv1, int64_t H, int64_t KV, const int64_t D,
-        const void *cache, int64_t block_size, const int64_t *table, int64_t len, float scale, void *out, int bf16) {
-    const int64_t G = H / KV, es = bf16 ? 2 : 4, nkv = kv1 - kv0, nq = nkv * G, h0 = kv0 * G;
-    float *qf = malloc((2 * nq * D + nkv * D + nq * len) * sizeof(float));
-    float *acc = qf + nq * D, *row = acc + nq * D, *p = row + nkv * D;
+        const void *cache, int64_t block_size, const int64_t *table, int64_t jb, int64_t je, float scale, void *out,
+        int bf16, const struct attn_part *part) {
+    const int64_t G = H / KV, es = bf16 ? 2 : 4, nkv = kv1 - kv0, nq = nkv * G, h0 = kv0 * G, len = je - jb;
+    float *qf = malloc((2 * nq * D + nkv * D + nq * len + nq) * sizeof(float));
+    float *acc = part ? part->acc : qf + nq * D, *row = qf + 2 * nq * D, *p = row + nkv * D, *sums = p + nq * len;
     for (int64_t h = 0; h < nq; h++)
         FN(to_float)((const char *)q + (r * q_stride + (h0 + h) * D) * es, bf16, D, qf + h * D);
     for (int64_t half = 0; half < 2; half++) { /* 0: scores against K; 1: the sum of V they weight */
         if (half) {
-            for (int64_t h = 0; h < nq; h++) { /* softmax over the row's context */
+            for (int64_t h = 0; h < nq; h++) { /* exponentials against the largest score */
                 float *ph = p + h * len, top = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : top)
                 for (int64_t j = 0; j < len; j++) top = ph[j] > top ? ph[j] : top;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < len; j++) sum += (ph[j] = pd_expf(ph[j] - top));
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t j = 0; j < len; j++) ph[j] *= inv;
+                sums[h] = sum;
+                if (part) part->top[h] = top, part->sum[h] = sum;
             }
             memset(acc, 0, nq * D * sizeof(float));
         }
-        for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
-            const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-            for (int64_t o = 0; o < n; o++) {
-                const int64_t j = j0 + o, slot = table[b] * block_size + o;
-                const char *src = (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * es;
-                const float *kv = (const float *)src;
-                if (bf16) {
-                    const uint16_t *bits = (const uint16_t *)src;
+        for (int64_t j = jb; j < je; j++) {
+            const int64_t slot = table[j / block_size] * block_size + j % block_size;
+            const char *src = (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * es;
+            const float *kv = (const float *)src;
+            if (bf16) {
+                const uint16_t *bits = (const uint16_t *)src;
 #pragma omp simd
-                    for (int64_t i = 0; i < nkv * D; i++) row[i] = bf16_to_f32(bits[i]);
-                    kv = row;
-                }
-                for (int64_t h = 0; h < nq; h++) {
-                    const float *kh = kv + (h / G) * D;
-                    if (!half) {
-                        const float *qh = qf + h * D;
-                        float dot = 0.0f;
+                for (int64_t i = 0; i < nkv * D; i++) row[i] = bf16_to_f32(bits[i]);
+                kv = row;
+            }
+            for (int64_t h = 0; h < nq; h++) {
+                const float *kh = kv + (h / G) * D;
+                if (!half) {
+                    const float *qh = qf + h * D;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
-                        p[h * len + j] = dot * scale;
-                    } else {
-                        const float w = p[h * len + j];
-                        float *ah = acc + h * D;
+                    for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
+                    p[h * len + j - jb] = dot * scale;
+                } else {
+                    const float w = p[h * len + j - jb];
+                    float *ah = acc + h * D;
 #pragma omp simd
-                        for (int64_t i = 0; i < D; i++) ah[i] += w * kh[i];
-                    }
+                    for (int64_t i = 0; i < D; i++) ah[i] += w * kh[i];
                 }
             }
         }
     }
-    for (int64_t h = 0; h < nq; h++)
-        FN(from_float)(acc + h * D, D, (char *)out + (r * H + h0 + h) * D * es, bf16);
+    if (!part) {
+        for (int64_t h = 0; h < nq; h++) {
+            const float inv = 1.0f / sums[h];
+            float *ah = acc + h * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) ah[i] *= inv;
+            FN(from_float)(ah, D, (char *)out + (r * H + h0 + h) * D * es, bf16);
+        }
+    }
     free(qf);
 }
+
+#define ATTEND(Dk, ...)                                                                                      \
+    do {                                                                                                     \
+        if ((Dk) == 64) FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 64, cache, block_size, __VA_ARGS__);   \
+        else if ((Dk) == 128) FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 128, cache, block_size, __VA_ARGS__); \
+        else FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, Dk, cache, block_size, __VA_ARGS__);              \
+    } while (0)
 
 static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                                  int64_t D, const void *cache, int64_t block_size, const int64_t *tables,
                                  int64_t max_blocks, const int64_t *lens, float scale, void *out, int bf16) {
-    /* a task per row where rows give every thread a few; else a task per row and KV head */
-    const int64_t split = R >= 2 * threads ? 1 : KV, tasks = R * split;
+    if (R >= 2 * threads) { /* rows give every thread a few: a task per row */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t kv0 = 0, kv1 = KV, *table = tables + r * max_blocks;
+            ATTEND(D, table, 0, lens[r], scale, out, bf16, NULL);
+        }
+        return;
+    }
+    /* few rows: a task per row, KV head and part of the context (parts where a context is long
+     * enough to share among threads), merged after by the parts' largest scores */
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = lens[r] > longest ? lens[r] : longest;
+    int64_t parts = (4 * threads + R * KV - 1) / (R * KV);
+    if (parts > longest / MIN_PART_TOKENS) parts = longest / MIN_PART_TOKENS;
+    if (parts < 1) parts = 1;
+    const int64_t G = H / KV, tasks = R * KV * parts;
+    float *scratch = parts > 1 ? malloc(tasks * G * (D + 2) * sizeof(float)) : NULL;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split, kv1 = split == 1 ? KV : kv0 + 1;
-        const int64_t *table = tables + r * max_blocks;
-        if (D == 64)
-            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 64, cache, block_size, table, lens[r], scale, out, bf16);
-        else if (D == 128)
-            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, 128, cache, block_size, table, lens[r], scale, out, bf16);
-        else
-            FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, D, cache, block_size, table, lens[r], scale, out, bf16);
+        const int64_t r = task / (KV * parts), kv0 = task / parts % KV, kv1 = kv0 + 1, c = task % parts;
+        const int64_t *table = tables + r * max_blocks, len = lens[r];
+        const int64_t jb = len * c / parts, je = len * (c + 1) / parts;
+        if (!scratch) {
+            ATTEND(D, table, 0, len, scale, out, bf16, NULL);
+        } else {
+            float *base = scratch + task * G * (D + 2);
+            const struct attn_part part = {base, base + G, base + 2 * G};
+            if (je > jb) {
+                ATTEND(D, table, jb, je, scale, out, bf16, &part);
+            } else {
+                for (int64_t g = 0; g < G; g++) part.top[g] = -INFINITY, part.sum[g] = 0.0f;
+                memset(part.acc, 0, G * D * sizeof(float));
+            }
+        }
     }
+    if (!scratch) return;
+    for (int64_t rk = 0; rk < R * KV; rk++) { /* merge each head's parts */
+        const int64_t r = rk / KV, kvh = rk % KV;
+        for (int64_t g = 0; g < G; g++) {
+            float top = -INFINITY, sum = 0.0f, o[MAX_HEAD_DIM];
+            for (int64_t c = 0; c < parts; c++) {
+                const float t = scratch[(rk * parts + c) * G * (D + 2) + g];
+                top = t > top ? t : top;
+            }
+            memset(o, 0, D * sizeof(float));
+            for (int64_t c = 0; c < parts; c++) {
+                const float *base = scratch + (rk * parts + c) * G * (D + 2);
+                if (base[G + g] == 0.0f) continue; /* an empty part */
+                const float w = pd_expf(base[g] - top);
+                sum += w * base[G + g];
+                const float *a = base + 2 * G + g * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) o[i] += w * a[i];
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            FN(from_float)(o, D, (char *)out + (r * H + kvh * G + g) * D * (bf16 ? 2 : 4), bf16);
+        }
+    }
+    free(scratch);
 }
+
+#undef ATTEND
 
 #undef FN
 #undef CAT
