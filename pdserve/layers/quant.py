@@ -93,11 +93,11 @@ class QuantizedWeight:
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.expanded.get(x.dtype)
-        if w is None and not self.dense.keep:
+        if not self.dense.keep:
             buffer = self.dense.buffer(self.out_features, self.in_features, x.dtype)
             return F.linear(x, self.kernels.dequantize(self.bits, self.qs, self.scales, self.mins, buffer))
-        if w is None:  # kept in the layout the dense kernel reads fastest
+        w = self.expanded.get(x.dtype)
+        if w is None:  # expanded once, kept in the layout the dense kernel reads fastest
             into = torch.empty(self.out_features, self.in_features, dtype=x.dtype)
             w = self.expanded[x.dtype] = pack_weight(self.kernels.dequantize(self.bits, self.qs, self.scales,
                                                                              self.mins, into))

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -345,17 +345,5 @@ def _built_on_own_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
     sleeping threads to wake (measured here: a decode step twice as long as the same step in a
     process with one pool). Loading on a thread that exits frees its pool: the engine thread's own
     is then the only one."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append(build())
-        except BaseException as e:  # re-raised on the caller's thread
-            result.append(e)
-
-    thread = threading.Thread(target=run, name="engine-load")
-    thread.start()
-    thread.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as load:  # its thread ends on leaving
+        return load.submit(build).result()

@@ -65,7 +65,9 @@ int pd_rotary_store(int isa, int threads, void *qkv, int64_t T, int64_t H, int64
 int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                         int64_t D, const void *cache, int64_t block_size, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lens, float scale, void *out, int bf16) {
-    if (R < 0 || KV < 1 || H % KV || H / KV > MAX_GROUP || D < 1 || block_size < 1 || threads < 1) return -1;
+    if (R < 0 || KV < 1 || H % KV || H / KV > MAX_GROUP || D < 1 || D > MAX_HEAD_DIM || block_size < 1 ||
+        threads < 1)
+        return -1;
     for (int64_t r = 0; r < R; r++)
         if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
     DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,

@@ -192,6 +192,35 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         else FN(attend_task)(q, q_stride, r, kv0, kv1, H, KV, Dk, cache, block_size, __VA_ARGS__);              \
     } while (0)
 
+/* Each query head's output from its parts (`attn_part`s side by side in `scratch`, [R, KV, parts]):
+ * the parts' sums of V weighted by e^(their largest score - the largest of all), over the same
+ * weighting of their sums of exponentials. */
+static void FN(merge_parts)(const float *scratch, int64_t R, int64_t H, int64_t KV, int64_t D, int64_t parts,
+                            void *out, int bf16) {
+    const int64_t G = H / KV, part_floats = G * (D + 2);
+    for (int64_t rk = 0; rk < R * KV; rk++) {
+        const int64_t r = rk / KV, kvh = rk % KV;
+        const float *first = scratch + rk * parts * part_floats;
+        for (int64_t g = 0; g < G; g++) {
+            float top = -INFINITY, sum = 0.0f, o[MAX_HEAD_DIM];
+            for (int64_t c = 0; c < parts; c++) top = first[c * part_floats + g] > top ? first[c * part_floats + g] : top;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t c = 0; c < parts; c++) {
+                const float *base = first + c * part_floats;
+                if (base[G + g] == 0.0f) continue; /* an empty part */
+                const float w = pd_expf(base[g] - top), *a = base + 2 * G + g * D;
+                sum += w * base[G + g];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) o[i] += w * a[i];
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            FN(from_float)(o, D, (char *)out + (r * H + kvh * G + g) * D * (bf16 ? 2 : 4), bf16);
+        }
+    }
+}
+
 static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                                  int64_t D, const void *cache, int64_t block_size, const int64_t *tables,
                                  int64_t max_blocks, const int64_t *lens, float scale, void *out, int bf16) {
@@ -210,8 +239,10 @@ static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, i
     int64_t parts = (4 * threads + R * KV - 1) / (R * KV);
     if (parts > longest / MIN_PART_TOKENS) parts = longest / MIN_PART_TOKENS;
     if (parts < 1) parts = 1;
-    const int64_t G = H / KV, tasks = R * KV * parts;
+    const int64_t G = H / KV;
+    int64_t tasks = R * KV * parts;
     float *scratch = parts > 1 ? malloc(tasks * G * (D + 2) * sizeof(float)) : NULL;
+    if (!scratch) parts = 1, tasks = R * KV; /* no room for parts: whole contexts */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t r = task / (KV * parts), kv0 = task / parts % KV, kv1 = kv0 + 1, c = task % parts;
@@ -230,31 +261,7 @@ static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, i
             }
         }
     }
-    if (!scratch) return;
-    for (int64_t rk = 0; rk < R * KV; rk++) { /* merge each head's parts */
-        const int64_t r = rk / KV, kvh = rk % KV;
-        for (int64_t g = 0; g < G; g++) {
-            float top = -INFINITY, sum = 0.0f, o[MAX_HEAD_DIM];
-            for (int64_t c = 0; c < parts; c++) {
-                const float t = scratch[(rk * parts + c) * G * (D + 2) + g];
-                top = t > top ? t : top;
-            }
-            memset(o, 0, D * sizeof(float));
-            for (int64_t c = 0; c < parts; c++) {
-                const float *base = scratch + (rk * parts + c) * G * (D + 2);
-                if (base[G + g] == 0.0f) continue; /* an empty part */
-                const float w = pd_expf(base[g] - top);
-                sum += w * base[G + g];
-                const float *a = base + 2 * G + g * D;
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) o[i] += w * a[i];
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int64_t i = 0; i < D; i++) o[i] *= inv;
-            FN(from_float)(o, D, (char *)out + (r * H + kvh * G + g) * D * (bf16 ? 2 : 4), bf16);
-        }
-    }
+    if (scratch) FN(merge_parts)(scratch, R, H, KV, D, parts, out, bf16);
     free(scratch);
 }
 
