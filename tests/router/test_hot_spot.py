@@ -30,23 +30,27 @@ def two_decoders(tiny_llama):
         yield rs.router, rs.url, hot, cool, rs.join
 
 
+def slow_until_moved(server: WorkerServer, moved, monkeypatch) -> None:
+    """The worker decodes slowly until relief has moved a request, so that the requests outlast
+    relief's first rounds (heartbeats every half second) on any machine, slow or fast; otherwise
+    they could end before there was anything to move. Nothing here is timed."""
+    step = server.worker.engine.step
+
+    def step_until_relief():
+        if not moved():
+            time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(server.worker.engine, "step", step_until_relief)
+
+
 def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_decoders, monkeypatch):
     router, url, hot, cool, register = two_decoders
     offline = make_llm(tiny_llama)
     expected = [offline_text(offline, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
     register(hot)  # alone at first: every request starts there
     moved = lambda: router.metrics.migrations.labels("hot_spot")._value.get()  # noqa: E731
-    step = hot.worker.engine.step
-
-    def step_until_relief():
-        # The hot worker decodes slowly until relief has moved a request, so that the requests
-        # outlast relief's first rounds (heartbeats every half second) on a slow or busy machine;
-        # otherwise they could end before there was anything to move. Nothing here is timed.
-        if not moved():
-            time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(hot.worker.engine, "step", step_until_relief)
+    slow_until_moved(hot, moved, monkeypatch)
 
     def stream(prompt: str) -> str:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -76,7 +80,7 @@ def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_dec
     assert not router.live and router.admission.requests == 0
 
 
-def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_llama):
+def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_llama, monkeypatch):
     """Draining makes a worker look full to hot-spot relief: its running requests move to another
     decode worker, which takes their KV from it, and every stream goes on with the same text."""
     offline = make_llm(tiny_llama)
@@ -85,6 +89,8 @@ def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_lla
           WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as other,
           RouterServer(tiny_llama, lease_s=1.5, relief=HotSpotRelief(min_remaining_tokens=16)) as rs):
         rs.join(draining)  # alone at first: every request starts there
+        moved = lambda: rs.router.metrics.migrations.labels("hot_spot")._value.get()  # noqa: E731
+        slow_until_moved(draining, moved, monkeypatch)
 
         def complete(prompt: str) -> str:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -100,9 +106,8 @@ def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_lla
             texts = [f.result(timeout=120) for f in futures]
 
         assert texts == expected
-        moved = rs.router.metrics.migrations.labels("hot_spot")._value.get()
-        assert moved >= 1 and other.worker.stats().kv_landed == moved  # the KV came from the draining one
-        assert draining.worker.stats().kv_notified == moved
+        assert moved() >= 1 and other.worker.stats().kv_landed == moved()  # the KV came from the draining one
+        assert draining.worker.stats().kv_notified == moved()
         r = httpx.post(draining.url + "/v1/generate", json={"prompt_token_ids": [1, 2, 3]})
         assert r.status_code == 503 and "draining" in r.json()["error"]["message"]  # nothing new is taken
         wait_for(lambda: draining.is_idle() and other.is_idle(), 10, "both workers idle")
