@@ -62,7 +62,8 @@ def test_rotary_in_place_then_k_and_v_into_their_slots(kernels, dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("head_dim", [D, 64])  # 64 (and 128) run a variant compiled for that size
+# 64 (and 128) run a variant compiled for that size; 40 is a whole number of AVX2 vectors, not AVX-512 ones
+@pytest.mark.parametrize("head_dim", [D, 64, 40])
 # few rows: a task per KV head, and per part of a long context (merged after); many rows: per row
 @pytest.mark.parametrize("many_rows,long_context", [(False, False), (True, False), (False, True), (True, True)])
 def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, many_rows, long_context):

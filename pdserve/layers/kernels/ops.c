@@ -17,22 +17,37 @@
  * largest score, sum of exponentials against it, and unnormalized sum of V ([G], [G], [G * D]). */
 struct attn_part { float *top, *sum, *acc; };
 
+/* Walks a context's slots in order through its block table without a division per token. */
+struct slot_cursor { const int64_t *table; int64_t block_size, block, offset; };
+
+static inline int64_t next_slot(struct slot_cursor *at) {
+    const int64_t slot = at->table[at->block] * at->block_size + at->offset;
+    if (++at->offset == at->block_size) at->offset = 0, at->block++;
+    return slot;
+}
+
 #define KSUF _portable /* the compiler's baseline instructions */
+#define ATTN_LANES 0 /* decode attention's vector width: 0, plain loops */
 #include "ops_body.h"
 #undef KSUF
+#undef ATTN_LANES
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define KSUF _avx2
+#define ATTN_LANES 8
 #include "ops_body.h"
 #undef KSUF
+#undef ATTN_LANES
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #define KSUF _avx512
+#define ATTN_LANES 16
 #include "ops_body.h"
 #undef KSUF
+#undef ATTN_LANES
 #pragma GCC pop_options
 
 /* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */

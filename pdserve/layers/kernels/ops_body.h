@@ -116,6 +116,109 @@ static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64
     }
 }
 
+/* The float32 values of K (half 0) or V (half 1) in a slot for KV heads kv0..kv0+nkv: read in place
+ * from a float32 cache, converted into `row` from a bfloat16 one. */
+static inline const char *FN(slot_row)(const void *cache, int64_t slot, int64_t half, int64_t KV, int64_t kv0,
+                                       const int64_t D, int bf16) {
+    return (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * (bf16 ? 2 : 4);
+}
+
+static inline const float *FN(token_values)(const void *cache, int64_t slot, int64_t half, int64_t KV, int64_t kv0,
+                                            int64_t nkv, const int64_t D, int bf16, float *row) {
+    const char *src = FN(slot_row)(cache, slot, half, KV, kv0, D, bf16);
+    if (!bf16) return (const float *)src;
+    const uint16_t *bits = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < nkv * D; i++) row[i] = bf16_to_f32(bits[i]);
+    return row;
+}
+
+#if ATTN_LANES
+/* Tokens are taken 8 at a time where the head size is a whole number of vectors: a score is then
+ * a vector of partial products per token, and the 8 tokens' vectors are summed across lanes
+ * together (one shuffle tree instead of 8 horizontal sums), and a head's weighted sum of V stays
+ * in registers over the 8 tokens. */
+#if ATTN_LANES == 16
+#define VEC __m512
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+static inline __m256 FN(fold8)(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+static inline __attribute__((always_inline)) __m512 FN(load_kv)(const char *row, int64_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#else
+#define VEC __m256
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+static inline __m256 FN(fold8)(__m256 v) { return v; }
+static inline __attribute__((always_inline)) __m256 FN(load_kv)(const char *row, int64_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+/* Lane i of the result: the sum of a[i]'s lanes. */
+static inline __m256 FN(sum8)(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* halves of a[0..3], a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores (times `scale`) of the nq query heads (qf, G to a KV head) against 8 tokens whose K rows
+ * (in the cache, float32 or bfloat16) are k[0..7], into p[h * len + 0..7]. */
+static inline __attribute__((always_inline)) void FN(score8)(const float *qf, const char *const *k, int64_t nq,
+                                                             int64_t G, const int64_t D, const int bf16, float scale,
+                                                             float *p, int64_t len) {
+    for (int64_t h = 0; h < nq; h++) {
+        const float *qh = qf + h * D;
+        const int64_t head = h / G * D;
+        __m256 part[8];
+        for (int b = 0; b < 8; b++) {
+            VEC acc = VZERO();
+            for (int64_t i = 0; i < D; i += ATTN_LANES) acc = VFMA(VLOAD(qh + i), FN(load_kv)(k[b], head + i, bf16), acc);
+            part[b] = FN(fold8)(acc);
+        }
+        _mm256_storeu_ps(p + h * len, _mm256_mul_ps(FN(sum8)(part), _mm256_set1_ps(scale)));
+    }
+}
+
+/* acc[h] += the 8 tokens' V rows (v[0..7], in the cache) weighted by p[h * len + 0..7]. */
+static inline __attribute__((always_inline)) void FN(weigh8)(const char *const *v, const float *p, int64_t len,
+                                                             int64_t nq, int64_t G, const int64_t D, const int bf16,
+                                                             float *acc) {
+    const int64_t n = D / ATTN_LANES;
+    for (int64_t h = 0; h < nq; h++) {
+        float *ah = acc + h * D;
+        const int64_t head = h / G * D;
+        VEC a[MAX_HEAD_DIM / ATTN_LANES];
+        for (int64_t i = 0; i < n; i++) a[i] = VLOAD(ah + i * ATTN_LANES);
+        for (int b = 0; b < 8; b++) {
+            const VEC w = VSET1(p[h * len + b]);
+            for (int64_t i = 0; i < n; i++) a[i] = VFMA(w, FN(load_kv)(v[b], head + i * ATTN_LANES, bf16), a[i]);
+        }
+        for (int64_t i = 0; i < n; i++) VSTORE(ah + i * ATTN_LANES, a[i]);
+    }
+}
+#undef VEC
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VFMA
+#endif
+
 /* One new token per row attending to its context in the paged cache. A task is one row's KV heads
  * kv0..kv1 with their query heads over the cached tokens jb..je: each token's K (then V) values of
  * those heads are read once, side by side in its slot, and serve all of them. Scores first, then
@@ -130,7 +233,7 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         int bf16, const struct attn_part *part) {
     const int64_t G = H / KV, es = bf16 ? 2 : 4, nkv = kv1 - kv0, nq = nkv * G, h0 = kv0 * G, len = je - jb;
     float *qf = malloc((2 * nq * D + nkv * D + nq * len + nq) * sizeof(float));
-    float *acc = part ? part->acc : qf + nq * D, *row = qf + 2 * nq * D, *p = row + nkv * D, *sums = p + nq * len;
+    float *acc = part ? part->acc : qf + nq * D, *rows = qf + 2 * nq * D, *p = rows + nkv * D, *sums = p + nq * len;
     for (int64_t h = 0; h < nq; h++)
         FN(to_float)((const char *)q + (r * q_stride + (h0 + h) * D) * es, bf16, D, qf + h * D);
     for (int64_t half = 0; half < 2; half++) { /* 0: scores against K; 1: the sum of V they weight */
@@ -146,16 +249,22 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
             }
             memset(acc, 0, nq * D * sizeof(float));
         }
-        for (int64_t j = jb; j < je; j++) {
-            const int64_t slot = table[j / block_size] * block_size + j % block_size;
-            const char *src = (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * es;
-            const float *kv = (const float *)src;
-            if (bf16) {
-                const uint16_t *bits = (const uint16_t *)src;
-#pragma omp simd
-                for (int64_t i = 0; i < nkv * D; i++) row[i] = bf16_to_f32(bits[i]);
-                kv = row;
+        int64_t j = jb;
+        struct slot_cursor at = {table, block_size, j / block_size, j % block_size};
+#if ATTN_LANES
+        if (D % ATTN_LANES == 0) {
+            for (; j + 8 <= je; j += 8) {
+                const char *kv[8];
+                for (int b = 0; b < 8; b++) kv[b] = FN(slot_row)(cache, next_slot(&at), half, KV, kv0, D, bf16);
+                if (!half && bf16) FN(score8)(qf, kv, nq, G, D, 1, scale, p + j - jb, len);
+                else if (!half) FN(score8)(qf, kv, nq, G, D, 0, scale, p + j - jb, len);
+                else if (bf16) FN(weigh8)(kv, p + j - jb, len, nq, G, D, 1, acc);
+                else FN(weigh8)(kv, p + j - jb, len, nq, G, D, 0, acc);
             }
+        }
+#endif
+        for (; j < je; j++) {
+            const float *kv = FN(token_values)(cache, next_slot(&at), half, KV, kv0, nkv, D, bf16, rows);
             for (int64_t h = 0; h < nq; h++) {
                 const float *kh = kv + (h / G) * D;
                 if (!half) {
