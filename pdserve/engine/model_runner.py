@@ -37,6 +37,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         # [layers, slots, K/V, kv_heads, head_dim]; one slot per token position of a block
         shape = (cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
         if kv_allocator is not None:  # e.g. in shared memory, for a same-host prefill worker to fill
@@ -159,7 +160,8 @@ class ModelRunner:
         mask = None
         if start:  # query i (position start+i) sees keys 0..start+i
             q_pos = torch.arange(start, context_len, device=self.device).unsqueeze(1)
-            mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= q_pos
+            unseen = torch.arange(context_len, device=self.device).unsqueeze(0) > q_pos
+            mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, -torch.inf)
         return PrefillChunk(query_start, n, context_len, blocks, mask)
 
 

@@ -38,7 +38,9 @@ class PrefillChunk:
     query_len: int  # tokens computed in this chunk
     context_len: int  # tokens the chunk attends to (cached prefix + itself)
     context_blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids holding them
-    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plainly causal
+    # [query_len, context_len] added to the scores: 0 where a query sees the key, -inf where not (a
+    # bool mask would be converted to this by every layer's attention call); None when plainly causal
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ for a small mixed batch. The model is never run: only its shape sizes the KV cac
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -69,7 +70,7 @@ def test_a_mixed_batch_of_decodes_and_prefill_chunks():
     assert (chunk_c.query_start, chunk_c.query_len, chunk_c.context_len) == (2, 5, 9)
     assert chunk_c.context_blocks.tolist() == [6, 1, 8]
     # query i (position 4 + i) sees keys 0 .. 4 + i
-    assert chunk_c.mask.tolist() == [[k <= 4 + i for k in range(9)] for i in range(5)]
+    assert chunk_c.mask.tolist() == [[0.0 if k <= 4 + i else -math.inf for k in range(9)] for i in range(5)]
     assert (chunk_d.query_start, chunk_d.query_len, chunk_d.context_len) == (7, 3, 3)
     assert chunk_d.context_blocks.tolist() == [10] and chunk_d.mask is None  # plainly causal
 
