@@ -274,15 +274,15 @@ class LLMEngine:
         return len(self._parents)
 
     def warm_up(self) -> float:
-        """Run one prompt of two full steps' tokens (a chunk alone, then one after a cached prefix)
-        through the model and drop its output, before any request comes: the first steps of those
-        shapes set up the math library's kernels (seconds on some CPUs), which a server's first
+        """Run one prompt of a full step's tokens and one block more (a chunk alone, then one after a
+        cached prefix) through the model and drop its output, before any request comes: the first
+        steps of those shapes set up the math library's kernels (seconds on some CPUs), which a server's first
         request would otherwise wait for. The engine must be idle. Returns the seconds it took."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
         t0 = time.perf_counter()
         room = (self.block_manager.num_free_blocks - 1) * self.config.block_size
-        n = min(2 * self.config.max_num_batched_tokens, self.max_model_len - 1, room)
+        n = min(self.config.max_num_batched_tokens + self.config.block_size, self.max_model_len - 1, room)
         if n < 1:
             return 0.0
         vocab = self.model_config.vocab_size

@@ -1,5 +1,5 @@
-"""An engine warms up before serving: one prompt of two full steps through the model, its output
-dropped, nothing held afterwards, and later requests answered as they would have been."""
+"""An engine warms up before serving: one prompt of a full step and a block more through the model,
+its output dropped, nothing held afterwards, and later requests answered as they would have been."""
 
 from __future__ import annotations
 
