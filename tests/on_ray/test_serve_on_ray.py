@@ -176,10 +176,13 @@ def test_scale_drains_and_adds_workers(deployment):
     down = subprocess.run([*scale, "--decode", "1"], capture_output=True, text=True, timeout=180)
     assert down.returncode == 0, down.stderr
     assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 1, "both": 0}
+    # the deployment reports on its own output, read on a thread: the command may return first
+    wait_for(lambda: deployment.event("removed"), 30, "the deployment to report the removal")
     assert deployment.event("removed")["name"] == "decode worker 2"  # the newest goes first
     assert deployment.event("draining", "decode worker 2")  # it finished its requests and left first
     up = subprocess.run([*scale, "--decode", "2"], capture_output=True, text=True, timeout=180)
     assert up.returncode == 0, up.stderr
+    wait_for(lambda: deployment.event("added"), 30, "the deployment to report the new worker")
     added = deployment.event("added")
     assert added["name"] == "decode worker 3"  # in the bundle, and on the node, the removed one left free
     assert httpx.get(url + "/health").json()["roles"] == {"prefill": 1, "decode": 2, "both": 0}
