@@ -276,8 +276,9 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run one prompt of a full step's tokens and one block more (a chunk alone, then one after a
         cached prefix) through the model and drop its output, before any request comes: the first
-        steps of those shapes set up the math library's kernels (seconds on some CPUs), which a server's first
-        request would otherwise wait for. The engine must be idle. Returns the seconds it took."""
+        steps of those shapes set up the math library's kernels (seconds on some CPUs), which a
+        server's first request would otherwise wait for. The engine must be idle. Returns the
+        seconds it took."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
         t0 = time.perf_counter()

@@ -116,13 +116,14 @@ static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64
     }
 }
 
-/* The float32 values of K (half 0) or V (half 1) in a slot for KV heads kv0..kv0+nkv: read in place
- * from a float32 cache, converted into `row` from a bfloat16 one. */
+/* Where a slot's K (half 0) or V (half 1) for KV heads kv0.. starts in the cache. */
 static inline const char *FN(slot_row)(const void *cache, int64_t slot, int64_t half, int64_t KV, int64_t kv0,
                                        const int64_t D, int bf16) {
     return (const char *)cache + ((slot * 2 + half) * KV + kv0) * D * (bf16 ? 2 : 4);
 }
 
+/* The float32 values of K (half 0) or V (half 1) in a slot for KV heads kv0..kv0+nkv: read in place
+ * from a float32 cache, converted into `row` from a bfloat16 one. */
 static inline const float *FN(token_values)(const void *cache, int64_t slot, int64_t half, int64_t KV, int64_t kv0,
                                             int64_t nkv, const int64_t D, int bf16, float *row) {
     const char *src = FN(slot_row)(cache, slot, half, KV, kv0, D, bf16);
@@ -187,7 +188,8 @@ static inline __attribute__((always_inline)) void FN(score8)(const float *qf, co
         __m256 part[8];
         for (int b = 0; b < 8; b++) {
             VEC acc = VZERO();
-            for (int64_t i = 0; i < D; i += ATTN_LANES) acc = VFMA(VLOAD(qh + i), FN(load_kv)(k[b], head + i, bf16), acc);
+            for (int64_t i = 0; i < D; i += ATTN_LANES)
+                acc = VFMA(VLOAD(qh + i), FN(load_kv)(k[b], head + i, bf16), acc);
             part[b] = FN(fold8)(acc);
         }
         _mm256_storeu_ps(p + h * len, _mm256_mul_ps(FN(sum8)(part), _mm256_set1_ps(scale)));
@@ -233,7 +235,7 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         int bf16, const struct attn_part *part) {
     const int64_t G = H / KV, es = bf16 ? 2 : 4, nkv = kv1 - kv0, nq = nkv * G, h0 = kv0 * G, len = je - jb;
     float *qf = malloc((2 * nq * D + nkv * D + nq * len + nq) * sizeof(float));
-    float *acc = part ? part->acc : qf + nq * D, *rows = qf + 2 * nq * D, *p = rows + nkv * D, *sums = p + nq * len;
+    float *acc = part ? part->acc : qf + nq * D, *row = qf + 2 * nq * D, *p = row + nkv * D, *sums = p + nq * len;
     for (int64_t h = 0; h < nq; h++)
         FN(to_float)((const char *)q + (r * q_stride + (h0 + h) * D) * es, bf16, D, qf + h * D);
     for (int64_t half = 0; half < 2; half++) { /* 0: scores against K; 1: the sum of V they weight */
@@ -264,7 +266,7 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         }
 #endif
         for (; j < je; j++) {
-            const float *kv = FN(token_values)(cache, next_slot(&at), half, KV, kv0, nkv, D, bf16, rows);
+            const float *kv = FN(token_values)(cache, next_slot(&at), half, KV, kv0, nkv, D, bf16, row);
             for (int64_t h = 0; h < nq; h++) {
                 const float *kh = kv + (h / G) * D;
                 if (!half) {
