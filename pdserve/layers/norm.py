@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 as the reference implementation does: by pdserve's kernel when
-the step has them (one call instead of a handful of operators), else by torch."""
+the step has them (one call instead of a handful of operators), else by torch. `add_and_norm` takes
+the residual add before it too, which the kernel does in the same pass over the rows."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As the reference: normalize in float32, round to the activation dtype, then scale.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     kernels: NativeKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); with the kernels x itself becomes x + delta. No delta: (x, norm)."""
+        if delta is None:
+            return x, self(x, kernels)
+        if kernels is None:
+            x = x + delta
+            return x, self(x)
+        y = kernels.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps, delta.reshape(-1, x.shape[-1]))
+        return x, y.view(x.shape)

@@ -103,10 +103,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta: the previous layer's MLP output, None before the
+        first); it returns the same pair for the next. The residual adds thus fuse with the norms
+        after them (pdserve's kernels add in place, in the same pass)."""
         kernels = None if meta is None else meta.kernels  # pdserve's, when the step runs them
-        x = x + self.self_attn(self.input_layernorm(x, kernels), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
+        x, h = self.input_layernorm.add_and_norm(x, delta, kernels)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos_sin, kv_cache, meta), kernels)
+        return x, self.mlp(h, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,13 +131,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata | None,  # None (with kv_caches): the step's, from `step_metadata` (compiled)
         on_layer: Callable[[int], None] | None = None,  # told each layer's index once its KV is written
     ) -> torch.Tensor:  # [tokens, hidden]
-        x = F.embedding(input_ids, self.embed_tokens)
+        x, delta = F.embedding(input_ids, self.embed_tokens), None
         cos_sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, None if kv_caches is None else kv_caches[i], meta)
+            x, delta = layer(x, delta, cos_sin, None if kv_caches is None else kv_caches[i], meta)
             if on_layer is not None:
                 on_layer(i)
-        return self.norm(x, None if meta is None else meta.kernels)
+        return self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return linear(hidden, self.lm_head).float()

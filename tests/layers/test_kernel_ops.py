@@ -35,9 +35,26 @@ def test_rms_norm(kernels, dtype):
 
 
 @DTYPES
-def test_silu_times_up(kernels, dtype):
-    gate_up = (torch.randn(2, 2 * 80) * 3).to(dtype)
-    gate, up = gate_up.split(80, dim=-1)
+def test_rms_norm_after_the_residual_add_adds_in_place(kernels, dtype):
+    x = (torch.randn(5, 96) * 4).to(dtype)
+    delta = (torch.randn(5, 96) * 4).to(dtype)
+    w = (torch.rand(96) + 0.5).to(dtype)
+    total = x + delta  # torch's add, rounded to the dtype
+    ref = (F.rms_norm(total, (96,), w, 1e-6) if dtype == torch.float32
+           else w * F.rms_norm(total.float(), (96,), None, 1e-6).to(dtype))
+    y = kernels.rms_norm(x, w, 1e-6, delta)
+    torch.testing.assert_close(x, total, atol=0, rtol=0)
+    torch.testing.assert_close(y, ref, atol=EXACT[dtype], rtol=1e-5)
+    with pytest.raises(ValueError, match="does not match"):
+        kernels.rms_norm(x, w, 1e-6, delta[:4])
+
+
+@DTYPES
+@pytest.mark.parametrize("width", [80, 37])  # whole vectors; then a tail the vector loops leave
+def test_silu_times_up(kernels, dtype, width):
+    gate_up = (torch.randn(3, 2 * width) * 3).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, -60.0, 60.0, 100.0])  # exp's clamp, and beyond it
+    gate, up = gate_up.split(width, dim=-1)
     # its exp is within 1e-7 of torch's: a bfloat16 result may round one unit (2^-8) the other way
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=tol)

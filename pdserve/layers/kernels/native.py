@@ -85,11 +85,18 @@ class NativeKernels:
 
     # -- the per-token operations (ops.c); tensors are float32 or bfloat16, contiguous rows --------
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [rows, hidden] -> normalized and scaled, a new tensor."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, hidden] -> normalized and scaled, a new tensor. With `delta` (x's shape), x +=
+        delta first, in place (a decoder's residual add, fused with the norm that follows it)."""
         _contiguous(x, weight)
+        if delta is not None:
+            _contiguous(delta)
+            if delta.shape != x.shape or delta.dtype != x.dtype:
+                raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} does not match x {tuple(x.shape)} {x.dtype}")
         y = torch.empty_like(x)
-        _check(self.lib.pd_rms_norm(self.isa, torch.get_num_threads(), x.data_ptr(), weight.data_ptr(), eps,
+        _check(self.lib.pd_rms_norm(self.isa, torch.get_num_threads(), x.data_ptr(),
+                                    None if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
                                     x.shape[0], x.shape[1], y.data_ptr(), x.dtype == torch.bfloat16), "rms_norm")
         return y
 
@@ -158,7 +165,7 @@ def load() -> NativeKernels | None:
     lib.pd_qmatmul.restype = i32
     lib.pd_dequantize.argtypes = [i32, i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
     f32 = ctypes.c_float
-    lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, f32, i64, i64, ptr, i32]
+    lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
     lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     lib.pd_rotary_store.argtypes = [i32, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]

@@ -27,27 +27,27 @@ static inline int64_t next_slot(struct slot_cursor *at) {
 }
 
 #define KSUF _portable /* the compiler's baseline instructions */
-#define ATTN_LANES 0 /* decode attention's vector width: 0, plain loops */
+#define VEC_LANES 0 /* width of the hand-vectorized loops: 0, plain loops */
 #include "ops_body.h"
 #undef KSUF
-#undef ATTN_LANES
+#undef VEC_LANES
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define KSUF _avx2
-#define ATTN_LANES 8
+#define VEC_LANES 8
 #include "ops_body.h"
 #undef KSUF
-#undef ATTN_LANES
+#undef VEC_LANES
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #define KSUF _avx512
-#define ATTN_LANES 16
+#define VEC_LANES 16
 #include "ops_body.h"
 #undef KSUF
-#undef ATTN_LANES
+#undef VEC_LANES
 #pragma GCC pop_options
 
 /* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */
@@ -60,10 +60,11 @@ static inline int64_t next_slot(struct slot_cursor *at) {
         return 0;                                                                           \
     } while (0)
 
-int pd_rms_norm(int isa, int threads, const void *x, const void *w, float eps, int64_t T, int64_t H, void *y,
-                int bf16) {
+/* delta may be NULL (a plain norm); else x += delta first, in place. */
+int pd_rms_norm(int isa, int threads, void *x, const void *delta, const void *w, float eps, int64_t T, int64_t H,
+                void *y, int bf16) {
     if (T < 0 || H < 1 || threads < 1) return -1;
-    DISPATCH(isa, rms_norm, threads, x, w, eps, T, H, y, bf16);
+    DISPATCH(isa, rms_norm, threads, x, delta, w, eps, T, H, y, bf16);
 }
 
 int pd_silu_mul(int isa, int threads, const void *gate_up, int64_t T, int64_t I, void *out, int bf16) {

@@ -37,43 +37,185 @@ static inline void FN(round_bf16)(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
 }
 
+#if VEC_LANES
+/* Hand-vectorized loops, VEC_LANES float32 values a vector: the compiler does not turn a division
+ * into a reciprocal, nor keep the attention's running sums in registers, by itself. */
+#if VEC_LANES == 16
+#define VEC __m512
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMUL _mm512_mul_ps
+#define VMIN _mm512_min_ps
+#define VMAX _mm512_max_ps
+#define VFMA _mm512_fmadd_ps
+#define VFNMA _mm512_fnmadd_ps
+#define VRCP _mm512_rcp14_ps
+#define VTOINT _mm512_cvtps_epi32
+#define VFLOATS _mm512_castsi512_ps
+#define VI_SET1 _mm512_set1_epi32
+#define VI_ADD _mm512_add_epi32
+#define VI_SLL _mm512_slli_epi32
+static inline __m256 FN(fold8)(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* VEC_LANES values from element i of a float32 or bfloat16 row. */
+static inline __attribute__((always_inline)) __m512 FN(load_row)(const void *row, int64_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+/* f32_to_bf16 of each lane, in the low 16 bits of its 32. */
+static inline __m512i FN(bf16_bits)(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+static inline __attribute__((always_inline)) void FN(store_row)(void *row, int64_t i, __m512 v, const int bf16) {
+    if (!bf16) _mm512_storeu_ps((float *)row + i, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)row + i), _mm512_cvtepi32_epi16(FN(bf16_bits)(v)));
+}
+#else
+#define VEC __m256
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMUL _mm256_mul_ps
+#define VMIN _mm256_min_ps
+#define VMAX _mm256_max_ps
+#define VFMA _mm256_fmadd_ps
+#define VFNMA _mm256_fnmadd_ps
+#define VRCP _mm256_rcp_ps
+#define VTOINT _mm256_cvtps_epi32
+#define VFLOATS _mm256_castsi256_ps
+#define VI_SET1 _mm256_set1_epi32
+#define VI_ADD _mm256_add_epi32
+#define VI_SLL _mm256_slli_epi32
+static inline __m256 FN(fold8)(__m256 v) { return v; }
+static inline __attribute__((always_inline)) __m256 FN(load_row)(const void *row, int64_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+static inline __m256i FN(bf16_bits)(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                             _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+}
+static inline __attribute__((always_inline)) void FN(store_row)(void *row, int64_t i, __m256 v, const int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)row + i, v);
+    } else {
+        const __m256i bits = FN(bf16_bits)(v);
+        _mm_storeu_si128((__m128i *)((uint16_t *)row + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    }
+}
+#endif
+
+/* Each lane rounded to bfloat16 and back, as round_bf16. */
+static inline VEC FN(round_vec)(VEC v) { return VFLOATS(VI_SLL(FN(bf16_bits)(v), 16)); }
+
+/* pd_expf, a vector at a time. */
+static inline VEC FN(vexp)(VEC x) {
+    x = VMIN(VMAX(x, VSET1(-87.0f)), VSET1(88.0f));
+    const VEC t = VMUL(x, VSET1(1.4426950408889634f));
+    const VEC n = VSUB(VADD(t, VSET1(12582912.0f)), VSET1(12582912.0f));
+    const VEC f = VMUL(VSUB(t, n), VSET1(0.6931471805599453f));
+    VEC p = VSET1(1.0f / 720.0f);
+    p = VFMA(p, f, VSET1(1.0f / 120.0f));
+    p = VFMA(p, f, VSET1(1.0f / 24.0f));
+    p = VFMA(p, f, VSET1(1.0f / 6.0f));
+    p = VFMA(p, f, VSET1(0.5f));
+    p = VFMA(p, f, VSET1(1.0f));
+    p = VFMA(p, f, VSET1(1.0f));
+    return VMUL(p, VFLOATS(VI_SLL(VI_ADD(VTOINT(n), VI_SET1(127)), 23)));
+}
+
+/* 1 / d: the CPU's estimate (12 or 14 bits) and one Newton step, about 4x cheaper than dividing. */
+static inline VEC FN(vrecip)(VEC d) {
+    const VEC r = VRCP(d);
+    return VMUL(r, VFNMA(d, r, VSET1(2.0f)));
+}
+#endif
+
+/* One row of rms_norm: row (float32, H values; overwritten) normalized, scaled by weight and written
+ * to y. */
+static inline void FN(norm_row)(float *row, const float *weight, float eps, int64_t H, void *y, int bf16) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; i++) ss += row[i] * row[i];
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) row[i] *= inv;
+    if (bf16) FN(round_bf16)(row, H);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) row[i] *= weight[i];
+    FN(from_float)(row, H, y, bf16);
+}
+
 /* y = x / sqrt(mean(x^2) + eps) * w, row by row (bfloat16: normalized in float32, rounded, then
- * scaled and rounded again, as transformers computes it). */
-static void FN(rms_norm)(int threads, const void *x, const void *w, float eps, int64_t T, int64_t H, void *y,
-                         int bf16) {
+ * scaled and rounded again, as transformers computes it). With `delta`, x += delta first, in place
+ * and rounded to x's dtype as torch adds: the residual add that precedes each norm of a decoder,
+ * without a pass of its own over the rows. */
+static void FN(rms_norm)(int threads, void *x, const void *delta, const void *w, float eps, int64_t T, int64_t H,
+                         void *y, int bf16) {
+    const int64_t es = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        float *row = malloc(2 * H * sizeof(float)), *weight = row + H;
-        const int64_t off = t * H * (bf16 ? 2 : 4);
-        FN(to_float)((const char *)x + off, bf16, H, row);
+        float *row = malloc(3 * H * sizeof(float)), *weight = row + H, *d = weight + H;
+        char *xt = (char *)x + t * H * es;
+        FN(to_float)(xt, bf16, H, row);
         FN(to_float)(w, bf16, H, weight);
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < H; i++) ss += row[i] * row[i];
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        if (delta) {
+            FN(to_float)((const char *)delta + t * H * es, bf16, H, d);
 #pragma omp simd
-        for (int64_t i = 0; i < H; i++) row[i] *= inv;
-        if (bf16) FN(round_bf16)(row, H);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++) row[i] *= weight[i];
-        FN(from_float)(row, H, (char *)y + off, bf16);
+            for (int64_t i = 0; i < H; i++) row[i] += d[i];
+            FN(from_float)(row, H, xt, bf16);
+            if (bf16) FN(round_bf16)(row, H);
+        }
+        FN(norm_row)(row, weight, eps, H, (char *)y + t * H * es, bf16);
         free(row);
     }
 }
 
-/* out = silu(gate) * up for gate_up = [gate | up] rows of 2I. */
+/* out = silu(gate) * up for gate_up = [gate | up] rows of 2I (bfloat16: silu rounded before the
+ * product, as transformers computes it). */
 static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void *out, int bf16) {
+    const int64_t es = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        float *g = malloc(2 * I * sizeof(float)), *u = g + I;
-        FN(to_float)((const char *)gu + t * 2 * I * (bf16 ? 2 : 4), bf16, 2 * I, g);
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + pd_expf(-g[i]));
-        if (bf16) FN(round_bf16)(g, I);
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) g[i] *= u[i];
-        FN(from_float)(g, I, (char *)out + t * I * (bf16 ? 2 : 4), bf16);
-        free(g);
+        const char *gate = (const char *)gu + t * 2 * I * es, *up = gate + I * es;
+        char *o = (char *)out + t * I * es;
+        int64_t i = 0;
+#if VEC_LANES
+        for (; i + VEC_LANES <= I; i += VEC_LANES) {
+            const VEC g = FN(load_row)(gate, i, bf16);
+            VEC s = VMUL(g, FN(vrecip)(VADD(VSET1(1.0f), FN(vexp)(VSUB(VZERO(), g)))));
+            if (bf16) s = FN(round_vec)(s);
+            FN(store_row)(o, i, VMUL(s, FN(load_row)(up, i, bf16)), bf16);
+        }
+#endif
+        for (; i < I; i++) {
+            const float g = bf16 ? bf16_to_f32(((const uint16_t *)gate)[i]) : ((const float *)gate)[i];
+            const float u = bf16 ? bf16_to_f32(((const uint16_t *)up)[i]) : ((const float *)up)[i];
+            float s = g / (1.0f + pd_expf(-g));
+            if (bf16) s = bf16_to_f32(f32_to_bf16(s));
+            if (bf16) ((uint16_t *)o)[i] = f32_to_bf16(s * u);
+            else ((float *)o)[i] = s * u;
+        }
     }
 }
 
@@ -134,41 +276,12 @@ static inline const float *FN(token_values)(const void *cache, int64_t slot, int
     return row;
 }
 
-#if ATTN_LANES
+
+#if VEC_LANES
 /* Tokens are taken 8 at a time where the head size is a whole number of vectors: a score is then
  * a vector of partial products per token, and the 8 tokens' vectors are summed across lanes
  * together (one shuffle tree instead of 8 horizontal sums), and a head's weighted sum of V stays
  * in registers over the 8 tokens. */
-#if ATTN_LANES == 16
-#define VEC __m512
-#define VLOAD _mm512_loadu_ps
-#define VSTORE _mm512_storeu_ps
-#define VSET1 _mm512_set1_ps
-#define VZERO _mm512_setzero_ps
-#define VFMA _mm512_fmadd_ps
-static inline __m256 FN(fold8)(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-static inline __attribute__((always_inline)) __m512 FN(load_kv)(const char *row, int64_t i, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#else
-#define VEC __m256
-#define VLOAD _mm256_loadu_ps
-#define VSTORE _mm256_storeu_ps
-#define VSET1 _mm256_set1_ps
-#define VZERO _mm256_setzero_ps
-#define VFMA _mm256_fmadd_ps
-static inline __m256 FN(fold8)(__m256 v) { return v; }
-static inline __attribute__((always_inline)) __m256 FN(load_kv)(const char *row, int64_t i, const int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)row + i);
-    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-#endif
-
 /* Lane i of the result: the sum of a[i]'s lanes. */
 static inline __m256 FN(sum8)(const __m256 *a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -188,8 +301,8 @@ static inline __attribute__((always_inline)) void FN(score8)(const float *qf, co
         __m256 part[8];
         for (int b = 0; b < 8; b++) {
             VEC acc = VZERO();
-            for (int64_t i = 0; i < D; i += ATTN_LANES)
-                acc = VFMA(VLOAD(qh + i), FN(load_kv)(k[b], head + i, bf16), acc);
+            for (int64_t i = 0; i < D; i += VEC_LANES)
+                acc = VFMA(VLOAD(qh + i), FN(load_row)(k[b], head + i, bf16), acc);
             part[b] = FN(fold8)(acc);
         }
         _mm256_storeu_ps(p + h * len, _mm256_mul_ps(FN(sum8)(part), _mm256_set1_ps(scale)));
@@ -200,25 +313,19 @@ static inline __attribute__((always_inline)) void FN(score8)(const float *qf, co
 static inline __attribute__((always_inline)) void FN(weigh8)(const char *const *v, const float *p, int64_t len,
                                                              int64_t nq, int64_t G, const int64_t D, const int bf16,
                                                              float *acc) {
-    const int64_t n = D / ATTN_LANES;
+    const int64_t n = D / VEC_LANES;
     for (int64_t h = 0; h < nq; h++) {
         float *ah = acc + h * D;
         const int64_t head = h / G * D;
-        VEC a[MAX_HEAD_DIM / ATTN_LANES];
-        for (int64_t i = 0; i < n; i++) a[i] = VLOAD(ah + i * ATTN_LANES);
+        VEC a[MAX_HEAD_DIM / VEC_LANES];
+        for (int64_t i = 0; i < n; i++) a[i] = VLOAD(ah + i * VEC_LANES);
         for (int b = 0; b < 8; b++) {
             const VEC w = VSET1(p[h * len + b]);
-            for (int64_t i = 0; i < n; i++) a[i] = VFMA(w, FN(load_kv)(v[b], head + i * ATTN_LANES, bf16), a[i]);
+            for (int64_t i = 0; i < n; i++) a[i] = VFMA(w, FN(load_row)(v[b], head + i * VEC_LANES, bf16), a[i]);
         }
-        for (int64_t i = 0; i < n; i++) VSTORE(ah + i * ATTN_LANES, a[i]);
+        for (int64_t i = 0; i < n; i++) VSTORE(ah + i * VEC_LANES, a[i]);
     }
 }
-#undef VEC
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VZERO
-#undef VFMA
 #endif
 
 /* One new token per row attending to its context in the paged cache. A task is one row's KV heads
@@ -253,8 +360,8 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         }
         int64_t j = jb;
         struct slot_cursor at = {table, block_size, j / block_size, j % block_size};
-#if ATTN_LANES
-        if (D % ATTN_LANES == 0) {
+#if VEC_LANES
+        if (D % VEC_LANES == 0) {
             for (; j + 8 <= je; j += 8) {
                 const char *kv[8];
                 for (int b = 0; b < 8; b++) kv[b] = FN(slot_row)(cache, next_slot(&at), half, KV, kv0, D, bf16);
@@ -377,6 +484,26 @@ static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, i
 }
 
 #undef ATTEND
+#if VEC_LANES
+#undef VEC
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VZERO
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VMIN
+#undef VMAX
+#undef VFMA
+#undef VFNMA
+#undef VRCP
+#undef VTOINT
+#undef VFLOATS
+#undef VI_SET1
+#undef VI_ADD
+#undef VI_SLL
+#endif
 
 #undef FN
 #undef CAT
