@@ -12,7 +12,9 @@ multi-token chunks (prefills) are computed one by one.
 
 Where the step runs pdserve's kernels (`AttentionMetadata.kernels`), the layer writes the new K/V
 itself (with rotary, in one call) and `attend_cached` reads the cache: decodes in one kernel call
-for all rows, each over its own context (no padding, no gather), prefill chunks as above.
+for all rows, each over its own context (no padding, no gather); prefill chunks in one call each
+where the CPU has AMX tiles (bfloat16, blocks of 16 tokens or more: `prefill_attention`), as above
+elsewhere.
 
 Under `torch.compile` the attention is one opaque operator (`pdserve::paged_attention`) that reads
 the step's metadata from `step_metadata(...)`: a compiled graph then depends on the number of
@@ -109,8 +111,15 @@ def attend_cached(
         if not meta.prefills:  # a decode-only step: no buffer to assemble
             return o.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = o.view(nd, num_heads, head_dim)
+    kernels = meta.kernels
+    own_prefill = (kernels is not None and q.dtype == torch.bfloat16 and meta.block_size % 16 == 0
+                   and head_dim % 32 == 0 and kernels.prefill_attention_available)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
+        if own_prefill:
+            kernels.prefill_attention(q[s : s + n], kv_cache, meta.block_size, chunk.context_blocks,
+                                      chunk.context_len, scale, out[s : s + n])
+            continue
         # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math kernel.
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
         ctx = _read_blocks(blocks, chunk.context_blocks, kv_cache.shape[1:])[0, : chunk.context_len]

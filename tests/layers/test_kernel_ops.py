@@ -1,5 +1,6 @@
 """pdserve's per-token kernels (norm, SiLU times up, rotary with the cache write, decode attention)
-against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16."""
+against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16; prefill
+attention on AMX tiles where the CPU has them."""
 
 import threading
 
@@ -102,6 +103,53 @@ def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, 
         # float32 throughout; a bfloat16 result is rounded once (2^-9 of its size)
         tol = 1e-5 if dtype == torch.float32 else 2**-8
         torch.testing.assert_close(out[r].float().view(H, head_dim), ref.squeeze(1), atol=tol, rtol=tol)
+
+
+@pytest.fixture
+def amx_kernels():
+    kernels = native.load()
+    if kernels is None or not kernels.prefill_attention_available:
+        pytest.skip("prefill attention on AMX tiles: this CPU (or build) has no AMX for bfloat16")
+    return kernels
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+# (context, chunk): a whole prompt of partial blocks; a chunk after cached tokens; one token; one
+# whole block of queries past a long context
+@pytest.mark.parametrize("context_len,query_len", [(77, 77), (300, 45), (40, 1), (545, 16)])
+def test_prefill_attention_on_amx_tiles_is_causal_over_the_paged_context(amx_kernels, head_dim, context_len,
+                                                                          query_len):
+    block, g = 16, torch.Generator().manual_seed(5)
+    blocks_needed = -(-context_len // block)
+    # stale values (even NaN) past the context in its last block must not reach the output
+    cache = torch.randn((blocks_needed + 3) * block, 2, KV, head_dim, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks_needed + 3, generator=g)[:blocks_needed]
+    tail = table[-1] * block + context_len % block
+    if context_len % block:
+        cache[tail : table[-1] * block + block] = float("nan")
+    qkv = torch.randn(query_len, H + 2 * KV, head_dim, generator=g).to(torch.bfloat16)
+    q = qkv[:, :H]  # strided, as qkv's q heads are
+    out = torch.full((query_len, H, head_dim), float("nan"), dtype=torch.bfloat16)
+    amx_kernels.prefill_attention(q, cache, block, table, context_len, head_dim**-0.5, out)
+    slots = (table.repeat_interleave(block) * block + torch.arange(block).repeat(blocks_needed))[:context_len]
+    k, v = (cache[slots, i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
+    seen = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=seen, scale=head_dim**-0.5)
+    # P is rounded to bfloat16 before its product with V, as torch's flash attention does
+    torch.testing.assert_close(out.float(), ref.transpose(0, 1), atol=2**-7, rtol=2**-7)
+
+
+def test_prefill_attention_runs_only_where_amx_does(amx_kernels):
+    for name in amx_kernels.supported:
+        assert amx_kernels.with_isa(name).prefill_attention_available == (name == "avx512_vnni")
+    q = torch.randn(4, H, 32).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="refused"):  # blocks of 8 tokens: a tile's 16 keys span two
+        amx_kernels.prefill_attention(q, torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 8, torch.tensor([0]),
+                                      4, 1.0, out)
+    with pytest.raises(ValueError, match="whole heads"):
+        amx_kernels.prefill_attention(q.transpose(1, 2), torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 16,
+                                      torch.tensor([0]), 4, 1.0, out)
 
 
 def test_what_the_kernels_cannot_take_is_refused(kernels):

@@ -7,7 +7,10 @@
  * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
 #include "common.h"
 
+#include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64 /* query heads per KV head */
@@ -50,6 +53,12 @@ static inline int64_t next_slot(struct slot_cursor *at) {
 #undef VEC_LANES
 #pragma GCC pop_options
 
+/* AMX intrinsics: GCC 11, clang 12. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define PD_AMX 1
+#include "prefill_amx.h"
+#endif
+
 /* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */
 #define DISPATCH(isa, name, ...)                                                            \
     do {                                                                                    \
@@ -88,6 +97,31 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
         if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
     DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,
              scale, out, bf16);
+}
+
+/* A prefill chunk's causal attention (bfloat16) on AMX tiles: -1 where this CPU, build or shape
+ * does not take it (the caller then uses torch). q [query_len rows of q_stride, H * D used], out
+ * [query_len rows of out_stride]; the chunk's K/V already in the cache. */
+int pd_prefill_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t query_len, int64_t H,
+                         int64_t KV, int64_t D, const void *cache, int64_t block_size, const int64_t *table,
+                         int64_t ctx, float scale, void *out, int64_t out_stride) {
+#ifdef PD_AMX
+    if (isa != ISA_AVX512VNNI || !pd_isa_supported(isa) || !amx_usable() || threads < 1 || KV < 1 || H % KV ||
+        D < 32 || D % 32 || D > AMX_MAX_HEAD_DIM || query_len < 1 || query_len > ctx || block_size % 16)
+        return -1;
+    return amx_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale, out,
+                                 out_stride);
+#else
+    return -1;
+#endif
+}
+
+int pd_prefill_attention_available(int isa) {
+#ifdef PD_AMX
+    return isa == ISA_AVX512VNNI && pd_isa_supported(isa) && amx_usable();
+#else
+    return 0;
+#endif
 }
 
 /* Parallel regions started from the calling thread run on it alone (OpenMP's team size is a

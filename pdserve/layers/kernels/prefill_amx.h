@@ -1,0 +1,186 @@
+/* Causal attention of a prefill chunk over the paged KV cache on AMX tiles (bfloat16 products,
+ * float32 sums), included by ops.c after its AVX-512 variant, whose vector helpers it uses.
+ *
+ * torch's CPU flash attention gathers and packs K and V for every query block and head, and
+ * computes whole key blocks of 512 past the diagonal; this kernel packs each KV head's context
+ * once per call into the tiles' layouts, straight from the block table, shares it among the query
+ * heads of that KV head, and stops each query block at its last visible key (32 keys at a time).
+ * A task is 16 queries of one head: scores for 32 keys (two 16 x 16 tiles), an online softmax per
+ * query row in AVX-512 vectors, then P.V into the running output, rescaled as the largest score
+ * grows. Queries are the chunk's tokens, the last `query_len` positions of the context; query i
+ * sees keys 0 .. context_len - query_len + i. */
+
+#define AMX_QROWS 16 /* queries a tile holds */
+#define AMX_KEYS 32  /* keys a step takes: two score tiles, one P.V product's depth */
+#define AMX_MAX_HEAD_DIM 256
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Every tile 16 rows of 64 bytes. Scores: 0 keys, 1 queries, 2-3 scores. P.V: 4 P, 0 and 5
+ * values, 6-7 output. */
+static void amx_configure(void) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Products are taken transposed, so that a vector holds one key's (or one head dimension's)
+ * values for the 16 queries of a task, and the online softmax is lane-wise arithmetic with no
+ * sum or maximum across lanes: scores^T = K . Q^T (K read from the cache in place: the 16 slots
+ * of an aligned group of keys lie at one stride), output^T = V^T . P^T. */
+
+/* V^T of KV head g for the 32 keys of step b, 16 head dimensions (dc) a tile: row d holds that
+ * dimension of the 32 keys. */
+static inline uint16_t *amx_v_tile(uint16_t *vpack, int64_t g, int64_t b, int64_t dc, int64_t steps, int64_t D) {
+    return vpack + ((g * steps + b) * (D / 16) + dc) * 512;
+}
+
+static void amx_pack_values(const uint16_t *cache, int64_t KV, int64_t D, int64_t block_size, const int64_t *table,
+                            int64_t ctx, int64_t steps, uint16_t *vpack, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < KV * steps; task++) {
+        const int64_t g = task / steps, b = task % steps;
+        for (int64_t n = 0; n < AMX_KEYS; n++) {
+            const int64_t key = b * AMX_KEYS + n;
+            const uint16_t *v = NULL; /* keys past the context weigh zero: their values must be 0, not stale */
+            if (key < ctx) v = cache + ((table[key / block_size] * block_size + key % block_size) * 2 * KV + KV + g) * D;
+            for (int64_t d = 0; d < D; d++) amx_v_tile(vpack, g, b, d / 16, steps, D)[(d % 16) * 32 + n] = v ? v[d] : 0;
+        }
+    }
+}
+
+/* Q^T of the task's 16 queries as the right operand: for each 32 head dimensions c, row dp holds
+ * pair dp of each query. */
+static void amx_pack_queries(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t D, uint32_t *qt) {
+    memset(qt, 0, D / 32 * 256 * 4);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *pairs = (const uint32_t *)(q + r * q_stride);
+        for (int64_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + r] = pairs[i];
+    }
+}
+
+/* One task: queries r0 .. r0 + rows - 1 of the chunk for head h. */
+static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int64_t G, int64_t KV, int64_t D,
+                             int64_t r0, int64_t rows, int64_t first_pos, const uint16_t *cache, int64_t block_size,
+                             const int64_t *table, const uint16_t *vpack, int64_t steps, float scale, uint16_t *out,
+                             int64_t out_stride) {
+    const int64_t g = h / G, slot_bytes = 2 * KV * D * 2;
+    float scores[AMX_KEYS * 16], part[2 * 16 * 16], acc[AMX_MAX_HEAD_DIM * 16];
+    uint32_t qt[AMX_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
+    amx_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
+    memset(acc, 0, D * 16 * sizeof(float));
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    const __m512 sc = _mm512_set1_ps(scale), lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __mmask16 present = rows == 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
+    const int64_t base = first_pos + r0; /* query r's position is base + r */
+    const int64_t last_pos = base + rows - 1, last = last_pos / AMX_KEYS; /* the last step any query sees */
+    for (int64_t b = 0; b <= last; b++) {
+        for (int half = 0; half < 2; half++) {
+            const int64_t key = b * AMX_KEYS + half * 16;
+            if (half) _tile_zero(3); else _tile_zero(2);
+            if (key > last_pos) continue; /* past the context (and its block table): masked out below */
+            const char *k = (const char *)(cache + ((table[key / block_size] * block_size + key % block_size) * 2 * KV
+                                                    + g) * D);
+            for (int64_t c = 0; c < D / 32; c++) {
+                _tile_loadd(0, k + c * 64, slot_bytes);
+                _tile_loadd(1, qt + c * 256, 64);
+                if (half) _tile_dpbf16ps(3, 0, 1); else _tile_dpbf16ps(2, 0, 1);
+            }
+        }
+        _tile_stored(2, scores, 64);
+        _tile_stored(3, scores + 256, 64);
+        /* key j is seen by the queries at positions >= j; none sees keys past the context */
+        __m512 s[AMX_KEYS], step_top = _mm512_set1_ps(-INFINITY);
+        __mmask16 seen[AMX_KEYS];
+        for (int j = 0; j < AMX_KEYS; j++) {
+            const float behind = (float)(b * AMX_KEYS + j - base); /* the first query (lane) that sees key j */
+            seen[j] = _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
+            s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_loadu_ps(scores + j * 16), sc);
+            step_top = _mm512_max_ps(step_top, s[j]);
+        }
+        const __m512 new_top = _mm512_max_ps(top, step_top);
+        /* the first step's factor is 0 (nothing to rescale); rows not present stay at -inf */
+        const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                                 vexp_avx512(_mm512_sub_ps(top, new_top)));
+        __m512 step_sum = _mm512_setzero_ps();
+        for (int j = 0; j < AMX_KEYS; j += 2) { /* P^T as pairs of keys, the right operand of V^T . P^T */
+            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], vexp_avx512(_mm512_sub_ps(s[j], new_top)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], vexp_avx512(_mm512_sub_ps(s[j + 1], new_top)));
+            step_sum = _mm512_add_ps(step_sum, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(pt + (j / 2) * 16,
+                                _mm512_or_si512(bf16_bits_avx512(p0), _mm512_slli_epi32(bf16_bits_avx512(p1), 16)));
+        }
+        sum = _mm512_fmadd_ps(sum, alpha, step_sum);
+        top = new_top;
+        _tile_loadd(4, pt, 64);
+        for (int64_t dc = 0; dc < D / 16; dc += 2) {
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_loadd(5, amx_v_tile((uint16_t *)vpack, g, b, dc, steps, D), 64);
+            _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, dc + 1, steps, D), 64);
+            _tile_dpbf16ps(6, 5, 4);
+            _tile_dpbf16ps(7, 0, 4);
+            _tile_stored(6, part, 64);
+            _tile_stored(7, part + 256, 64);
+            for (int64_t d = 0; d < 32; d++) {
+                float *a = acc + (dc * 16 + d) * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), alpha, _mm512_loadu_ps(part + d * 16)));
+            }
+        }
+    }
+    float inv[16], row[AMX_MAX_HEAD_DIM];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t d = 0; d < D; d++) row[d] = acc[d * 16 + r] * inv[r];
+        for (int64_t d = 0; d < D; d += 16)
+            store_row_avx512(out + (r0 + r) * out_stride + h * D, d, _mm512_loadu_ps(row + d), 1);
+    }
+}
+
+static int amx_prefill_attention(int threads, const uint16_t *q, int64_t q_stride, int64_t query_len, int64_t H,
+                                 int64_t KV, int64_t D, const uint16_t *cache, int64_t block_size,
+                                 const int64_t *table, int64_t ctx, float scale, uint16_t *out, int64_t out_stride) {
+    const int64_t steps = (ctx + AMX_KEYS - 1) / AMX_KEYS, G = H / KV;
+    uint16_t *vpack = malloc(KV * steps * AMX_KEYS * D * 2);
+    if (!vpack) return -2;
+    amx_pack_values(cache, KV, D, block_size, table, ctx, steps, vpack, threads);
+    const int64_t qblocks = (query_len + AMX_QROWS - 1) / AMX_QROWS, first_pos = ctx - query_len;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < H * qblocks; task++) { /* the longest (last) query blocks first */
+            const int64_t h = task % H, qb = qblocks - 1 - task / H, r0 = qb * AMX_QROWS;
+            const int64_t rows = query_len - r0 < AMX_QROWS ? query_len - r0 : AMX_QROWS;
+            amx_attend_block(q, q_stride, h, G, KV, D, r0, rows, first_pos, cache, block_size, table, vpack, steps,
+                             scale, out, out_stride);
+        }
+        _tile_release();
+    }
+    free(vpack);
+    return 0;
+}
+
+#pragma GCC pop_options
+
+/* Whether this CPU has AMX for bfloat16 and the kernel lets this process use it. */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned eax, ebx, ecx, edx;
+        __cpuid_count(7, 0, eax, ebx, ecx, edx);
+        const int cpu = (edx >> 22 & 1) && (edx >> 24 & 1); /* AMX-BF16, AMX-TILE */
+        /* Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+        usable = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0 && __builtin_cpu_supports("avx512bw");
+    }
+    return usable;
+}
