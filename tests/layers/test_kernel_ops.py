@@ -27,22 +27,24 @@ EXACT = {torch.float32: 1e-5, torch.bfloat16: 0.0}
 
 
 @DTYPES
-def test_rms_norm(kernels, dtype):
-    x = (torch.randn(3, 96) * 4).to(dtype)
-    w = (torch.rand(96) + 0.5).to(dtype)
-    ref = (F.rms_norm(x, (96,), w, 1e-6) if dtype == torch.float32
-           else w * F.rms_norm(x.float(), (96,), None, 1e-6).to(dtype))
+@pytest.mark.parametrize("width", [96, 100])  # whole vectors (the vector loops); else the plain ones
+def test_rms_norm(kernels, dtype, width):
+    x = (torch.randn(3, width) * 4).to(dtype)
+    w = (torch.rand(width) + 0.5).to(dtype)
+    ref = (F.rms_norm(x, (width,), w, 1e-6) if dtype == torch.float32
+           else w * F.rms_norm(x.float(), (width,), None, 1e-6).to(dtype))
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, atol=EXACT[dtype], rtol=1e-5)
 
 
 @DTYPES
-def test_rms_norm_after_the_residual_add_adds_in_place(kernels, dtype):
-    x = (torch.randn(5, 96) * 4).to(dtype)
-    delta = (torch.randn(5, 96) * 4).to(dtype)
-    w = (torch.rand(96) + 0.5).to(dtype)
+@pytest.mark.parametrize("width", [96, 100])
+def test_rms_norm_after_the_residual_add_adds_in_place(kernels, dtype, width):
+    x = (torch.randn(5, width) * 4).to(dtype)
+    delta = (torch.randn(5, width) * 4).to(dtype)
+    w = (torch.rand(width) + 0.5).to(dtype)
     total = x + delta  # torch's add, rounded to the dtype
-    ref = (F.rms_norm(total, (96,), w, 1e-6) if dtype == torch.float32
-           else w * F.rms_norm(total.float(), (96,), None, 1e-6).to(dtype))
+    ref = (F.rms_norm(total, (width,), w, 1e-6) if dtype == torch.float32
+           else w * F.rms_norm(total.float(), (width,), None, 1e-6).to(dtype))
     y = kernels.rms_norm(x, w, 1e-6, delta)
     torch.testing.assert_close(x, total, atol=0, rtol=0)
     torch.testing.assert_close(y, ref, atol=EXACT[dtype], rtol=1e-5)

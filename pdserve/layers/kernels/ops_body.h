@@ -166,6 +166,34 @@ static inline void FN(norm_row)(float *row, const float *weight, float eps, int6
     FN(from_float)(row, H, y, bf16);
 }
 
+#if VEC_LANES
+/* norm_row (after the residual add, when delta is given) in vectors, straight from the row's dtype;
+ * row: H floats of scratch. */
+static inline void FN(norm_row_vec)(char *x, const char *delta, const float *weight, float eps, int64_t H, void *y,
+                                    int bf16, float *row) {
+    VEC ss = VZERO();
+    for (int64_t i = 0; i < H; i += VEC_LANES) {
+        VEC v = FN(load_row)(x, i, bf16);
+        if (delta) {
+            v = VADD(v, FN(load_row)(delta, i, bf16));
+            FN(store_row)(x, i, v, bf16);
+            if (bf16) v = FN(round_vec)(v);
+        }
+        VSTORE(row + i, v);
+        ss = VFMA(v, v, ss);
+    }
+    float lanes[VEC_LANES], total = 0.0f;
+    VSTORE(lanes, ss);
+    for (int i = 0; i < VEC_LANES; i++) total += lanes[i];
+    const VEC inv = VSET1(1.0f / sqrtf(total / (float)H + eps));
+    for (int64_t i = 0; i < H; i += VEC_LANES) {
+        VEC v = VMUL(VLOAD(row + i), inv);
+        if (bf16) v = FN(round_vec)(v);
+        FN(store_row)(y, i, VMUL(v, VLOAD(weight + i)), bf16);
+    }
+}
+#endif
+
 /* y = x / sqrt(mean(x^2) + eps) * w, row by row (bfloat16: normalized in float32, rounded, then
  * scaled and rounded again, as transformers computes it). With `delta`, x += delta first, in place
  * and rounded to x's dtype as torch adds: the residual add that precedes each norm of a decoder,
@@ -173,20 +201,30 @@ static inline void FN(norm_row)(float *row, const float *weight, float eps, int6
 static void FN(rms_norm)(int threads, void *x, const void *delta, const void *w, float eps, int64_t T, int64_t H,
                          void *y, int bf16) {
     const int64_t es = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float *row = malloc(3 * H * sizeof(float)), *weight = row + H, *d = weight + H;
-        char *xt = (char *)x + t * H * es;
-        FN(to_float)(xt, bf16, H, row);
+#pragma omp parallel num_threads(T > 1 ? threads : 1)
+    {
+        float *row = malloc(3 * H * sizeof(float)), *weight = row + H, *d = weight + H; /* a thread's own */
         FN(to_float)(w, bf16, H, weight);
-        if (delta) {
-            FN(to_float)((const char *)delta + t * H * es, bf16, H, d);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            char *xt = (char *)x + t * H * es;
+#if VEC_LANES
+            if (H % VEC_LANES == 0) {
+                FN(norm_row_vec)(xt, delta ? (const char *)delta + t * H * es : NULL, weight, eps, H,
+                                 (char *)y + t * H * es, bf16, row);
+                continue;
+            }
+#endif
+            FN(to_float)(xt, bf16, H, row);
+            if (delta) {
+                FN(to_float)((const char *)delta + t * H * es, bf16, H, d);
 #pragma omp simd
-            for (int64_t i = 0; i < H; i++) row[i] += d[i];
-            FN(from_float)(row, H, xt, bf16);
-            if (bf16) FN(round_bf16)(row, H);
+                for (int64_t i = 0; i < H; i++) row[i] += d[i];
+                FN(from_float)(row, H, xt, bf16);
+                if (bf16) FN(round_bf16)(row, H);
+            }
+            FN(norm_row)(row, weight, eps, H, (char *)y + t * H * es, bf16);
         }
-        FN(norm_row)(row, weight, eps, H, (char *)y + t * H * es, bf16);
         free(row);
     }
 }
