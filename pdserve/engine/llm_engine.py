@@ -22,6 +22,7 @@ from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.layers.linear import warm_up as warm_up_products
 from pdserve.layers.sampler import skip_draws
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
@@ -277,8 +278,9 @@ class LLMEngine:
         """Run one prompt of a full step's tokens and one block more (a chunk alone, then one after a
         cached prefix) through the model and drop its output, before any request comes: the first
         steps of those shapes set up the math library's kernels (seconds on some CPUs), which a
-        server's first request would otherwise wait for. The engine must be idle. Returns the
-        seconds it took."""
+        server's first request would otherwise wait for; then the matmuls at every row count they
+        pad to (`linear.warm_up`), whose kernels oneDNN builds one count at a time. The engine must
+        be idle. Returns the seconds it took."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
         t0 = time.perf_counter()
@@ -298,6 +300,9 @@ class LLMEngine:
                 raise RuntimeError("the warm-up prompt failed: see the log")
         finally:
             self.hooks = self.scheduler.hooks = hooks
+        with torch.inference_mode():
+            warm_up_products(self.runner.model.products(self.config.max_num_batched_tokens, self.config.max_num_seqs),
+                             self.dtype)
         return time.perf_counter() - t0
 
     # -- one step ------------------------------------------------------------------------------

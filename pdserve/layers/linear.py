@@ -7,7 +7,7 @@ still ahead at 64 rows on the demo model's shapes (past that, in the engine's mi
 plain `F.linear` measured as fast or faster).
 
 bfloat16 weights on CPU are kept in oneDNN's blocked layout (`packed.pack_weight`) where oneDNN
-supports it.
+supports it; `warm_up` builds its kernels for every row count a product will run at.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.layers.packed import pack_weight, packed_linear
+from pdserve.layers.packed import pack_weight, packed_linear, row_counts
 from pdserve.layers.quant import Int4Weight, QuantizedWeight
 
-__all__ = ["linear", "pack_weight"]
+__all__ = ["linear", "pack_weight", "warm_up"]
 
 _SPLIT_MAX_ROWS = 64
 
@@ -48,3 +48,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight,
     y = torch.bmm(x.unsqueeze(0).expand(parts, rows, x.shape[1]), slices)  # [parts, rows, out/parts]
     y = y.transpose(0, 1).reshape(rows, out_features)
     return y if bias is None else y + bias
+
+
+def warm_up(products: list[tuple[torch.Tensor | QuantizedWeight | Int4Weight, torch.Tensor | None, int]],
+            dtype: torch.dtype) -> None:
+    """Run each product (weight, bias, the most rows it will take) once at every row count the
+    packed kernels pad to, on zeros of `dtype`: oneDNN builds a kernel per count, which a server
+    would otherwise build in the middle of its steps. Products whose kernels are built once for
+    all counts (float32 and torch's int4 ones) are skipped."""
+    for weight, bias, max_rows in products:
+        if isinstance(weight, Int4Weight) or (dtype == torch.float32 and isinstance(weight, torch.Tensor)
+                                              and not weight.is_mkldnn):
+            continue
+        in_features = weight.in_features if isinstance(weight, QuantizedWeight) else weight.shape[1]
+        for rows in row_counts(max_rows):
+            linear(torch.zeros(rows, in_features, dtype=dtype), weight, bias)

@@ -7,7 +7,12 @@ oneDNN picks the blocking from a batch-size hint. Without one it may pick a bloc
 kernels read slowly (on a Xeon with AMX: 32-row blocks, 1.3 ms for a 1024 x 1536 x 576 product
 against 0.8 ms with the 64-row blocks it picks for batch 1; for another shape it is the other way
 round), so each weight shape's layout is chosen by timing both on this CPU, once per process
-(`_fastest_hint`)."""
+(`_fastest_hint`).
+
+oneDNN also builds (JIT-compiles) a kernel for each number of rows it meets: 3-5 ms a weight shape
+on 2 cores, and a server under load meets a new count at almost every step (each mix of prefill
+chunks and decodes is one). A product therefore runs on its rows padded up to one of a few counts
+(`padded_rows`: at most an eighth more), whose kernels `warm_up` builds before requests come."""
 
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import functools
 import time
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.layers.cpu import onednn_packs_bfloat16
 
 _HINTS = (None, 1)  # oneDNN's layout without a batch size, and the one it picks for batch 1
 _PREFILL_ROWS = (256, 512, 1024, 2048)  # the products that decide: prefill steps' (decode rarely differs)
 _DECODE_SLACK = 1.1  # a layout may not be slower than this at batch 1 to win
+_MEASURED_OUTPUTS = 4096  # a weight's output rows the layouts are timed on, at most
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -31,8 +38,31 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias) for a weight `pack_weight` packed."""
+    """x @ weight^T (+ bias) for a weight `pack_weight` packed; x [rows, in]."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:  # the padding rows' products are computed and dropped: rows are independent
+        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padded - rows)), weight, bias, "none", [],
+                                                  "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a product of `rows` rows runs at: exact below 16, else rounded up to a
+    multiple of an eighth of the power of two below it (1000 -> 1024, 1025 -> 1152)."""
+    if rows < 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Every count `padded_rows` gives for 1 to `max_rows` rows."""
+    counts, rows = [], 1
+    while rows <= max_rows:
+        counts.append(padded_rows(rows))
+        rows = counts[-1] + 1
+    return counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +70,9 @@ def _fastest_hint(out_features: int, in_features: int) -> int | None:
     """The batch-size hint whose layout runs products of this shape fastest here: the faster over
     `_PREFILL_ROWS` (oneDNN's kernels have cliffs at some row counts, so one size would mislead),
     unless it is slower at batch 1 by more than `_DECODE_SLACK`; within 5% oneDNN's default stays.
-    A random weight of the shape, best of a few runs: 20-60 ms a shape on 2 cores."""
-    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    A random weight of the shape (of its first `_MEASURED_OUTPUTS` rows: a vocabulary's head would
+    take seconds), best of a few runs: 20-60 ms a shape on 2 cores."""
+    weight = torch.randn(min(out_features, _MEASURED_OUTPUTS), in_features).to(torch.bfloat16)
     inputs = [torch.randn(rows, in_features).to(torch.bfloat16) for rows in (*_PREFILL_ROWS, 1)]
     prefill, decode = {}, {}
     for hint in _HINTS:

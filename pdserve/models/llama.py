@@ -139,5 +139,14 @@ class LlamaForCausalLM(nn.Module):
                 on_layer(i)
         return self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)[1]
 
+    def products(self, max_tokens: int, max_sequences: int) -> list[tuple[object, torch.Tensor | None, int]]:
+        """The matmuls a step runs, one per weight shape (the layers share them), as (weight, bias,
+        the most rows it takes): a step's tokens for the layers', its sequences for the head's."""
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        return [(attn.qkv_proj, attn.qkv_bias, max_tokens), (attn.o_proj, None, max_tokens),
+                (mlp.gate_up_proj, None, max_tokens), (mlp.down_proj, None, max_tokens),
+                (self.lm_head, None, max_sequences)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return linear(hidden, self.lm_head).float()

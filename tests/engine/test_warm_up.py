@@ -27,3 +27,22 @@ def test_warming_up_a_busy_engine_is_refused(tiny_llama):
     llm.engine.add_request(None, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         llm.engine.warm_up()
+
+
+def test_warming_up_runs_each_matmul_at_every_row_count_its_kernels_pad_to(tiny_llama, monkeypatch):
+    from pdserve.layers import linear as linear_module
+    from pdserve.layers.packed import row_counts
+
+    llm = make_llm(tiny_llama, dtype="bfloat16", max_num_batched_tokens=40, max_num_seqs=5)
+    seen: dict[int, list[int]] = {}
+    real = linear_module.linear
+
+    def counting(x, weight, bias=None):
+        seen.setdefault(id(weight), []).append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "linear", counting)
+    llm.engine.warm_up()
+    model = llm.engine.runner.model
+    for weight, _, most in model.products(40, 5):
+        assert seen[id(weight)] == row_counts(most)

@@ -33,3 +33,20 @@ def test_every_layout_gives_f_linears_products(hint, rows):
 def test_pack_weight_leaves_float32_weights_plain():
     weight = torch.randn(8, 16)
     assert packed.pack_weight(weight) is weight
+
+
+def test_rows_are_padded_to_few_counts_at_most_an_eighth_more():
+    assert [packed.padded_rows(r) for r in (1, 15, 16, 17, 1000, 1024, 1025)] == [1, 15, 16, 18, 1024, 1024, 1152]
+    counts = packed.row_counts(2048)
+    assert counts[-1] == 2048 and len(counts) == len(set(counts)) < 80
+    for rows in range(1, 2049):
+        padded = packed.padded_rows(rows)
+        assert padded in counts and rows <= padded <= rows * 9 / 8
+
+
+def test_a_padded_product_keeps_only_its_own_rows():
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    x = torch.randn(17, 64).to(torch.bfloat16)  # runs as 18 rows
+    got = packed.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, None))
+    assert got.shape == (17, 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-2, rtol=2**-7)
