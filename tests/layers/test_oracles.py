@@ -154,7 +154,10 @@ def test_pdserves_kernels_multiply_by_the_weights_and_activations_the_formats_de
     x[0, :32] = 0  # a group of zeros has no scale
     w_hat = q4_1(w) if bits == 4 else q8_0_weights(w)
     ref = q8_0(x) @ w_hat.t()
-    got = quantize(w, bits, torch.float32, kernels).matmul(x).double()
+    weight = quantize(w, bits, torch.float32, kernels)
+    got = weight.matmul(x).double()
+    # a row's product is the same alone as in a batch (rows run two at a time where they can)
+    assert all(torch.equal(weight.matmul(x[i : i + 1]).double(), got[i : i + 1]) for i in range(rows))
     # float32 sums of `cols` products, each group's exact integer sum scaled once: the error is
     # a few units of float32 rounding (2^-24) of the sum of the products' magnitudes
     bound = 8 * 2 ** -24 * (q8_0(x).abs() @ w_hat.abs().t()) + 1e-30
