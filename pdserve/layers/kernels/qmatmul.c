@@ -115,6 +115,8 @@ static void gemm_portable(const struct qmm *a) {
     }
 }
 
+#define WIDE 0 /* the SIMD kernels' 512-bit loops: AVX-512 VNNI only */
+
 /* ---- AVX2 + FMA ---- */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -130,7 +132,11 @@ static void gemm_portable(const struct qmm *a) {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define KSUF _avx512vnni
 #define DOT_ACC(acc, w, x) _mm256_dpbusd_epi32((acc), (w), (x))
+#undef WIDE
+#define WIDE 1 /* 512-bit vectors for the bulk of each row */
 #include "qmatmul_simd.h"
+#undef WIDE
+#define WIDE 0
 #undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options

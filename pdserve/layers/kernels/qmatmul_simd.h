@@ -121,6 +121,38 @@ static inline float FN(mins_dot)(const uint16_t *wm, const float *xs, int64_t G)
     return sum;
 }
 
+#if WIDE
+/* The 512-bit loops (WIDE: AVX-512 VNNI) take two pairs (4-bit) or two groups (8-bit) a vector and
+ * fold their sums into the 256-bit accumulators the rest of the loop continues. */
+static inline __m256 FN(fold)(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* acc += weight row r's pairs p and p + 1 (64 bytes) against xa, xb, each group's int32 sum scaled
+ * by d_w * d_x (lanes 0-3 group 2p, ..., 12-15 group 2p + 3). */
+#define WIDE_PAIRS_FMA(acc, r)                                                                      \
+    do {                                                                                            \
+        const __m512i b_ = _mm512_loadu_si512(w + (r) * row_bytes + p * GROUP);                     \
+        const __m512i lo_ = _mm512_and_si512(b_, low4z), hi_ = _mm512_and_si512(_mm512_srli_epi16(b_, 4), low4z); \
+        const __m512i d_ = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo_, xa), hi_, xb); \
+        const __m128 ws_ = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(wd + (r) * G + 2 * p)));     \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_),                                                 \
+                              _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(_mm_mul_ps(ws_, dx))), acc); \
+    } while (0)
+
+/* The same for 8-bit weights, groups g and g + 1 (lanes 0-7 and 8-15): |q_w| against q_x negated
+ * where q_w is negative (AVX-512 has no byte sign instruction). */
+#define WIDE_Q8_FMA(acc, row)                                                                       \
+    do {                                                                                            \
+        const __m512i w_ = _mm512_loadu_si512(w + (row) * a->K + g * GROUP);                        \
+        const __m512i sx_ = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w_), _mm512_setzero_si512(), x); \
+        const __m512i d_ = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w_), sx_);   \
+        const __m128 ws_ = FN(load_half2)(wd + (row) * G + g);                                       \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_),                                                 \
+                              _mm512_permutexvar_ps(spread2, _mm512_castps128_ps512(_mm_mul_ps(ws_, dx))), acc); \
+    } while (0)
+#endif
+
 /* y[m, n0 .. n0 + R) for R = 4 or 1 weight rows: 4-bit weights against one activation row. */
 static inline __attribute__((always_inline)) void FN(q4_rows)(
         const struct qmm *a, int64_t m, int64_t n0, int R, float *out) {
@@ -132,7 +164,25 @@ static inline __attribute__((always_inline)) void FN(q4_rows)(
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t p = 0; p < pairs; p++) {
+    int64_t p = 0;
+#if WIDE
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+    const __m512i low4z = _mm512_set1_epi8(0x0f);
+    const __m512i spread4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (; p + 2 <= pairs; p += 2) { /* two pairs a vector: [pair p | pair p + 1] */
+        const __m512i x0 = _mm512_loadu_si512(xq + p * 2 * GROUP), x1 = _mm512_loadu_si512(xq + p * 2 * GROUP + 2 * GROUP);
+        const __m512i xa = _mm512_shuffle_i64x2(x0, x1, 0x44), xb = _mm512_shuffle_i64x2(x0, x1, 0xee);
+        const __m128 dx = _mm_loadu_ps(xd + 2 * p);
+        WIDE_PAIRS_FMA(z0, 0);
+        if (R == 4) {
+            WIDE_PAIRS_FMA(z1, 1);
+            WIDE_PAIRS_FMA(z2, 2);
+            WIDE_PAIRS_FMA(z3, 3);
+        }
+    }
+    a0 = FN(fold)(z0), a1 = FN(fold)(z1), a2 = FN(fold)(z2), a3 = FN(fold)(z3);
+#endif
+    for (; p < pairs; p++) {
         const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + p * 2 * GROUP));
         const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + p * 2 * GROUP + GROUP));
         const __m128 dx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
@@ -183,7 +233,23 @@ static inline __attribute__((always_inline)) void FN(q8_rows)(
     const int8_t *w = (const int8_t *)a->qs + n0 * a->K;
     const uint16_t *wd = a->wd + n0 * G;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t g = 0; g < G; g++) {
+    int64_t g = 0;
+#if WIDE
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+    const __m512i spread2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (; g + 2 <= G; g += 2) {
+        const __m512i x = _mm512_loadu_si512(xq + g * GROUP);
+        const __m128 dx = _mm_castpd_ps(_mm_load_sd((const double *)(a->xd + m * G + g)));
+        WIDE_Q8_FMA(z0, 0);
+        if (R == 4) {
+            WIDE_Q8_FMA(z1, 1);
+            WIDE_Q8_FMA(z2, 2);
+            WIDE_Q8_FMA(z3, 3);
+        }
+    }
+    a0 = FN(fold)(z0), a1 = FN(fold)(z1), a2 = FN(fold)(z2), a3 = FN(fold)(z3);
+#endif
+    for (; g < G; g++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
         const float dx = a->xd[m * G + g];
         Q8_FMA(a0, 0);
@@ -235,6 +301,10 @@ static void FN(quantize)(const struct qmm *a) {
 #undef UNPACK_PAIR
 #undef PAIR_FMA
 #undef Q8_FMA
+#ifdef WIDE_PAIRS_FMA
+#undef WIDE_PAIRS_FMA
+#undef WIDE_Q8_FMA
+#endif
 #undef FN
 #undef CAT
 #undef CAT_
