@@ -55,10 +55,10 @@ def warm_up(products: list[tuple[torch.Tensor | QuantizedWeight | Int4Weight, to
     """Run each product (weight, bias, the most rows it will take) once at every row count the
     packed kernels pad to, on zeros of `dtype`: oneDNN builds a kernel per count, which a server
     would otherwise build in the middle of its steps. Products whose kernels are built once for
-    all counts (float32 and torch's int4 ones) are skipped."""
+    all counts (float32 and torch's int4 ones on CPU; every one on a GPU) are skipped."""
     for weight, bias, max_rows in products:
-        if isinstance(weight, Int4Weight) or (dtype == torch.float32 and isinstance(weight, torch.Tensor)
-                                              and not weight.is_mkldnn):
+        if isinstance(weight, Int4Weight) or (isinstance(weight, torch.Tensor) and (
+                weight.device.type != "cpu" or (dtype == torch.float32 and not weight.is_mkldnn))):
             continue
         in_features = weight.in_features if isinstance(weight, QuantizedWeight) else weight.shape[1]
         for rows in row_counts(max_rows):
