@@ -2,7 +2,8 @@
 
 The workload (shift_workload.py), seeded, the same for every configuration: phase 1 sends long
 prompts for short answers (prefill-heavy), phase 2 short prompts for long answers (decode-heavy),
-each `--phase-s` seconds of Poisson arrivals at its own rate.
+each `--phase-s` seconds of Poisson arrivals at its own rate. A rate not given is measured on this
+host first (shift_probe.py): between what the two extreme splits can serve of that phase.
 
 1. For each configuration, one after another, start a local cluster (`pdserve serve`, its log kept
    in `--log-dir`) and wait until it is ready:
@@ -39,6 +40,7 @@ from pdserve.bench.loadgen import LengthDist
 from pdserve.bench.metrics import summarize
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import run_load, server_info
+from pdserve.bench.shift_probe import probe_rates
 from pdserve.bench.shift_report import (
     BASELINE, REBALANCE, half_summaries, parse_decisions, parse_moves, ratios, table, timeline_plot,
 )
@@ -180,12 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default="", help="more flags for every `pdserve serve`, e.g. '--dtype float32'")
     g = p.add_argument_group("workload")
     g.add_argument("--phase-s", type=_positive(float), default=60.0, help="seconds of each phase")
-    g.add_argument("--phase1-rate", type=_positive(float), default=0.6, help="requests/s in phase 1 (Poisson)")
+    g.add_argument("--phase1-rate", type=_positive(float), default=None,
+                   help="requests/s in phase 1 (Poisson; default: measured on this host)")
     g.add_argument("--phase1-input-len", type=_length, default=LengthDist.parse("1024+-128"),
                    help="phase 1 prompt tokens: N, A-B or M+-S (long prompts)")
     g.add_argument("--phase1-output-len", type=_length, default=LengthDist.parse("16"),
                    help="phase 1 output tokens (short answers; EOS ignored)")
-    g.add_argument("--phase2-rate", type=_positive(float), default=1.0, help="requests/s in phase 2 (Poisson)")
+    g.add_argument("--phase2-rate", type=_positive(float), default=None,
+                   help="requests/s in phase 2 (Poisson; default: measured on this host)")
     g.add_argument("--phase2-input-len", type=_length, default=LengthDist.parse("64"),
                    help="phase 2 prompt tokens (short prompts)")
     g.add_argument("--phase2-output-len", type=_length, default=LengthDist.parse("128"),
@@ -218,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     args.splits = disaggregated_splits(args.workers) if args.splits is None else args.splits
     if args.start.colocated or args.start.workers != args.workers:
         p.error(f"--start must split --workers ({args.workers}) into prefill and decode, e.g. 1P{args.workers - 1}D")
-    args.phases = [Phase("long prompts, short answers", args.phase_s, args.phase1_rate, args.phase1_input_len,
-                         args.phase1_output_len),
-                   Phase("short prompts, long answers", args.phase_s, args.phase2_rate, args.phase2_input_len,
-                         args.phase2_output_len)]
+    kinds = [("long prompts, short answers", args.phase1_rate, args.phase1_input_len, args.phase1_output_len),
+             ("short prompts, long answers", args.phase2_rate, args.phase2_input_len, args.phase2_output_len)]
+    probe = None
+    if args.phase1_rate is None or args.phase2_rate is None:
+        unsized = [Phase(name, args.phase_s, 1.0, inputs, outputs) for name, _, inputs, outputs in kinds]
+        measured, probe = probe_rates(args.model, args.workers, unsized, args.serve_args.split(), args.seed,
+                                      args.vocab_size, Path(args.log_dir), say)
+        kinds = [(name, rate or measured[i], inputs, outputs) for i, (name, rate, inputs, outputs) in enumerate(kinds)]
+    args.phases = [Phase(name, args.phase_s, rate, inputs, outputs) for name, rate, inputs, outputs in kinds]
     configs = configurations(args)
     results, runs, workload = {}, {}, []
     for name, (split, rebalance) in configs.items():
@@ -231,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"model": args.model, "workers": args.workers, "start": str(args.start), "seed": args.seed,
                 "phases": [ph.describe() for ph in w.phases], "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
                 "rebalance_confirm_s": args.rebalance_confirm_s, "rebalance_dwell_s": args.rebalance_dwell_s,
-                "serve_args": args.serve_args, "cores": len(os.sched_getaffinity(0)),
+                "serve_args": args.serve_args, "cores": len(os.sched_getaffinity(0)), "probe": probe,
                 "when": time.strftime("%Y-%m-%d %H:%M")}
     summary = ratios(results, len(w.phases))
     out = write_json(args.result_json, {"settings": settings, "results": results, "per_half": summary})

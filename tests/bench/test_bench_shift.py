@@ -95,6 +95,17 @@ def test_the_moves_come_from_the_router_and_worker_log_lines():
     assert parse_decisions(log, start) == [{"at_s": 10.0, "said": "to_prefill asked for 0s of 5: prefill at 2.10x"}]
 
 
+def test_a_measured_rate_lies_between_the_splits_capacities_unless_they_serve_alike():
+    from pdserve.bench.shift_probe import FALLBACK_LOAD, probe_splits, rate_from
+
+    assert [str(s) for s in probe_splits(3)] == ["2P1D", "1P2D"]
+    assert [str(s) for s in probe_splits(5)] == ["4P1D", "1P4D"]
+    rate, distinct = rate_from([0.2, 0.8])
+    assert distinct and rate == pytest.approx(0.4)  # above the weaker split's, below the stronger's
+    assert rate_from([0.5, 0.55]) == (pytest.approx(FALLBACK_LOAD * 0.55), False)  # a load both serve
+    assert rate_from([0.0, 0.3]) == (pytest.approx(FALLBACK_LOAD * 0.3), False)
+
+
 @pytest.mark.parametrize("argv", [["--workers", "2"], ["--start", "2P2D"], ["--start", "3C"], ["--splits", "2P1X"],
                                   ["--phase-s", "0"], ["--phase1-rate", "-1"], ["--phase2-input-len", "many"],
                                   ["--rebalance-dwell-s", "nan"], ["--tpot-slo", "0"]])
@@ -123,3 +134,22 @@ def test_a_small_run_writes_every_configuration(tmp_path, capsys):
     assert [row["best_static"] in ("1P1D", "2P1D") for row in data["per_half"]] == [True, True]
     assert (tmp_path / "plots" / "shift_timeline.png").exists()
     assert "| rebalance | 1 |" in capsys.readouterr().out
+    assert data["settings"]["probe"] is None  # both rates given: nothing measured
+
+
+@pytest.mark.slow
+def test_a_rate_not_given_is_measured_on_the_two_extreme_splits_first(tmp_path):
+    out = tmp_path / "shift.json"
+    code = main(["--model", "tiny", "--serve-args", "--dtype float32", "--splits", "2P1D", "--phase-s", "3",
+                 "--phase1-input-len", "300", "--phase1-output-len", "4", "--phase2-rate", "2",
+                 "--phase2-input-len", "16", "--phase2-output-len", "24", "--rebalance-confirm-s", "1",
+                 "--rebalance-dwell-s", "2", "--result-json", str(out), "--plot-dir", str(tmp_path / "plots"),
+                 "--log-dir", str(tmp_path / "logs")])
+    assert code == 0
+    data = json.loads(out.read_text())
+    probe = data["settings"]["probe"]
+    first = probe["phases"][0]
+    assert set(first["capacity_req_s"]) == {"2P1D", "1P2D"} and all(v > 0 for v in first["capacity_req_s"].values())
+    assert data["settings"]["phases"][0]["rate"] == pytest.approx(first["rate"])
+    assert data["settings"]["phases"][1]["rate"] == 2.0  # given, kept
+    assert (tmp_path / "logs" / "shift_probe_2P1D.log").exists()
