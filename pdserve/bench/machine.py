@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pdserve.config import resolve_dtype
+from pdserve.layers.timing import best_seconds
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +52,7 @@ def measure_matmul(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
-    best = _best_seconds(lambda: torch.mm(a, b, out=out), reps)
+    best = best_seconds(lambda: torch.mm(a, b, out=out), max(1, reps))
     return 2 * size**3 / best / 1e9
 
 
@@ -61,20 +62,10 @@ def measure_bandwidth(buffer_mib: int = 512, reps: int = 5) -> tuple[float, floa
     src = torch.ones(numel)  # ones, not randn: filling 512 MiB with randn alone takes seconds
     dst = torch.empty(numel)
     dst.fill_(0)  # touch every page now, so the timed copy pays no page faults
-    read = _best_seconds(lambda: src.sum(), reps)
-    copy = _best_seconds(lambda: dst.copy_(src), reps)
+    read = best_seconds(lambda: src.sum(), max(1, reps))
+    copy = best_seconds(lambda: dst.copy_(src), max(1, reps))
     nbytes = src.nbytes
     return nbytes / read / 1e9, 2 * nbytes / copy / 1e9
-
-
-def _best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: first-call allocation and kernel selection
-    best = float("inf")
-    for _ in range(max(1, reps)):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def environment() -> dict[str, Any]:

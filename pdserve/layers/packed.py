@@ -17,12 +17,12 @@ chunks and decodes is one). A product therefore runs on its rows padded up to on
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.layers.cpu import onednn_packs_bfloat16
+from pdserve.layers.timing import best_seconds
 
 _HINTS = (None, 1)  # oneDNN's layout without a batch size, and the one it picks for batch 1
 _PREFILL_ROWS = (256, 512, 1024, 2048)  # the products that decide: prefill steps' (decode rarely differs)
@@ -71,25 +71,15 @@ def _fastest_hint(out_features: int, in_features: int) -> int | None:
     `_PREFILL_ROWS` (oneDNN's kernels have cliffs at some row counts, so one size would mislead),
     unless it is slower at batch 1 by more than `_DECODE_SLACK`; within 5% oneDNN's default stays.
     A random weight of the shape (of its first `_MEASURED_OUTPUTS` rows: a vocabulary's head would
-    take seconds), best of a few runs: 20-60 ms a shape on 2 cores."""
+    take seconds), best of a few runs: 40-130 ms a shape on 2 cores."""
     weight = torch.randn(min(out_features, _MEASURED_OUTPUTS), in_features).to(torch.bfloat16)
     inputs = [torch.randn(rows, in_features).to(torch.bfloat16) for rows in (*_PREFILL_ROWS, 1)]
     prefill, decode = {}, {}
     for hint in _HINTS:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
-        times = [_best_time(lambda: packed_linear(x, packed)) for x in inputs]
+        times = [best_seconds(lambda: packed_linear(x, packed)) for x in inputs]
         prefill[hint], decode[hint] = sum(times[:-1]), times[-1]
     default, other = _HINTS
     if prefill[other] < 0.95 * prefill[default] and decode[other] <= _DECODE_SLACK * decode[default]:
         return other
     return default
-
-
-def _best_time(run, repeats: int = 3) -> float:
-    run()  # the first call builds oneDNN's kernel
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.packed import pack_weight, packed_linear
+from pdserve.layers.timing import best_seconds
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -203,21 +203,11 @@ def calibrate(weight: QuantizedWeight, dtype: torch.dtype) -> int | None:
     best of each: about half a second."""
     for rows in _CALIBRATION_ROWS:
         x = torch.randn(rows, weight.in_features).to(dtype)
-        quantized = _best_seconds(lambda: weight.kernels.qmatmul(
+        quantized = best_seconds(lambda: weight.kernels.qmatmul(
             x, weight.bits, weight.qs, weight.scales, weight.mins, weight.out_features))
-        dense = _best_seconds(lambda: weight.matmul_dense(x))
+        dense = best_seconds(lambda: weight.matmul_dense(x))
         if dense < quantized:
             log.info("quantized weights: products of %d rows or more run dense (%.2f ms against %.2f ms)",
                      rows, dense * 1e3, quantized * 1e3)
             return rows
     return None
-
-
-def _best_seconds(run, repeats: int = 3) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return best

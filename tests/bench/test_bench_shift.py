@@ -95,13 +95,13 @@ def test_the_moves_come_from_the_router_and_worker_log_lines():
     assert parse_decisions(log, start) == [{"at_s": 10.0, "said": "to_prefill asked for 0s of 5: prefill at 2.10x"}]
 
 
-def test_a_measured_rate_lies_between_the_splits_capacities_unless_they_serve_alike():
+def test_a_measured_rate_is_the_stronger_splits_capacity_unless_the_splits_serve_alike():
     from pdserve.bench.shift_probe import FALLBACK_LOAD, probe_splits, rate_from
 
     assert [str(s) for s in probe_splits(3)] == ["2P1D", "1P2D"]
     assert [str(s) for s in probe_splits(5)] == ["4P1D", "1P4D"]
     rate, distinct = rate_from([0.2, 0.8])
-    assert distinct and rate == pytest.approx(0.4)  # above the weaker split's, below the stronger's
+    assert distinct and rate == pytest.approx(0.8)  # past what the weaker split serves
     assert rate_from([0.5, 0.55]) == (pytest.approx(FALLBACK_LOAD * 0.55), False)  # a load both serve
     assert rate_from([0.0, 0.3]) == (pytest.approx(FALLBACK_LOAD * 0.3), False)
 
