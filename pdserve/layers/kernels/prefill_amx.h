@@ -1,14 +1,14 @@
 /* Causal attention of a prefill chunk over the paged KV cache on AMX tiles (bfloat16 products,
  * float32 sums), included by ops.c after its AVX-512 variant, whose vector helpers it uses.
  *
- * torch's CPU flash attention gathers and packs K and V for every query block and head, and
- * computes whole key blocks of 512 past the diagonal; this kernel packs each KV head's context
- * once per call into the tiles' layouts, straight from the block table, shares it among the query
- * heads of that KV head, and stops each query block at its last visible key (32 keys at a time).
- * A task is 16 queries of one head: scores for 32 keys (two 16 x 16 tiles), an online softmax per
- * query row in AVX-512 vectors, then P.V into the running output, rescaled as the largest score
- * grows. Queries are the chunk's tokens, the last `query_len` positions of the context; query i
- * sees keys 0 .. context_len - query_len + i. */
+ * torch's CPU flash attention needs the context gathered out of the paged cache, packs K and V
+ * for every query block and head, and computes whole key blocks of 512 past the diagonal. This
+ * kernel reads K from the cache in place, packs each KV head's V once per call straight from the
+ * block table (shared by the query heads of that KV head), and stops each query block at its last
+ * visible key (32 keys at a time). A task is 16 queries of one head: scores for 32 keys (two
+ * 16 x 16 tiles), an online softmax in AVX-512 vectors, then P.V into the running output,
+ * rescaled as the largest score grows. Queries are the chunk's tokens, the last `query_len`
+ * positions of the context; query i sees keys 0 .. context_len - query_len + i. */
 
 #define AMX_QROWS 16 /* queries a tile holds */
 #define AMX_KEYS 32  /* keys a step takes: two score tiles, one P.V product's depth */
