@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.layers.cpu import onednn_packs_bfloat16
 from pdserve.layers.packed import pack_weight, packed_linear, row_counts
 from pdserve.layers.quant import Int4Weight, QuantizedWeight
 
@@ -54,12 +55,19 @@ def warm_up(products: list[tuple[torch.Tensor | QuantizedWeight | Int4Weight, to
             dtype: torch.dtype) -> None:
     """Run each product (weight, bias, the most rows it will take) once at every row count the
     packed kernels pad to, on zeros of `dtype`: oneDNN builds a kernel per count, which a server
-    would otherwise build in the middle of its steps. Products whose kernels are built once for
-    all counts (float32 and torch's int4 ones on CPU; every one on a GPU) are skipped."""
+    would otherwise build in the middle of its steps. Only products that run on packed weights are
+    run: the others (plain float32 or bfloat16 weights, GPU ones, the quantized kernels' own rows)
+    need no kernel per count."""
     for weight, bias, max_rows in products:
-        if isinstance(weight, Int4Weight) or (isinstance(weight, torch.Tensor) and (
-                weight.device.type != "cpu" or (dtype == torch.float32 and not weight.is_mkldnn))):
+        if isinstance(weight, QuantizedWeight):  # dense (on a packed expansion) from min_rows up
+            dense = weight.dense
+            if dense.min_rows is None or not dense.keep or dtype != torch.bfloat16 or not onednn_packs_bfloat16():
+                continue
+            counts = [rows for rows in row_counts(max_rows) if rows >= dense.min_rows]
+            in_features = weight.in_features
+        elif isinstance(weight, torch.Tensor) and weight.is_mkldnn:
+            counts, in_features = row_counts(max_rows), weight.shape[1]
+        else:
             continue
-        in_features = weight.in_features if isinstance(weight, QuantizedWeight) else weight.shape[1]
-        for rows in row_counts(max_rows):
+        for rows in counts:
             linear(torch.zeros(rows, in_features, dtype=dtype), weight, bias)

@@ -1,6 +1,6 @@
 """pdserve's own CPU kernels (`qmatmul.c`: quantized matmuls; `ops.c`: the per-token operations of
-a decoder layer, decode attention, and prefill attention on AMX tiles where the CPU has them): built with the system's C compiler on first use, cached on disk, and loaded with
-ctypes.
+a decoder layer, decode attention, and prefill attention on AMX tiles where the CPU has them): built
+with the system's C compiler on first use, cached on disk, and loaded with ctypes.
 
 The library holds a variant per instruction set (portable C, AVX2, AVX-512 VNNI, AVX-VNNI) and
 reports which this CPU runs; the fastest is used unless `PDSERVE_CPU_ISA` names a lower one (the
@@ -139,7 +139,6 @@ class NativeKernels:
             kv_cache.data_ptr(), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
             out.data_ptr(), q.dtype == torch.bfloat16), "decode_attention")
         return out
-
 
     def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_size: int, table: torch.Tensor,
                           context_len: int, scale: float, out: torch.Tensor) -> None:

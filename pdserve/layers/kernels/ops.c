@@ -99,28 +99,30 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
              scale, out, bf16);
 }
 
+int pd_prefill_attention_available(int isa) {
+#ifdef PD_AMX
+    return isa == ISA_AVX512VNNI && pd_isa_supported(isa) && amx_usable();
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
 /* A prefill chunk's causal attention (bfloat16) on AMX tiles: -1 where this CPU, build or shape
  * does not take it (the caller then uses torch). q [query_len rows of q_stride, H * D used], out
  * [query_len rows of out_stride]; the chunk's K/V already in the cache. */
 int pd_prefill_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t query_len, int64_t H,
                          int64_t KV, int64_t D, const void *cache, int64_t block_size, const int64_t *table,
                          int64_t ctx, float scale, void *out, int64_t out_stride) {
-#ifdef PD_AMX
-    if (isa != ISA_AVX512VNNI || !pd_isa_supported(isa) || !amx_usable() || threads < 1 || KV < 1 || H % KV ||
-        D < 32 || D % 32 || D > AMX_MAX_HEAD_DIM || query_len < 1 || query_len > ctx || block_size % 16)
+    if (!pd_prefill_attention_available(isa) || threads < 1 || KV < 1 || H % KV || D < 32 || D % 32 ||
+        query_len < 1 || query_len > ctx || block_size % 16)
         return -1;
+#ifdef PD_AMX
+    if (D > AMX_MAX_HEAD_DIM) return -1;
     return amx_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale, out,
                                  out_stride);
 #else
     return -1;
-#endif
-}
-
-int pd_prefill_attention_available(int isa) {
-#ifdef PD_AMX
-    return isa == ISA_AVX512VNNI && pd_isa_supported(isa) && amx_usable();
-#else
-    return 0;
 #endif
 }
 
