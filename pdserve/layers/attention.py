@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.kernels.native import NativeKernels
+from pdserve.layers.packed import activation_buffer
 
 
 @dataclass(slots=True)
@@ -89,7 +90,8 @@ def attend_cached(
     num_kv_heads = kv_cache.shape[2]
     gqa = num_heads != num_kv_heads
     nd = meta.num_decode_tokens
-    out = None if nd == num_tokens else torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = None if nd == num_tokens else activation_buffer(num_tokens, num_heads * head_dim, q.dtype, q.device).view(
+        num_tokens, num_heads, head_dim)  # the output projection's input
     blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
     if nd and meta.kernels is not None:
         o = meta.kernels.decode_attention(q[:nd], kv_cache, meta.block_size, meta.decode_tables, meta.decode_lens,

@@ -12,7 +12,9 @@ round), so each weight shape's layout is chosen by timing both on this CPU, once
 oneDNN also builds (JIT-compiles) a kernel for each number of rows it meets: 3-5 ms a weight shape
 on 2 cores, and a server under load meets a new count at almost every step (each mix of prefill
 chunks and decodes is one). A product therefore runs on its rows padded up to one of a few counts
-(`padded_rows`: at most an eighth more), whose kernels `warm_up` builds before requests come."""
+(`padded_rows`: at most an eighth more), whose kernels `warm_up` builds before requests come.
+The kernels that write a product's input allocate it with room for those rows
+(`activation_buffer`), so padding costs no copy."""
 
 from __future__ import annotations
 
@@ -42,9 +44,25 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.shape[0]
     padded = padded_rows(rows)
     if padded != rows:  # the padding rows' products are computed and dropped: rows are independent
-        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padded - rows)), weight, bias, "none", [],
-                                                  "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(_padded(x, padded), weight, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def activation_buffer(rows: int, width: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialized [rows, width] tensor on storage with room for `padded_rows(rows)` rows: a
+    packed product reads it at its padded count in place (the rows past `rows` hold whatever the
+    memory held; their products are dropped)."""
+    return torch.empty(padded_rows(rows), width, dtype=dtype, device=device)[:rows]
+
+
+def _padded(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """x's rows and the rows after them up to `padded`: a view where x's storage holds them (an
+    `activation_buffer`), else a copy with zero rows appended."""
+    width = x.shape[1]
+    if (x.is_contiguous() and x.storage_offset() == 0
+            and x.untyped_storage().nbytes() >= padded * width * x.element_size()):
+        return x.as_strided((padded, width), (width, 1))
+    return F.pad(x, (0, 0, 0, padded - x.shape[0]))
 
 
 def padded_rows(rows: int) -> int:

@@ -50,3 +50,16 @@ def test_a_padded_product_keeps_only_its_own_rows():
     got = packed.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, None))
     assert got.shape == (17, 96) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-2, rtol=2**-7)
+
+
+def test_an_activation_buffer_is_read_padded_in_place(monkeypatch):
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    x = packed.activation_buffer(1000, 64, torch.bfloat16)  # runs as 1024 rows
+    assert x.shape == (1000, 64) and x.untyped_storage().nbytes() == 1024 * 64 * 2
+    x.copy_(torch.randn(1000, 64))
+    # the padding rows hold whatever the memory held, NaN included: it must not reach the rows kept
+    torch.as_strided(x, (1024, 64), (64, 1))[1000:] = float("nan")
+    monkeypatch.setattr(packed.F, "pad", lambda *a: pytest.fail("padded by a copy"))
+    got = packed.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, None))
+    assert got.shape == (1000, 96) and not got.isnan().any()
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-2, rtol=2**-7)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP runtime must resolve to the one torch loaded
 
+from pdserve.layers.packed import activation_buffer
+
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "prefill_amx.h")
@@ -99,7 +101,7 @@ class NativeKernels:
             _contiguous(delta)
             if delta.shape != x.shape or delta.dtype != x.dtype:
                 raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} does not match x {tuple(x.shape)} {x.dtype}")
-        y = torch.empty_like(x)
+        y = activation_buffer(x.shape[0], x.shape[1], x.dtype)  # a product's input
         _check(self.lib.pd_rms_norm(self.isa, torch.get_num_threads(), x.data_ptr(),
                                     None if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
                                     x.shape[0], x.shape[1], y.data_ptr(), x.dtype == torch.bfloat16), "rms_norm")
@@ -109,7 +111,7 @@ class NativeKernels:
         """[rows, 2 * inter] (gate | up) -> silu(gate) * up, [rows, inter]."""
         _contiguous(gate_up)
         rows, width = gate_up.shape
-        out = gate_up.new_empty(rows, width // 2)
+        out = activation_buffer(rows, width // 2, gate_up.dtype)  # a product's input
         _check(self.lib.pd_silu_mul(self.isa, torch.get_num_threads(), gate_up.data_ptr(), rows, width // 2,
                                     out.data_ptr(), gate_up.dtype == torch.bfloat16), "silu_mul")
         return out
@@ -133,7 +135,7 @@ class NativeKernels:
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             raise ValueError("decode_attention needs each row's heads side by side")
         _contiguous(kv_cache, tables, lens)
-        out = torch.empty(rows, heads * head_dim, dtype=q.dtype)
+        out = activation_buffer(rows, heads * head_dim, q.dtype)  # a product's input
         _check(self.lib.pd_decode_attention(
             self.isa, torch.get_num_threads(), q.data_ptr(), q.stride(0), rows, heads, kv_cache.shape[2], head_dim,
             kv_cache.data_ptr(), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
