@@ -141,6 +141,29 @@ def test_prefill_attention_on_amx_tiles_is_causal_over_the_paged_context(amx_ker
     torch.testing.assert_close(out.float(), ref.transpose(0, 1), atol=2**-7, rtol=2**-7)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_prefill_attention_follows_scores_that_rise_or_fall_along_the_keys(amx_kernels, head_dim, order):
+    """Rising scores move each query's running maximum past the rescale threshold step after step
+    (its output rescaled many times); falling ones set it at the first key and never move it."""
+    context_len, block, g = 200, 16, torch.Generator().manual_seed(7)
+    direction = torch.randn(head_dim, generator=g)
+    weight = torch.linspace(-12, 12, context_len) if order == "rising" else torch.linspace(12, -12, context_len)
+    cache = torch.empty(context_len, 2, KV, head_dim)
+    cache[:, 0] = (weight[:, None] * direction)[:, None] + 0.1 * torch.randn(context_len, KV, head_dim, generator=g)
+    cache[:, 1] = torch.randn(context_len, KV, head_dim, generator=g)
+    cache = cache.to(torch.bfloat16)
+    table = torch.arange(context_len // block + 1)
+    cache = torch.cat([cache, torch.zeros(block - context_len % block, 2, KV, head_dim, dtype=torch.bfloat16)])
+    q = (direction + 0.1 * torch.randn(context_len, H, head_dim, generator=g)).to(torch.bfloat16)
+    out = torch.empty(context_len, H, head_dim, dtype=torch.bfloat16)
+    amx_kernels.prefill_attention(q, cache, block, table, context_len, head_dim**-0.5, out)
+    k, v = (cache[:context_len, i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
+    seen = torch.ones(context_len, context_len, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=seen, scale=head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref.transpose(0, 1), atol=2**-7, rtol=2**-7)
+
+
 def test_prefill_attention_runs_only_where_amx_does(amx_kernels):
     for name in amx_kernels.supported:
         assert amx_kernels.with_isa(name).prefill_attention_available == (name == "avx512_vnni")

@@ -6,8 +6,8 @@
  * kernel reads K from the cache in place, packs each KV head's V once per call straight from the
  * block table (shared by the query heads of that KV head), and stops each query block at its last
  * visible key (32 keys at a time). A task is 16 queries of one head: scores for 32 keys (two
- * 16 x 16 tiles), an online softmax in AVX-512 vectors, then P.V into the running output,
- * rescaled as the largest score grows. Queries are the chunk's tokens, the last `query_len`
+ * 16 x 16 tiles), an online softmax in AVX-512 vectors, then P.V into the running output (held in
+ * tiles for heads of up to 64), rescaled only when a score passes the running maximum by 2^8. Queries are the chunk's tokens, the last `query_len`
  * positions of the context; query i sees keys 0 .. context_len - query_len + i. */
 
 #define AMX_QROWS 16 /* queries a tile holds */
@@ -23,8 +23,8 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Every tile 16 rows of 64 bytes. Scores: 0 keys, 1 queries, 2-3 scores. P.V: 4 P, 0 and 5
- * values, 6-7 output. */
+/* Every tile 16 rows of 64 bytes. Scores: 0 keys, 1 queries, 2 scores. P.V: 4 P, 0 values, and
+ * the output in 3, 5, 6, 7 (heads of up to 64; larger ones: 0 and 5 values, 6-7 a product). */
 static void amx_configure(void) {
     struct tile_config c;
     memset(&c, 0, sizeof c);
@@ -68,61 +68,125 @@ static void amx_pack_queries(const uint16_t *q, int64_t q_stride, int64_t rows, 
     }
 }
 
+/* 2^x for the softmax weights (x <= AMX_RESCALE_LOG2; far below zero it gives 0): a degree-4
+ * polynomial on the fraction and the exponent applied by scalef, within 5e-5 relative: weights
+ * become bfloat16, 4e-3 apart. */
+static inline __m512 amx_exp2(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f)); /* also maps NaN (-inf - -inf, masked later) */
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.618129e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The running maximum a query's weights are taken against moves only when a score passes it by
+ * more than this (log2 units): weights stay below 2^8, and the output is rescaled rarely. */
+#define AMX_RESCALE_LOG2 8.0f
+
+/* The output^T of a task with D <= 64 stays in tiles 3, 5, 6, 7 (16 head dimensions each) across
+ * its steps; larger heads go through memory a product at a time. */
+#define AMX_OUT_TILES 4
+
+static inline void amx_out_store(float *acc, int64_t tiles) {
+    _tile_stored(3, acc, 64);
+    if (tiles > 1) _tile_stored(5, acc + 256, 64);
+    if (tiles > 2) _tile_stored(6, acc + 512, 64);
+    if (tiles > 3) _tile_stored(7, acc + 768, 64);
+}
+
+static inline void amx_out_load(const float *acc, int64_t tiles) {
+    _tile_loadd(3, acc, 64);
+    if (tiles > 1) _tile_loadd(5, acc + 256, 64);
+    if (tiles > 2) _tile_loadd(6, acc + 512, 64);
+    if (tiles > 3) _tile_loadd(7, acc + 768, 64);
+}
+
 /* One task: queries r0 .. r0 + rows - 1 of the chunk for head h. */
 static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int64_t G, int64_t KV, int64_t D,
                              int64_t r0, int64_t rows, int64_t first_pos, const uint16_t *cache, int64_t block_size,
                              const int64_t *table, const uint16_t *vpack, int64_t steps, float scale, uint16_t *out,
                              int64_t out_stride) {
-    const int64_t g = h / G, slot_bytes = 2 * KV * D * 2;
+    const int64_t g = h / G, slot_bytes = 2 * KV * D * 2, dtiles = D / 16;
+    const int in_tiles = dtiles <= AMX_OUT_TILES;
     float scores[AMX_KEYS * 16], part[2 * 16 * 16], acc[AMX_MAX_HEAD_DIM * 16];
     uint32_t qt[AMX_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
     amx_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
     memset(acc, 0, D * 16 * sizeof(float));
+    if (in_tiles) amx_out_load(acc, dtiles);
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    const __m512 sc = _mm512_set1_ps(scale), lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* scores in log2 units: the weights are powers of two */
+    const __m512 sc = _mm512_set1_ps(scale * 1.4426950408889634f), lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                          10, 11, 12, 13, 14, 15);
     const __mmask16 present = rows == 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
     const int64_t base = first_pos + r0; /* query r's position is base + r */
     const int64_t last_pos = base + rows - 1, last = last_pos / AMX_KEYS; /* the last step any query sees */
     for (int64_t b = 0; b <= last; b++) {
         for (int half = 0; half < 2; half++) {
             const int64_t key = b * AMX_KEYS + half * 16;
-            if (half) _tile_zero(3); else _tile_zero(2);
-            if (key > last_pos) continue; /* past the context (and its block table): masked out below */
-            const char *k = (const char *)(cache + ((table[key / block_size] * block_size + key % block_size) * 2 * KV
-                                                    + g) * D);
-            for (int64_t c = 0; c < D / 32; c++) {
-                _tile_loadd(0, k + c * 64, slot_bytes);
-                _tile_loadd(1, qt + c * 256, 64);
-                if (half) _tile_dpbf16ps(3, 0, 1); else _tile_dpbf16ps(2, 0, 1);
+            _tile_zero(2);
+            if (key <= last_pos) { /* else past the context (and its block table): masked out below */
+                const char *k = (const char *)(cache + ((table[key / block_size] * block_size + key % block_size)
+                                                        * 2 * KV + g) * D);
+                for (int64_t c = 0; c < D / 32; c++) {
+                    _tile_loadd(0, k + c * 64, slot_bytes);
+                    _tile_loadd(1, qt + c * 256, 64);
+                    _tile_dpbf16ps(2, 0, 1);
+                }
             }
+            _tile_stored(2, scores + half * 256, 64);
         }
-        _tile_stored(2, scores, 64);
-        _tile_stored(3, scores + 256, 64);
-        /* key j is seen by the queries at positions >= j; none sees keys past the context */
+        /* key j is seen by the queries at positions >= j (all of them below the diagonal); none
+         * sees keys past the context */
+        const int below = b * AMX_KEYS + AMX_KEYS - 1 <= base;
         __m512 s[AMX_KEYS], step_top = _mm512_set1_ps(-INFINITY);
         __mmask16 seen[AMX_KEYS];
         for (int j = 0; j < AMX_KEYS; j++) {
             const float behind = (float)(b * AMX_KEYS + j - base); /* the first query (lane) that sees key j */
-            seen[j] = _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
+            seen[j] = below ? present : _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
             s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_loadu_ps(scores + j * 16), sc);
             step_top = _mm512_max_ps(step_top, s[j]);
         }
-        const __m512 new_top = _mm512_max_ps(top, step_top);
-        /* the first step's factor is 0 (nothing to rescale); rows not present stay at -inf */
-        const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                                 vexp_avx512(_mm512_sub_ps(top, new_top)));
-        __m512 step_sum = _mm512_setzero_ps();
+        if (_mm512_cmp_ps_mask(step_top, _mm512_add_ps(top, _mm512_set1_ps(AMX_RESCALE_LOG2)), _CMP_GT_OQ)) {
+            const __m512 new_top = _mm512_max_ps(top, step_top);
+            /* nothing to rescale before a query's first weight; rows not present stay at -inf */
+            const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                                     amx_exp2(_mm512_sub_ps(top, new_top)));
+            sum = _mm512_mul_ps(sum, alpha);
+            if (in_tiles) amx_out_store(acc, dtiles);
+            for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16), alpha));
+            if (in_tiles) amx_out_load(acc, dtiles);
+            top = new_top;
+        }
         for (int j = 0; j < AMX_KEYS; j += 2) { /* P^T as pairs of keys, the right operand of V^T . P^T */
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], vexp_avx512(_mm512_sub_ps(s[j], new_top)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], vexp_avx512(_mm512_sub_ps(s[j + 1], new_top)));
-            step_sum = _mm512_add_ps(step_sum, _mm512_add_ps(p0, p1));
+            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], amx_exp2(_mm512_sub_ps(s[j], top)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], amx_exp2(_mm512_sub_ps(s[j + 1], top)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pt + (j / 2) * 16,
                                 _mm512_or_si512(bf16_bits_avx512(p0), _mm512_slli_epi32(bf16_bits_avx512(p1), 16)));
         }
-        sum = _mm512_fmadd_ps(sum, alpha, step_sum);
-        top = new_top;
         _tile_loadd(4, pt, 64);
-        for (int64_t dc = 0; dc < D / 16; dc += 2) {
+        if (in_tiles) {
+            _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 0, steps, D), 64);
+            _tile_dpbf16ps(3, 0, 4);
+            if (dtiles > 1) {
+                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 1, steps, D), 64);
+                _tile_dpbf16ps(5, 0, 4);
+            }
+            if (dtiles > 2) {
+                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 2, steps, D), 64);
+                _tile_dpbf16ps(6, 0, 4);
+            }
+            if (dtiles > 3) {
+                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 3, steps, D), 64);
+                _tile_dpbf16ps(7, 0, 4);
+            }
+            continue;
+        }
+        for (int64_t dc = 0; dc < dtiles; dc += 2) {
             _tile_zero(6);
             _tile_zero(7);
             _tile_loadd(5, amx_v_tile((uint16_t *)vpack, g, b, dc, steps, D), 64);
@@ -133,10 +197,11 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
             _tile_stored(7, part + 256, 64);
             for (int64_t d = 0; d < 32; d++) {
                 float *a = acc + (dc * 16 + d) * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), alpha, _mm512_loadu_ps(part + d * 16)));
+                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(part + d * 16)));
             }
         }
     }
+    if (in_tiles) amx_out_store(acc, dtiles);
     float inv[16], row[AMX_MAX_HEAD_DIM];
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
     for (int64_t r = 0; r < rows; r++) {
