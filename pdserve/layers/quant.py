@@ -7,8 +7,9 @@ stored in float16 as GGUF does:
 A GGUF file stored with those rules re-quantizes to exactly its own values from its dequantized
 weights (a group's extremes are its q=0 and q=15 levels, or +-127), so serving it this way loses
 nothing. The product runs in pdserve's own kernels (`kernels/qmatmul.c`: activations quantized to
-int8 per group of 32, byte dot products with VNNI or AVX2) where they build; otherwise 4-bit
-weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activation dtype at load.
+int8 per group of 32, byte dot products with VNNI or AVX2; on a CPU with AMX, batches of bfloat16
+rows on its tiles, `kernels/qmatmul_amx.h`) where they build; otherwise 4-bit weights run torch's
+CPU int4 kernel and 8-bit ones are expanded to the activation dtype at load.
 """
 
 from __future__ import annotations
@@ -29,22 +30,25 @@ log = logging.getLogger("pdserve.kernels")
 GROUP_SIZE = 32
 BITS = (4, 8)
 _CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
+_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
 
 
 @dataclass(slots=True)
 class DenseProducts:
-    """When a model's quantized weights hand a product to a dense matmul instead.
+    """Which kernel a model's quantized weights run a product of a given number of rows on.
 
-    Byte dot products win while a step has few rows (decode: the weight's bytes are the cost);
-    a prefill chunk's hundreds of rows, or a large decode batch, are arithmetic, which the math
-    library's float GEMM does faster (AMX, where the CPU has it) than int8 dot products with a float
-    scale per group. From `min_rows` rows up a product runs dense, on the weight expanded either
-    once and kept (`keep`: where the model's expanded weights fit the memory set aside for them,
-    `dense_memory_budget`) or at each product into one buffer the model's layers share (a step runs
-    them one after another). `min_rows` is measured on this CPU when the model loads
-    (`calibrate`)."""
+    Byte dot products win while a step has few rows (decode: the weight's bytes are the cost),
+    but their arithmetic grows with the rows. On a CPU with AMX, bfloat16 rows from `tile_rows` up
+    run on its tiles, the weight expanded a group at a time as it is read (a decode batch: the
+    weight's own bytes, at tile speed). A prefill chunk's hundreds of rows are arithmetic, which the
+    math library's float GEMM does fastest: from `min_rows` rows up a product runs dense, on the
+    weight expanded either once and kept (`keep`: where the model's expanded weights fit the memory
+    set aside for them, `dense_memory_budget`) or at each product into one buffer the model's
+    layers share (a step runs them one after another). Both thresholds are measured on this CPU
+    when the model loads (`calibrate`)."""
 
-    min_rows: int | None = None  # None: every product runs on the quantized kernels
+    min_rows: int | None = None  # None: no product runs dense
+    tile_rows: int | None = None  # None: no product runs on AMX tiles
     keep: bool = False
     _buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
@@ -88,9 +92,15 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
         if x.dtype not in (torch.float32, torch.bfloat16):
             return self.matmul(x.float()).to(x.dtype)
-        if self.dense.min_rows is not None and x.shape[0] >= self.dense.min_rows:
+        rows = x.shape[0]
+        if self.dense.min_rows is not None and rows >= self.dense.min_rows:
             return self.matmul_dense(x)
+        if self.dense.tile_rows is not None and rows >= self.dense.tile_rows and x.dtype == torch.bfloat16:
+            return self.matmul_tiles(x)
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
+
+    def matmul_tiles(self, x: torch.Tensor) -> torch.Tensor:  # bfloat16 rows, on AMX tiles
+        return self.kernels.qmatmul_amx(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
         if not self.dense.keep:
@@ -197,17 +207,34 @@ def dequantize_reference(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(weight.shape)
 
 
-def calibrate(weight: QuantizedWeight, dtype: torch.dtype) -> int | None:
-    """The fewest rows from which `weight`'s products run faster dense than on the quantized
-    kernels, on this CPU now (None: at no size measured). Each candidate is timed a few times,
-    best of each: about half a second."""
+def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None]:
+    """`DenseProducts`' thresholds on this CPU now, for weights of one shape (a model's layers): the
+    fewest rows from which products run faster on AMX tiles than on byte dot products (None: no
+    tiles here, or never faster), and from which they run faster dense than on either (None: at no
+    size measured). Each candidate is timed over all `weights` in turn, as a step reads them (one
+    weight timed again and again sits in the cache, which flatters the larger dense copy), best of
+    a few runs: about a second for a small model."""
+    first = weights[0]
+    x_of = lambda rows: torch.randn(rows, first.in_features).to(dtype)  # noqa: E731
+    dots = lambda w, x: w.kernels.qmatmul(x, w.bits, w.qs, w.scales, w.mins, w.out_features)  # noqa: E731
+    sweep = lambda product, x: best_seconds(lambda: [product(w, x) for w in weights])  # noqa: E731
+    tile_rows = None
+    if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:
+        for rows in _TILE_CALIBRATION_ROWS:
+            x = x_of(rows)
+            tiles, dot = sweep(QuantizedWeight.matmul_tiles, x), sweep(dots, x)
+            if tiles < dot:
+                log.info("quantized weights: products of %d rows or more run on AMX tiles (%.2f ms against %.2f ms "
+                         "for %d weights)", rows, tiles * 1e3, dot * 1e3, len(weights))
+                tile_rows = rows
+                break
     for rows in _CALIBRATION_ROWS:
-        x = torch.randn(rows, weight.in_features).to(dtype)
-        quantized = best_seconds(lambda: weight.kernels.qmatmul(
-            x, weight.bits, weight.qs, weight.scales, weight.mins, weight.out_features))
-        dense = best_seconds(lambda: weight.matmul_dense(x))
+        x = x_of(rows)
+        on_tiles = tile_rows is not None and rows >= tile_rows
+        quantized = sweep(QuantizedWeight.matmul_tiles if on_tiles else dots, x)
+        dense = sweep(QuantizedWeight.matmul_dense, x)
         if dense < quantized:
-            log.info("quantized weights: products of %d rows or more run dense (%.2f ms against %.2f ms)",
-                     rows, dense * 1e3, quantized * 1e3)
-            return rows
-    return None
+            log.info("quantized weights: products of %d rows or more run dense (%.2f ms against %.2f ms for %d "
+                     "weights)", rows, dense * 1e3, quantized * 1e3, len(weights))
+            return tile_rows, rows
+    return tile_rows, None

@@ -110,7 +110,7 @@ def build_model(
 
 def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """One `DenseProducts` for the model's quantized weights, keeping their expanded copies where
-    those fit the memory set aside for them, its row threshold measured on the largest layer weight
+    those fit the memory set aside for them, its row thresholds measured on the layers' largest weights
     (the head only ever multiplies the few rows a step samples)."""
     held = [(name, getattr(module, attr)) for name, module, attr in matmul_weights(model)]
     quantized = [(name, w) for name, w in held if isinstance(w, QuantizedWeight)]
@@ -121,7 +121,8 @@ def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     for _, w in quantized:
         w.dense = dense
     layers = [w for name, w in quantized if name != "lm_head"] or [w for _, w in quantized]
-    dense.min_rows = calibrate(max(layers, key=lambda w: w.qs.numel()), dtype)
+    largest = max(layers, key=lambda w: w.qs.numel())
+    dense.tile_rows, dense.min_rows = calibrate([w for w in layers if w.qs.shape == largest.qs.shape], dtype)
 
 
 def _bits(quantization: str | None, stored: list[int | None]) -> int | None:

@@ -78,8 +78,31 @@ def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dty
     few = held.matmul(x[:7])
     assert not torch.equal(few, dense[:7])
     torch.testing.assert_close(few.float(), dense[:7].float(), atol=0.3, rtol=0.05)
-    threshold = calibrate(held, dtype)  # measured now: any answer is a valid one, and it is used
-    assert threshold is None or threshold >= 1
+    tile_rows, min_rows = calibrate([held, held], dtype)  # measured now: any answer is a valid one, and it is used
+    assert min_rows is None or min_rows >= 1
+    assert tile_rows is None or (dtype == torch.bfloat16 and held.kernels.qmatmul_amx_available)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 17, 64, 100])
+def test_products_on_amx_tiles_use_the_dense_paths_bfloat16_weight(bits, rows):
+    kernels = native.load()
+    if not kernels.qmatmul_amx_available:
+        pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
+    for name in kernels.supported:  # the AVX-512 variant's: a lower one asked for runs without tiles
+        assert kernels.with_isa(name).qmatmul_amx_available == (name == "avx512_vnni")
+    g = torch.Generator().manual_seed(bits * rows)
+    held = quantize(torch.randn(40, 96, generator=g), bits, torch.float32, kernels)  # 40: a partial tile
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    got = held.kernels.qmatmul_amx(x, bits, held.qs, held.scales, held.mins, 40)
+    weight = kernels.dequantize(bits, held.qs, held.scales, held.mins, torch.empty(40, 96, dtype=torch.bfloat16))
+    # the same bfloat16 weight as the dense path's, float32 sums in another order, one rounding
+    torch.testing.assert_close(got.float(), x.float() @ weight.float().t(), atol=2e-2, rtol=2**-7)
+    held.dense = DenseProducts(tile_rows=1)
+    assert torch.equal(held.matmul(x), got)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.qmatmul_amx(x.float(), bits, held.qs, held.scales, held.mins, 40)
 
 
 @needs_kernels

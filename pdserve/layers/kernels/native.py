@@ -31,7 +31,8 @@ from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "prefill_amx.h")
+_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "prefill_amx.h",
+            "qmatmul_amx.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
@@ -78,6 +79,23 @@ class NativeKernels:
                                f"{bits}-bit, x {tuple(x.shape)}, {out_features} outputs")
         return y
 
+
+    @property
+    def qmatmul_amx_available(self) -> bool:
+        """Whether `qmatmul_amx` runs here (AMX tiles and AVX-512 BF16, with the AVX-512 variant)."""
+        return _qmatmul_amx_available(self.lib, self.isa)
+
+    def qmatmul_amx(self, x: torch.Tensor, bits: int, qs: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """`qmatmul` on AMX tiles: x [rows, in] bfloat16 (contiguous) -> [rows, out]."""
+        rows, in_features = x.shape
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            raise ValueError("qmatmul_amx takes contiguous bfloat16 rows")
+        y = activation_buffer(rows, out_features, x.dtype)
+        _check(self.lib.pd_qmatmul_amx(
+            self.isa, torch.get_num_threads(), bits, x.data_ptr(), rows, in_features, qs.data_ptr(),
+            scales.data_ptr(), None if mins is None else mins.data_ptr(), out_features, y.data_ptr()), "qmatmul_amx")
+        return y
 
     def dequantize(self, bits: int, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                    out: torch.Tensor) -> torch.Tensor:
@@ -163,6 +181,11 @@ def _prefill_attention_available(lib: ctypes.CDLL, isa: int) -> bool:
     return bool(lib.pd_prefill_attention_available(isa))
 
 
+@functools.lru_cache(maxsize=None)
+def _qmatmul_amx_available(lib: ctypes.CDLL, isa: int) -> bool:
+    return bool(lib.pd_qmatmul_amx_available(isa))
+
+
 def _contiguous(*tensors: torch.Tensor) -> None:
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("pdserve's kernels take contiguous tensors")
@@ -198,7 +221,10 @@ def load() -> NativeKernels | None:
     lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]
     lib.pd_prefill_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr, i64]
     lib.pd_prefill_attention_available.argtypes = [i32]
-    for name in ("pd_prefill_attention", "pd_prefill_attention_available", "pd_dequantize", "pd_rms_norm",
+    lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.pd_qmatmul_amx_available.argtypes = [i32]
+    for name in ("pd_prefill_attention", "pd_prefill_attention_available", "pd_qmatmul_amx",
+                 "pd_qmatmul_amx_available", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32
     lib.pd_openmp_serial_here.argtypes, lib.pd_openmp_serial_here.restype = [], None

@@ -2,7 +2,9 @@
  * up, rotary embedding with the KV cache write, and decode attention over the paged cache. In
  * torch each is several operators of a few microseconds of dispatch each on rows of a few
  * hundred values: at batch 1 that overhead, not the arithmetic, is their cost. Here each is one
- * call. x and y are float32 or bfloat16; threads come from OpenMP as in qmatmul.c.
+ * call. x and y are float32 or bfloat16; threads come from OpenMP as in qmatmul.c. Where the CPU
+ * has AMX: prefill attention (prefill_amx.h) and quantized products of a decode batch
+ * (qmatmul_amx.h) on its tiles.
  *
  * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
 #include "common.h"
@@ -57,6 +59,7 @@ static inline int64_t next_slot(struct slot_cursor *at) {
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define PD_AMX 1
 #include "prefill_amx.h"
+#include "qmatmul_amx.h"
 #endif
 
 /* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */
@@ -121,6 +124,29 @@ int pd_prefill_attention(int isa, int threads, const void *q, int64_t q_stride, 
     if (D > AMX_MAX_HEAD_DIM) return -1;
     return amx_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale, out,
                                  out_stride);
+#else
+    return -1;
+#endif
+}
+
+int pd_qmatmul_amx_available(int isa) {
+#ifdef PD_AMX
+    return pd_prefill_attention_available(isa) && __builtin_cpu_supports("avx512bf16");
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
+/* y[M, N] = x[M, K] @ w^T for a 4- or 8-bit weight in qmatmul.c's format, x and y bfloat16, on AMX
+ * tiles: -1 where this CPU, build or shape does not take it. */
+int pd_qmatmul_amx(int isa, int threads, int bits, const void *x, int64_t M, int64_t K, const void *qs,
+                   const void *wd, const void *wm, int64_t N, void *y) {
+    if (!pd_qmatmul_amx_available(isa) || threads < 1 || (bits != 4 && bits != 8) || (bits == 4 && !wm) ||
+        M < 1 || K < 32 || K % 32 || N < 1)
+        return -1;
+#ifdef PD_AMX
+    return qamx_matmul(threads, bits, x, M, K, qs, wd, wm, N, y);
 #else
     return -1;
 #endif
