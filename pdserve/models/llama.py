@@ -18,6 +18,7 @@ from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pdserve.models.arch_config import ArchConfig
+from pdserve.models.native_decode import NativeDecode
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -122,6 +123,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.use_decode_stack = True  # decode steps in one kernel call where they can (`native_decode`)
+        self._decode_stack: NativeDecode | None = None
+        self._decode_stack_built = False
 
     def forward(
         self,
@@ -133,11 +137,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [tokens, hidden]
         x, delta = F.embedding(input_ids, self.embed_tokens), None
         cos_sin = self.rotary(positions)
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos_sin, None if kv_caches is None else kv_caches[i], meta)
-            if on_layer is not None:
-                on_layer(i)
+        stack = self.decode_stack() if meta is not None and on_layer is None else None
+        if stack is not None and stack.takes(x, meta):
+            x, delta = stack(x, cos_sin, kv_caches, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, delta = layer(x, delta, cos_sin, None if kv_caches is None else kv_caches[i], meta)
+                if on_layer is not None:
+                    on_layer(i)
         return self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)[1]
+
+    def decode_stack(self) -> NativeDecode | None:
+        """The layers as one kernel call takes them (built at the first step, once the weights are
+        in place), or None where they cannot run so (or `use_decode_stack` is off)."""
+        if not self.use_decode_stack:
+            return None
+        if not self._decode_stack_built:
+            self._decode_stack, self._decode_stack_built = NativeDecode.of(self), True
+        return self._decode_stack
 
     def products(self, max_tokens: int, max_sequences: int) -> list[tuple[object, torch.Tensor | None, int]]:
         """The matmuls a step runs, one per weight shape (the layers share them), as (weight, bias,

@@ -223,8 +223,10 @@ def load() -> NativeKernels | None:
     lib.pd_prefill_attention_available.argtypes = [i32]
     lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx_available.argtypes = [i32]
+    lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
+                                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
     for name in ("pd_prefill_attention", "pd_prefill_attention_available", "pd_qmatmul_amx",
-                 "pd_qmatmul_amx_available", "pd_dequantize", "pd_rms_norm",
+                 "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32
     lib.pd_openmp_serial_here.argtypes, lib.pd_openmp_serial_here.restype = [], None

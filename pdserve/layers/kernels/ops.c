@@ -152,6 +152,70 @@ int pd_qmatmul_amx(int isa, int threads, int bits, const void *x, int64_t M, int
 #endif
 }
 
+/* ---- a decode step's decoder layers in one call ---- */
+
+int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *qs,
+               const uint16_t *wd, const uint16_t *wm, int64_t N, void *y);
+
+/* A quantized weight (qmatmul.c's format) and one decoder layer's weights, for pd_decode_stack. */
+struct pd_qweight { int64_t bits; const void *qs, *scales, *mins; };
+struct pd_layer {
+    const void *input_norm, *post_norm; /* in the activations' dtype */
+    const void *qkv_bias;               /* NULL: none */
+    struct pd_qweight qkv, o, gate_up, down;
+};
+
+static int stack_product(int isa, int threads, int tiles, const struct pd_qweight *w, const void *x, int bf16,
+                         int64_t M, int64_t K, int64_t N, void *y) {
+    if (tiles) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
+    return pd_qmatmul(isa, threads, (int)w->bits, x, bf16, M, K, w->qs, w->scales, w->mins, N, y);
+}
+
+/* y += bias, row by row, rounded as torch adds in bfloat16 (in float32, then to nearest even). */
+static void add_bias(void *y, const void *bias, int64_t T, int64_t N, int bf16) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < N; j++) {
+            if (bf16) {
+                uint16_t *v = (uint16_t *)y + t * N + j;
+                *v = f32_to_bf16(bf16_to_f32(*v) + bf16_to_f32(((const uint16_t *)bias)[j]));
+            } else {
+                ((float *)y)[t * N + j] += ((const float *)bias)[j];
+            }
+        }
+}
+
+/* The decoder layers of a decode-only step (T rows, one new token each), the same operations in the
+ * same order as the model's layers run them one call at a time: input x [T, H] (the embeddings;
+ * the final x and delta, whose sum the final norm takes, are left in x and delta), scratch h
+ * [T, H], qkv [T, (heads + 2 kv_heads) D], att [T, heads D], gu [T, 2 I], s [T, I]. Each layer's
+ * cache is `layer_bytes` after the one before. Products on AMX tiles where `tiles`, else byte dot
+ * products. At batch 1 the model's calls cost more than its arithmetic: this is one call. */
+int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t L, int64_t T, int64_t H,
+                    int64_t heads, int64_t kv_heads, int64_t D, int64_t I, float eps, float scale, int tiles, void *x,
+                    void *delta, void *h, void *qkv, void *att, void *gu, void *s, const void *cos, const void *sin,
+                    void *cache, int64_t layer_bytes, const int64_t *slots, int64_t block_size, const int64_t *tables,
+                    int64_t max_blocks, const int64_t *lens, int bf16) {
+    const int64_t width = (heads + 2 * kv_heads) * D, q_size = heads * D;
+    if (L < 1 || T < 1 || H < 1 || I < 1 || kv_heads < 1 || heads % kv_heads) return -1;
+    for (int64_t i = 0; i < L; i++) {
+        const struct pd_layer *w = layers + i;
+        char *layer_cache = (char *)cache + i * layer_bytes;
+        int rc = pd_rms_norm(isa, threads, x, i ? delta : NULL, w->input_norm, eps, T, H, h, bf16);
+        if (!rc) rc = stack_product(isa, threads, tiles, &w->qkv, h, bf16, T, H, width, qkv);
+        if (!rc && w->qkv_bias) add_bias(qkv, w->qkv_bias, T, width, bf16);
+        if (!rc) rc = pd_rotary_store(isa, threads, qkv, T, heads, kv_heads, D, cos, sin, layer_cache, slots, bf16);
+        if (!rc) rc = pd_decode_attention(isa, threads, qkv, width, T, heads, kv_heads, D, layer_cache, block_size,
+                                          tables, max_blocks, lens, scale, att, bf16);
+        if (!rc) rc = stack_product(isa, threads, tiles, &w->o, att, bf16, T, q_size, H, delta);
+        if (!rc) rc = pd_rms_norm(isa, threads, x, delta, w->post_norm, eps, T, H, h, bf16);
+        if (!rc) rc = stack_product(isa, threads, tiles, &w->gate_up, h, bf16, T, H, 2 * I, gu);
+        if (!rc) rc = pd_silu_mul(isa, threads, gu, T, I, s, bf16);
+        if (!rc) rc = stack_product(isa, threads, tiles, &w->down, s, bf16, T, I, H, delta);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* Parallel regions started from the calling thread run on it alone (OpenMP's team size is a
  * per-thread setting): see native.serial_torch_on_this_thread. */
 void pd_openmp_serial_here(void) { omp_set_num_threads(1); }

@@ -1,0 +1,85 @@
+"""A decode step's layers in one kernel call: the same hidden states as the model's modules, bit
+for bit, wherever it runs; the model's modules wherever it cannot."""
+
+import pytest
+import torch
+
+from pdserve import SamplingParams
+from pdserve.layers.kernels import native
+from pdserve.layers.quant import DenseProducts
+from tests.factories import assert_engine_idle, make_llm
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="pdserve's CPU kernels do not build here")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9, 9, 8]]
+
+
+def _steps(llm, prompts: list[list[int]], decode_steps: int) -> tuple[list[torch.Tensor], int]:
+    """Every decode step's final hidden states (greedy), and how many steps ran the stack."""
+    engine, model = llm.engine, llm.engine.runner.model
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True))
+    hidden, stacked = [], [0]
+    forward, stack = model.forward, model.decode_stack()
+
+    def recording(input_ids, positions, kv_caches, meta, on_layer=None):
+        out = forward(input_ids, positions, kv_caches, meta, on_layer)
+        if not meta.prefills:
+            hidden.append(out.clone())
+            stacked[0] += stack is not None and model.use_decode_stack and stack.takes(out, meta)
+        return out
+
+    model.forward = recording
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        model.forward = forward
+    assert_engine_idle(llm)
+    return hidden, stacked[0]
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])  # GQA; one KV head; q/k/v biases
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_models, variant, dtype, rows):
+    llm = make_llm(tiny_models[variant], dtype=dtype, quantization="int4", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    model.layers[0].mlp.down_proj.dense.min_rows = None  # every product on the quantized kernels
+    model.use_decode_stack = False
+    modules, none = _steps(llm, PROMPTS[:rows], 4)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS[:rows], 4)
+    assert none == 0 and count == len(stacked) == len(modules) == 4
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)
+
+
+def test_the_stack_runs_products_on_amx_tiles_where_the_model_would(tiny_llama):
+    if not native.load().qmatmul_amx_available:
+        pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
+    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    dense = model.layers[0].mlp.down_proj.dense
+    dense.tile_rows, dense.min_rows = 2, None
+    model.use_decode_stack = False
+    modules, _ = _steps(llm, PROMPTS, 3)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS, 3)
+    assert count == 3
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)
+
+
+def test_the_modules_run_where_the_stack_cannot(tiny_models):
+    # query/key norms (Qwen3), and weights not quantized: no stack at all
+    assert make_llm(tiny_models["qwen3"], quantization="int4").engine.runner.model.decode_stack() is None
+    assert make_llm(tiny_models["llama"]).engine.runner.model.decode_stack() is None
+    # dense products at this many rows: the modules run the step
+    llm = make_llm(tiny_models["llama"], quantization="int4", enable_prefix_caching=False)
+    llm.engine.runner.model.layers[0].mlp.down_proj.dense.min_rows = 2
+    hidden, count = _steps(llm, PROMPTS[:2], 2)
+    assert hidden and count == 0
+    # the shared settings object is the one the stack reads
+    assert isinstance(llm.engine.runner.model.decode_stack().dense, DenseProducts)
