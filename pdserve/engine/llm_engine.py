@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.decode_products import settle_dense_rows
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
@@ -279,8 +280,9 @@ class LLMEngine:
         cached prefix) through the model and drop its output, before any request comes: the first
         steps of those shapes set up the math library's kernels (seconds on some CPUs), which a
         server's first request would otherwise wait for; then the matmuls at every row count they
-        pad to (`linear.warm_up`), whose kernels oneDNN builds one count at a time. The engine must
-        be idle. Returns the seconds it took."""
+        pad to (`linear.warm_up`), whose kernels oneDNN builds one count at a time; then, where a
+        decode batch may run its products either way, times decode steps to settle where they turn
+        dense (`decode_products`). The engine must be idle. Returns the seconds it took."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
         t0 = time.perf_counter()
@@ -303,6 +305,12 @@ class LLMEngine:
         with torch.inference_mode():
             warm_up_products(self.runner.model.products(self.config.max_num_batched_tokens, self.config.max_num_seqs),
                              self.dtype)
+        if self.config.role != "prefill":  # a prefill worker never decodes
+            self.hooks = self.scheduler.hooks = RoleHooks()
+            try:
+                settle_dense_rows(self)
+            finally:
+                self.hooks = self.scheduler.hooks = hooks
         return time.perf_counter() - t0
 
     # -- one step ------------------------------------------------------------------------------

@@ -50,3 +50,33 @@ def test_warming_up_runs_each_matmul_at_every_row_count_its_kernels_pad_to(tiny_
             assert seen[id(weight)] == row_counts(most)
         else:  # plain weights (float32; bfloat16 on an AVX2-only CPU): one kernel serves every count
             assert id(weight) not in seen
+
+
+def test_warming_up_settles_where_decode_batches_turn_dense_from_whole_steps(tiny_llama, caplog):
+    from pdserve.layers.kernels import native
+
+    kernels = native.load()
+    if kernels is None or not kernels.qmatmul_amx_available:
+        pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
+    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4", max_num_seqs=8)
+    model = llm.engine.runner.model
+    dense = model.decode_stack().dense
+    dense.tile_rows, dense.min_rows = 2, 2  # as a calibration may leave them: dense from the tiles' first count
+    with caplog.at_level("INFO", logger="pdserve.engine"):
+        llm.engine.warm_up()
+    # timed, both ways, at 2, 4 and 8 rows until the dense steps won; measured now, so any
+    # doubling (or 9: tiles at every count up to the engine's most sequences) is a valid answer
+    assert dense.min_rows in (2, 4, 8, 9)
+    assert "decode steps of 2 rows" in caplog.text
+    assert_engine_idle(llm)
+    assert llm.engine.num_aborted == 0 and llm.engine.num_failed == 0
+
+
+def test_a_model_without_the_decode_stack_keeps_its_calibration(tiny_models):
+    from pdserve.engine.decode_products import settle_dense_rows
+
+    qwen3 = make_llm(tiny_models["qwen3"], dtype="bfloat16", quantization="int4")  # q/k norms: no stack
+    before = qwen3.engine.runner.model.layers[0].mlp.down_proj.dense.min_rows
+    settle_dense_rows(qwen3.engine)
+    assert qwen3.engine.runner.model.layers[0].mlp.down_proj.dense.min_rows == before
+    assert not qwen3.engine.has_unfinished_requests()
