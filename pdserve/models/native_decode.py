@@ -17,7 +17,6 @@ import ctypes
 import torch
 
 from pdserve.layers.attention import AttentionMetadata
-from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.quant import QuantizedWeight
 
 
@@ -56,8 +55,8 @@ class NativeDecode:
             if not all(isinstance(w, QuantizedWeight) for w in weights):
                 return None
             bias = attn.qkv_bias
-            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), *(_qweight(w) for w in weights)))
+            norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
+            structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(), *(_qweight(w) for w in weights)))
         return cls(model, (_Layer * len(structs))(*structs))
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -73,33 +72,25 @@ class NativeDecode:
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's (x, delta) for the final norm, from the embeddings x ([rows, hidden],
         overwritten)."""
-        cfg, kernels = self.model.cfg, meta.kernels
-        rows, hidden, dtype = x.shape[0], cfg.hidden_size, x.dtype
-        tiles = (self.dense.tile_rows is not None and rows >= self.dense.tile_rows and dtype == torch.bfloat16)
+        cfg, kernels, dense = self.model.cfg, meta.kernels, self.dense
+        rows, dtype = x.shape[0], x.dtype
         new = lambda width: torch.empty(rows, width, dtype=dtype)  # noqa: E731
-        delta, h = new(hidden), new(hidden)
+        delta, h = new(cfg.hidden_size), new(cfg.hidden_size)
         qkv, att = new(cfg.q_size + 2 * cfg.kv_size), new(cfg.q_size)
         gate_up, act = new(2 * cfg.intermediate_size), new(cfg.intermediate_size)
-        cos, sin = cos_sin
-        tables, lens = meta.decode_tables, meta.decode_lens
-        layer = self.model.layers[0]
-        _run(kernels, self.layers, len(self.layers), rows, hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-             cfg.intermediate_size, layer.input_layernorm.eps, layer.self_attn.scale, tiles, x, delta, h, qkv, att,
-             gate_up, act, cos.contiguous(), sin.contiguous(), kv_caches, meta.slot_mapping, meta.block_size, tables,
-             lens)
-        return x, delta
-
-
-def _run(kernels: NativeKernels, layers, L, rows, hidden, heads, kv_heads, head_dim, inter, eps, scale, tiles,
-         x, delta, h, qkv, att, gate_up, act, cos, sin, kv_caches, slots, block_size, tables, lens) -> None:
-    for t in (x, slots, tables, lens, kv_caches):
-        if not t.is_contiguous():
+        cos, sin = (t.contiguous() for t in cos_sin)
+        slots, tables, lens = meta.slot_mapping, meta.decode_tables, meta.decode_lens
+        if not all(t.is_contiguous() for t in (x, slots, tables, lens, kv_caches)):
             raise ValueError("pd_decode_stack takes contiguous tensors")
-    rc = kernels.lib.pd_decode_stack(
-        kernels.isa, torch.get_num_threads(), ctypes.addressof(layers), L, rows, hidden, heads, kv_heads, head_dim, inter, eps, scale,
-        int(tiles), x.data_ptr(), delta.data_ptr(), h.data_ptr(), qkv.data_ptr(), att.data_ptr(),
-        gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-        kv_caches[0].numel() * kv_caches.element_size(), slots.data_ptr(), block_size, tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), int(x.dtype == torch.bfloat16))
-    if rc:
-        raise RuntimeError(f"pdserve's decode stack refused its arguments ({rc})")
+        tiles = dense.tile_rows is not None and rows >= dense.tile_rows and dtype == torch.bfloat16
+        first = self.model.layers[0]
+        rc = kernels.lib.pd_decode_stack(
+            kernels.isa, torch.get_num_threads(), ctypes.addressof(self.layers), len(self.layers), rows,
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            first.input_layernorm.eps, first.self_attn.scale, int(tiles),
+            *(t.data_ptr() for t in (x, delta, h, qkv, att, gate_up, act, cos, sin, kv_caches)),
+            kv_caches[0].numel() * kv_caches.element_size(), slots.data_ptr(), meta.block_size, tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), int(dtype == torch.bfloat16))
+        if rc:
+            raise RuntimeError(f"pdserve's decode stack refused its arguments ({rc})")
+        return x, delta
