@@ -155,3 +155,36 @@ def test_the_router_routes_by_the_block_size_each_worker_registered():
     heartbeats({}, capacity=4)
     with pytest.raises(RouterNoRoom):  # the decode worker holds as many sequences as it said it can
         router.route(first)
+
+
+def test_a_worker_whose_heartbeat_says_it_is_draining_is_never_chosen():
+    from pdserve.http_errors import APIError
+
+    router = Router(RouterConfig(model_name="tiny", max_model_len=4096), None, "m" * 64, 50_000)
+    client = TestClient(create_app(router))
+    ids = {}
+    for name, role in (("d1", "decode"), ("d2", "decode"), ("p", "prefill")):
+        body = {"url": f"http://127.0.0.1:{len(ids) + 1}", "role": role, "model_hash": "m" * 64, "block_size": 16}
+        ids[name] = client.post("/internal/register", json=body).json()["worker_id"]
+    names = {worker_id: name for name, worker_id in ids.items()}
+
+    def beat(draining: set[str]) -> None:
+        for name, worker_id in ids.items():
+            router.registry.heartbeat(worker_id, WorkerStats(kv_blocks_total=100, draining=name in draining))
+
+    beat(set())
+    d, p = router.route(prompt(600))
+    assert p is not None and p.worker_id == ids["p"]
+    first = names[d.worker_id]
+    other = "d2" if first == "d1" else "d1"
+    beat({first})  # its own 503s would make the router retry quietly; it is not asked at all
+    for start in (10_000, 20_000, 30_000):  # new prompts: no prefix pulls them anywhere
+        d, p = router.route(prompt(600, start=start))
+        assert d.worker_id == ids[other] and p.worker_id == ids["p"]
+    beat({first, "p"})  # no prefill worker to take the prompt: the decode worker computes it
+    d, p = router.route(prompt(600, start=40_000))
+    assert d.worker_id == ids[other] and p is None
+    beat(set(ids))
+    with pytest.raises(APIError) as refused:
+        router.route(prompt(600, start=50_000))
+    assert refused.value.status == 503
