@@ -11,6 +11,7 @@ import io
 import json
 import marshal
 import pickle
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import pdserve
+from pdserve.kv_transfer.codec import MAGIC, PREFIX, VERSION, FrameError, FrameKind, FrameLimits, read_frame
 from tests import backends
 from tests.kv_transfer.deserializer_guard import DeserializerGuard
 
@@ -33,22 +35,55 @@ def wire_sources():
     return [p for pkg in WIRE_PACKAGES for p in sorted((root / pkg).glob("*.py"))] + [root / m for m in WIRE_MODULES]
 
 
-@pytest.mark.parametrize("path", wire_sources(), ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_wire_modules_import_no_deserializer(path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+DESERIALIZING_ATTRS = ("load", "loads", "deserialize_descs", "get_serialized_descs")  # torch.load, NIXL's descs
+
+
+def deserializer_uses(source: str) -> list[str]:
+    """What in `source` imports a code-executing deserializer or reaches one by a name built at
+    run time: an import of a forbidden module, a call of a deserializing attribute (but json's and
+    msgpack's), `__import__(...)`, `importlib.import_module(...)` and `getattr(x, "loads")`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module.split(".")[0]]
-        assert not FORBIDDEN_MODULES & set(names), f"{path.name} imports {names}"
+            if node.module == "importlib" and any(a.name == "import_module" for a in node.names):
+                found.append("importlib.import_module")
+        found += [f"import {n}" for n in names if n in FORBIDDEN_MODULES]
         if isinstance(node, ast.Attribute):
-            # torch.load and NIXL's descriptor (de)serializers unpickle
             owner = getattr(node.value, "attr", getattr(node.value, "id", None))
-            assert node.attr not in ("load", "deserialize_descs", "get_serialized_descs", "loads") or (
-                owner in ("json", "msgpack")
-            ), f"{path.name} calls {owner}.{node.attr}"
+            if node.attr in DESERIALIZING_ATTRS and owner not in ("json", "msgpack"):
+                found.append(f"{owner}.{node.attr}")
+            if node.attr == "import_module":
+                found.append(f"{owner}.import_module")
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id == "__import__":
+                found.append("__import__")
+            if (isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in DESERIALIZING_ATTRS):
+                found.append(f"getattr(..., {node.args[1].value!r})")
+    return found
+
+
+@pytest.mark.parametrize("path", wire_sources(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_wire_modules_import_no_deserializer(path):
+    assert deserializer_uses(path.read_text()) == [], path.name
+
+
+@pytest.mark.parametrize("source, named", [
+    ("import pickle", "import pickle"),
+    ("from marshal import loads", "import marshal"),
+    ("torch.load(buf)", "torch.load"),
+    ("__import__('pickle').loads(b)", "__import__"),
+    ("import importlib\nimportlib.import_module('pickle')", "importlib.import_module"),
+    ("from importlib import import_module", "importlib.import_module"),
+    ("getattr(module, 'loads')(b)", "getattr(..., 'loads')"),
+])
+def test_the_scan_names_each_way_to_reach_a_deserializer(source, named):
+    assert named in deserializer_uses(source)
+    assert deserializer_uses("json.loads(s); msgpack.loads(b); getattr(x, 'size')") == []
 
 
 class _Reduced:
@@ -141,3 +176,23 @@ def test_a_transfer_never_unpickles(tiny_llama, backend):
         tokens, last = c.generate(prompt(37))
         assert len(tokens) == 8 and c.d.worker.stats().kv_landed == 2
         assert guard.calls == [], "something deserialized with pickle, marshal or torch.load during a KV transfer"
+
+
+@pytest.mark.parametrize("kind", list(FrameKind), ids=lambda k: k.name)
+def test_a_kv_header_in_a_code_executing_format_is_refused_unread(kind):
+    """A frame whose header is a pickle (one that would run code if unpickled) is refused as a
+    malformed frame, and nothing deserializes it on the way."""
+    class Runs:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    header = pickle.dumps({"request_id": "r", "run": Runs()})
+    frame = PREFIX.pack(MAGIC, VERSION, kind, 0, len(header), 0) + header
+    a, b = socket.socketpair()
+    with a, b, DeserializerGuard() as guard:
+        a.sendall(frame)
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(FrameError):
+            read_frame(b, FrameLimits(max_header_bytes=4096, max_payload_bytes=1 << 20),
+                       lambda h, n: [memoryview(bytearray(n))])
+    assert guard.calls == []
