@@ -1,7 +1,8 @@
 """The engine of a worker, on a thread of its own.
 
 Lifecycle:
-1. `start()`: the engine thread runs until `stop()`.
+1. `start()`: the engine thread runs until `stop()`; on a CPU its OpenMP team is pinned one
+   thread a core where the worker may run on exactly as many cores (`bind_team_to_cores`).
 2. Other threads never touch the engine: they `call(fn)` closures, run in order on the engine
    thread between steps (add a request, abort, KV landed ...).
 3. Each turn: run queued closures, let the role poll its transfer events and timers, step the
@@ -27,8 +28,11 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import IO, Callable
 
+import torch
+
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_shape import StepShape, step_shape
+from pdserve.layers.kernels.native import bind_team_to_cores
 from pdserve.outputs import RequestOutput
 
 log = logging.getLogger("pdserve.worker")
@@ -106,6 +110,8 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.config.device == "cpu" and bind_team_to_cores():
+            log.info("the engine's %d threads are pinned one to a core", torch.get_num_threads())
         while not self._stopped.is_set():
             try:
                 self._turn()

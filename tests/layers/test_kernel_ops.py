@@ -2,6 +2,7 @@
 against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16; prefill
 attention on AMX tiles where the CPU has them."""
 
+import os
 import threading
 
 import pytest
@@ -206,3 +207,22 @@ def test_a_thread_made_serial_runs_torch_alone_and_leaves_the_others_as_they_wer
     t.join()
     assert seen == [1]
     assert torch.get_num_threads() == before
+
+
+def test_a_team_is_pinned_one_thread_a_core_only_where_it_owns_exactly_its_cores(monkeypatch):
+    if native.load() is None:
+        pytest.skip("pdserve's CPU kernels do not build here")
+    allowed = sorted(os.sched_getaffinity(0))
+    seen: dict[str, object] = {}
+
+    def engine_thread(key: str) -> None:  # a thread of its own: its team, its mask
+        seen[key] = (native.bind_team_to_cores(), os.sched_getaffinity(0))
+
+    for threads, key in ((len(allowed), "owns"), (len(allowed) + 1, "shares")):
+        monkeypatch.setattr(native.torch, "get_num_threads", lambda: threads)
+        t = threading.Thread(target=engine_thread, args=(key,))
+        t.start()
+        t.join(30)
+    assert seen["owns"] == (True, {allowed[0]})  # the caller on the first CPU, the team's others after
+    assert seen["shares"] == (False, set(allowed))  # more threads than CPUs: left to the scheduler
+    assert os.sched_getaffinity(0) == set(allowed)  # other threads keep theirs

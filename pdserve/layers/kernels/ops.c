@@ -7,10 +7,13 @@
  * (qmatmul_amx.h) on its tiles.
  *
  * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
+#define _GNU_SOURCE /* sched_getaffinity, pthread_setaffinity_np */
 #include "common.h"
 
 #include <cpuid.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -214,6 +217,29 @@ int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t
         if (rc) return rc;
     }
     return 0;
+}
+
+/* Pins each thread of the calling thread's OpenMP team of `threads` to its own CPU of the calling
+ * thread's allowed set, in order (the caller on the first). -1 where the set has fewer CPUs. */
+int pd_bind_team(int threads) {
+    cpu_set_t allowed;
+    if (threads < 1 || sched_getaffinity(0, sizeof allowed, &allowed)) return -1;
+    int cpus[CPU_SETSIZE], n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &allowed)) cpus[n++] = c;
+    if (n < threads) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[omp_get_thread_num()], &one);
+        if (pthread_setaffinity_np(pthread_self(), sizeof one, &one)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
 }
 
 /* Parallel regions started from the calling thread run on it alone (OpenMP's team size is a
