@@ -44,7 +44,7 @@ def settle_dense_rows(engine) -> None:
         if dense_s <= tiles_s:
             break
         rows *= 2
-    dense.min_rows = min(rows, limit + 1)
+    dense.min_rows = max(calibrated, min(rows, limit + 1))  # only ever later than calibrated, by a timing
     if dense.min_rows != calibrated:
         log.info("quantized weights: products of %d rows or more run dense (calibrated: %d)", dense.min_rows,
                  calibrated)

@@ -80,3 +80,21 @@ def test_a_model_without_the_decode_stack_keeps_its_calibration(tiny_models):
     settle_dense_rows(qwen3.engine)
     assert qwen3.engine.runner.model.layers[0].mlp.down_proj.dense.min_rows == before
     assert not qwen3.engine.has_unfinished_requests()
+
+
+def test_a_calibration_past_the_tiles_reach_is_kept_untimed(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdserve.engine import decode_products
+    from pdserve.layers.quant import DenseProducts
+
+    dense = DenseProducts(min_rows=128, tile_rows=8)  # dense only from 128 rows: beyond one expansion's 64
+    stack = SimpleNamespace(dense=dense)
+    model = SimpleNamespace(decode_stack=lambda: stack)
+    engine = SimpleNamespace(runner=SimpleNamespace(model=model, kernels=object()), dtype=torch.bfloat16,
+                             config=SimpleNamespace(max_num_seqs=64))
+    monkeypatch.setattr(decode_products, "_decode_seconds", lambda *a: pytest.fail("timed"))
+    decode_products.settle_dense_rows(engine)
+    assert dense.min_rows == 128  # never moved earlier than the products' own timing put it

@@ -7,7 +7,7 @@ import torch
 from pdserve import SamplingParams
 from pdserve.layers.kernels import native
 from pdserve.layers.quant import DenseProducts
-from tests.factories import assert_engine_idle, make_llm
+from tests.factories import assert_engine_idle, kernel_isa_params, make_llm
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="pdserve's CPU kernels do not build here")
 
@@ -83,3 +83,21 @@ def test_the_modules_run_where_the_stack_cannot(tiny_models):
     assert hidden and count == 0
     # the shared settings object is the one the stack reads
     assert isinstance(llm.engine.runner.model.decode_stack().dense, DenseProducts)
+
+
+@pytest.mark.parametrize("isa", kernel_isa_params())
+def test_every_kernel_variant_runs_the_stack_as_the_modules_do(tiny_llama, isa):
+    """The stack calls the variant the step's kernels name: forced to each one this CPU runs
+    (the AVX2 and portable ones included), it still gives the modules' hidden states."""
+    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    runner.kernels = native.load().with_isa(isa)
+    runner.model.layers[0].mlp.down_proj.dense.tile_rows = None  # AMX tiles only with the AVX-512 variant
+    runner.model.layers[0].mlp.down_proj.dense.min_rows = None
+    runner.model.use_decode_stack = False
+    modules, _ = _steps(llm, PROMPTS[:2], 3)
+    runner.model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS[:2], 3)
+    assert count == 3
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)
