@@ -165,6 +165,55 @@ def test_prefill_attention_follows_scores_that_rise_or_fall_along_the_keys(amx_k
     torch.testing.assert_close(out.float(), ref.transpose(0, 1), atol=2**-7, rtol=2**-7)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+# few rows: a row's context split among the threads (parts merged after); many rows: a task each
+@pytest.mark.parametrize("rows,longest", [(1, 1000), (3, 300), (9, 200)])
+def test_decode_attention_on_amx_tiles_reads_each_rows_paged_context(amx_kernels, head_dim, rows, longest):
+    block, g = 16, torch.Generator().manual_seed(11)
+    lens = torch.randint(1, longest + 1, (rows,), generator=g)
+    lens[0], lens[-1] = longest, 5  # the longest; one shorter than a group of 16 keys
+    blocks = -(-lens // block)
+    table_len = int(blocks.max())
+    num_blocks = int(blocks.sum())
+    cache = torch.randn(num_blocks * block, 2, KV, head_dim, generator=g).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=g)  # each row's blocks scattered over the cache
+    tables = torch.zeros(rows, table_len, dtype=torch.int64)
+    taken = 0
+    for r in range(rows):
+        tables[r, : blocks[r]] = order[taken : taken + blocks[r]]
+        taken += int(blocks[r])
+        if lens[r] % block:  # stale values (even NaN) past the context in its last block
+            last = int(tables[r, blocks[r] - 1])
+            cache[last * block + lens[r] % block : (last + 1) * block] = float("nan")
+    q = torch.randn(rows, H + 2 * KV, head_dim, generator=g).to(torch.bfloat16)[:, :H]
+    out = amx_kernels.decode_attention(q, cache, block, tables, lens, head_dim**-0.5)
+    for r in range(rows):
+        slots = torch.tensor([tables[r, j // block] * block + j % block for j in range(lens[r])])
+        k, v = (cache[slots, i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
+        ref = F.scaled_dot_product_attention(q[r].float().unsqueeze(1), k, v, scale=head_dim**-0.5)
+        # weights rounded to bfloat16 before their product with V, as in prefill
+        torch.testing.assert_close(out[r].float().view(H, head_dim), ref.squeeze(1), atol=2**-7, rtol=2**-7)
+
+
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_decode_attention_on_amx_tiles_follows_scores_that_rise_or_fall(amx_kernels, order):
+    """A running maximum that moves key after key (rising), or is set at the first (falling)."""
+    context_len, block, head_dim, g = 300, 16, 64, torch.Generator().manual_seed(13)
+    direction = torch.randn(head_dim, generator=g)
+    weight = torch.linspace(-12, 12, context_len) if order == "rising" else torch.linspace(12, -12, context_len)
+    blocks = -(-context_len // block)
+    cache = torch.randn(blocks * block, 2, KV, head_dim, generator=g)
+    cache[:context_len, 0] = (weight[:, None] * direction)[:, None] + 0.1 * cache[:context_len, 0]
+    cache = cache.to(torch.bfloat16)
+    q = (direction + 0.1 * torch.randn(2, H, head_dim, generator=g)).to(torch.bfloat16)
+    tables, lens = torch.arange(blocks).repeat(2, 1), torch.tensor([context_len, context_len - 37])
+    out = amx_kernels.decode_attention(q, cache, block, tables, lens, head_dim**-0.5)
+    for r in range(2):
+        k, v = (cache[: lens[r], i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
+        ref = F.scaled_dot_product_attention(q[r].float().unsqueeze(1), k, v, scale=head_dim**-0.5)
+        torch.testing.assert_close(out[r].float().view(H, head_dim), ref.squeeze(1), atol=2**-7, rtol=2**-7)
+
+
 def test_prefill_attention_runs_only_where_amx_does(amx_kernels):
     for name in amx_kernels.supported:
         assert amx_kernels.with_isa(name).prefill_attention_available == (name == "avx512_vnni")

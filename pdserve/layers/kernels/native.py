@@ -32,7 +32,7 @@ from pdserve.layers.packed import activation_buffer
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "prefill_amx.h",
-            "qmatmul_amx.h")
+            "qmatmul_amx.h", "decode_amx.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order

@@ -34,6 +34,18 @@ static inline int64_t next_slot(struct slot_cursor *at) {
     return slot;
 }
 
+/* How many parts each row's context is split into for decode attention with few rows, where a row
+ * makes `row_tasks` tasks a part: enough tasks to share among the threads, none shorter than
+ * MIN_PART_TOKENS. Rows enough to give every thread a few take one part each. */
+static int64_t attention_parts(int64_t R, int64_t row_tasks, const int64_t *lens, int threads) {
+    if (R >= 2 * threads) return 1;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = lens[r] > longest ? lens[r] : longest;
+    int64_t parts = (4 * threads + R * row_tasks - 1) / (R * row_tasks);
+    if (parts > longest / MIN_PART_TOKENS) parts = longest / MIN_PART_TOKENS;
+    return parts < 1 ? 1 : parts;
+}
+
 #define KSUF _portable /* the compiler's baseline instructions */
 #define VEC_LANES 0 /* width of the hand-vectorized loops: 0, plain loops */
 #include "ops_body.h"
@@ -63,6 +75,7 @@ static inline int64_t next_slot(struct slot_cursor *at) {
 #define PD_AMX 1
 #include "prefill_amx.h"
 #include "qmatmul_amx.h"
+#include "decode_amx.h"
 #endif
 
 /* Each operation's variants, by ISA level (the VNNI levels use their vector width's). */
@@ -93,6 +106,8 @@ int pd_rotary_store(int isa, int threads, void *qkv, int64_t T, int64_t H, int64
     DISPATCH(isa, rotary_store, threads, qkv, T, H, KV, D, cos, sin, cache, slots, bf16);
 }
 
+int pd_prefill_attention_available(int isa);
+
 int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                         int64_t D, const void *cache, int64_t block_size, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lens, float scale, void *out, int bf16) {
@@ -101,6 +116,13 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
         return -1;
     for (int64_t r = 0; r < R; r++)
         if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
+#ifdef PD_AMX
+    if (bf16 && pd_prefill_attention_available(isa) && D % 32 == 0 && D <= AMX_MAX_HEAD_DIM && H / KV <= 16 &&
+        block_size % 16 == 0 &&
+        !amx_decode_attention(threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens, scale,
+                              out))
+        return 0;
+#endif
     DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,
              scale, out, bf16);
 }

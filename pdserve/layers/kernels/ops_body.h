@@ -490,11 +490,7 @@ static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, i
     }
     /* few rows: a task per row, KV head and part of the context (parts where a context is long
      * enough to share among threads), merged after by the parts' largest scores */
-    int64_t longest = 0;
-    for (int64_t r = 0; r < R; r++) longest = lens[r] > longest ? lens[r] : longest;
-    int64_t parts = (4 * threads + R * KV - 1) / (R * KV);
-    if (parts > longest / MIN_PART_TOKENS) parts = longest / MIN_PART_TOKENS;
-    if (parts < 1) parts = 1;
+    int64_t parts = attention_parts(R, KV, lens, threads);
     const int64_t G = H / KV;
     int64_t tasks = R * KV * parts;
     float *scratch = parts > 1 ? malloc(tasks * G * (D + 2) * sizeof(float)) : NULL;
