@@ -20,6 +20,7 @@ applies stop strings (router/responses.py).
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Literal, TypeVar
 
@@ -71,10 +72,17 @@ _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _NAMED = re.compile(r"field `([^`]*)`")  # "Object missing required field `x`", "... unknown field `x`"
 
 
+@functools.cache
+def _decoder(kind: type[M]) -> msgspec.json.Decoder:
+    """One decoder per message kind: `msgspec.json.decode(raw, type=kind)` reads the kind's
+    annotations again on every call (tens of microseconds, for each line of every stream)."""
+    return msgspec.json.Decoder(kind)
+
+
 def decode(raw: bytes | str, kind: type[M]) -> M:
     """`raw` as a `kind`, or BadMessage naming the field (`prompt_token_ids.3`) and what is wrong."""
     try:
-        return msgspec.json.decode(raw, type=kind)
+        return _decoder(kind).decode(raw)
     except msgspec.ValidationError as e:
         text = str(e)
         found = _PATH.search(text)
