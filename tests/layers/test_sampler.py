@@ -39,6 +39,13 @@ def test_without_a_batch_every_row_takes_the_argmax():
     assert torch.equal(sampler.generator.get_state(), state)  # no noise drawn for it
 
 
+def test_a_tie_goes_to_the_first_largest_as_argmax_has_it():
+    logits = torch.zeros(3, 49152)  # a row the width of a real vocabulary, split among threads
+    logits[0, [7, 40000]] = 5.0
+    logits[1, [30000, 30001]] = 2.0
+    assert Sampler(seed=0)(logits) == [7, 30000, 0] == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_rows_of_a_sampling_batch_take_the_argmax():
     logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
     got = Sampler(seed=0)(logits, rows_batch([0.0, 1.0, 0.0, 2.0, 0.0, 0.5], top_ks=[0, 5, 0, 0, 0, 0]))
