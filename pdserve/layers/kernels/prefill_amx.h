@@ -15,7 +15,8 @@
 #define AMX_MAX_HEAD_DIM 256
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
+/* avx512bf16 only where pairs_bf16 says the CPU has it (every CPU with AMX so far) */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
@@ -105,13 +106,31 @@ static inline void amx_out_load(const float *acc, int64_t tiles) {
     if (tiles > 3) _tile_loadd(7, acc + 768, 64);
 }
 
+/* The weights of two keys (p0, p1: a lane per query) as bfloat16 pairs, p0's in the low half of
+ * each 32 bits: the operand P^T takes. `convert`: with the CPU's own conversion (round to nearest
+ * even as f32_to_bf16, subnormals to zero), which is one instruction and a permute against about
+ * fifteen. */
+static inline __m512i amx_pairs_bf16(__m512 p0, __m512 p1, int convert) {
+    if (!convert) return _mm512_or_si512(bf16_bits_avx512(p0), _mm512_slli_epi32(bf16_bits_avx512(p1), 16));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+
+/* Whether this CPU converts to bfloat16 itself (AVX512-BF16). */
+static int amx_converts(void) {
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("avx512bf16");
+    return has;
+}
+
 /* One task: queries r0 .. r0 + rows - 1 of the chunk for head h. */
 static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int64_t G, int64_t KV, int64_t D,
                              int64_t r0, int64_t rows, int64_t first_pos, const uint16_t *cache, int64_t block_size,
                              const int64_t *table, const uint16_t *vpack, int64_t steps, float scale, uint16_t *out,
                              int64_t out_stride) {
     const int64_t g = h / G, slot_bytes = 2 * KV * D * 2, dtiles = D / 16;
-    const int in_tiles = dtiles <= AMX_OUT_TILES;
+    const int in_tiles = dtiles <= AMX_OUT_TILES, convert = amx_converts();
     float scores[AMX_KEYS * 16], part[2 * 16 * 16], acc[AMX_MAX_HEAD_DIM * 16];
     uint32_t qt[AMX_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
     amx_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
@@ -165,8 +184,7 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
             const __m512 p0 = _mm512_maskz_mov_ps(seen[j], amx_exp2(_mm512_sub_ps(s[j], top)));
             const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], amx_exp2(_mm512_sub_ps(s[j + 1], top)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(pt + (j / 2) * 16,
-                                _mm512_or_si512(bf16_bits_avx512(p0), _mm512_slli_epi32(bf16_bits_avx512(p1), 16)));
+            _mm512_storeu_si512(pt + (j / 2) * 16, amx_pairs_bf16(p0, p1, convert));
         }
         _tile_loadd(4, pt, 64);
         if (in_tiles) {
