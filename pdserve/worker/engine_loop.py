@@ -110,8 +110,11 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self.engine.config.device == "cpu" and bind_team_to_cores():
-            log.info("the engine's %d threads are pinned one to a core", torch.get_num_threads())
+        try:
+            if self.engine.config.device == "cpu" and bind_team_to_cores():
+                log.info("the engine's %d threads are pinned one to a core", torch.get_num_threads())
+        except Exception:  # pinning is a speed-up: without it the engine runs, as the scheduler places it
+            self._log_failure("pinning the engine's threads")
         while not self._stopped.is_set():
             try:
                 self._turn()

@@ -98,3 +98,20 @@ def test_priority_is_bounded(llm, priority):
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.engine.add_request("p", PROMPTS[0], GREEDY, priority=priority)
     assert_engine_idle(llm)
+
+
+def test_an_engine_thread_whose_cores_cannot_be_pinned_runs_unpinned(llm, monkeypatch):
+    from pdserve.worker import engine_loop
+
+    def refuse() -> bool:
+        raise OSError("this host refuses CPU affinity")
+
+    monkeypatch.setattr(engine_loop, "bind_team_to_cores", refuse)
+    loop = engine_loop.EngineLoop(llm.engine)
+    loop.start()
+    try:
+        tokens = loop.call_and_wait(lambda: llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids)
+        assert loop.alive and len(tokens) == 6
+    finally:
+        loop.stop()
+    assert_engine_idle(llm)
