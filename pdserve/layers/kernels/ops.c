@@ -156,7 +156,7 @@ int pd_prefill_attention(int isa, int threads, const void *q, int64_t q_stride, 
 
 int pd_qmatmul_amx_available(int isa) {
 #ifdef PD_AMX
-    return pd_prefill_attention_available(isa) && __builtin_cpu_supports("avx512bf16");
+    return pd_prefill_attention_available(isa);
 #else
     (void)isa;
     return 0;

@@ -15,7 +15,6 @@
 #define AMX_MAX_HEAD_DIM 256
 
 #pragma GCC push_options
-/* avx512bf16 only where pairs_bf16 says the CPU has it (every CPU with AMX so far) */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
 struct tile_config {
@@ -107,21 +106,13 @@ static inline void amx_out_load(const float *acc, int64_t tiles) {
 }
 
 /* The weights of two keys (p0, p1: a lane per query) as bfloat16 pairs, p0's in the low half of
- * each 32 bits: the operand P^T takes. `convert`: with the CPU's own conversion (round to nearest
- * even as f32_to_bf16, subnormals to zero), which is one instruction and a permute against about
- * fifteen. */
-static inline __m512i amx_pairs_bf16(__m512 p0, __m512 p1, int convert) {
-    if (!convert) return _mm512_or_si512(bf16_bits_avx512(p0), _mm512_slli_epi32(bf16_bits_avx512(p1), 16));
+ * each 32 bits: the operand P^T takes. The CPU's own conversion (AVX512-BF16, which every CPU
+ * with AMX has: amx_usable requires it) rounds to nearest even as f32_to_bf16 does, subnormals to
+ * zero: one instruction and a permute, against about fifteen in plain AVX-512. */
+static inline __m512i amx_pairs_bf16(__m512 p0, __m512 p1) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-}
-
-/* Whether this CPU converts to bfloat16 itself (AVX512-BF16). */
-static int amx_converts(void) {
-    static int has = -1;
-    if (has < 0) has = __builtin_cpu_supports("avx512bf16");
-    return has;
 }
 
 /* One task: queries r0 .. r0 + rows - 1 of the chunk for head h. */
@@ -130,7 +121,7 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
                              const int64_t *table, const uint16_t *vpack, int64_t steps, float scale, uint16_t *out,
                              int64_t out_stride) {
     const int64_t g = h / G, slot_bytes = 2 * KV * D * 2, dtiles = D / 16;
-    const int in_tiles = dtiles <= AMX_OUT_TILES, convert = amx_converts();
+    const int in_tiles = dtiles <= AMX_OUT_TILES;
     float scores[AMX_KEYS * 16], part[2 * 16 * 16], acc[AMX_MAX_HEAD_DIM * 16];
     uint32_t qt[AMX_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
     amx_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
@@ -184,7 +175,7 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
             const __m512 p0 = _mm512_maskz_mov_ps(seen[j], amx_exp2(_mm512_sub_ps(s[j], top)));
             const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], amx_exp2(_mm512_sub_ps(s[j + 1], top)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(pt + (j / 2) * 16, amx_pairs_bf16(p0, p1, convert));
+            _mm512_storeu_si512(pt + (j / 2) * 16, amx_pairs_bf16(p0, p1));
         }
         _tile_loadd(4, pt, 64);
         if (in_tiles) {
@@ -255,7 +246,8 @@ static int amx_prefill_attention(int threads, const uint16_t *q, int64_t q_strid
 
 #pragma GCC pop_options
 
-/* Whether this CPU has AMX for bfloat16 and the kernel lets this process use it. */
+/* Whether this CPU has AMX for bfloat16 (with AVX512-BF16 for its conversions) and the kernel lets
+ * this process use it. */
 static int amx_usable(void) {
     static int usable = -1;
     if (usable < 0) {
@@ -263,7 +255,8 @@ static int amx_usable(void) {
         __cpuid_count(7, 0, eax, ebx, ecx, edx);
         const int cpu = (edx >> 22 & 1) && (edx >> 24 & 1); /* AMX-BF16, AMX-TILE */
         /* Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
-        usable = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0 && __builtin_cpu_supports("avx512bw");
+        usable = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0 && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512bf16");
     }
     return usable;
 }
