@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,14 +15,13 @@ import torch
 
 from pdserve.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.decode_products import settle_dense_rows
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.layers.linear import warm_up as warm_up_products
+from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
@@ -276,42 +274,9 @@ class LLMEngine:
         return len(self._parents)
 
     def warm_up(self) -> float:
-        """Run one prompt of a full step's tokens and one block more (a chunk alone, then one after a
-        cached prefix) through the model and drop its output, before any request comes: the first
-        steps of those shapes set up the math library's kernels (seconds on some CPUs), which a
-        server's first request would otherwise wait for; then the matmuls at every row count they
-        pad to (`linear.warm_up`), whose kernels oneDNN builds one count at a time; then, where a
-        decode batch may run its products either way, times decode steps to settle where they turn
-        dense (`decode_products`). The engine must be idle. Returns the seconds it took."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("warm_up needs an idle engine")
-        t0 = time.perf_counter()
-        room = (self.block_manager.num_free_blocks - 1) * self.config.block_size
-        n = min(self.config.max_num_batched_tokens + self.config.block_size, self.max_model_len - 1, room)
-        if n < 1:
-            return 0.0
-        vocab = self.model_config.vocab_size
-        prompt = {"prompt_token_ids": [1 + i % (vocab - 1) for i in range(n)]}
-        hooks = self.hooks  # a role's hooks see requests, and this is none
-        self.hooks = self.scheduler.hooks = RoleHooks()
-        try:
-            self.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0.0))
-            while self.has_unfinished_requests():
-                self.step()
-            if self.num_failed:
-                raise RuntimeError("the warm-up prompt failed: see the log")
-        finally:
-            self.hooks = self.scheduler.hooks = hooks
-        with torch.inference_mode():
-            warm_up_products(self.runner.model.products(self.config.max_num_batched_tokens, self.config.max_num_seqs),
-                             self.dtype)
-        if self.config.role != "prefill":  # a prefill worker never decodes
-            self.hooks = self.scheduler.hooks = RoleHooks()
-            try:
-                settle_dense_rows(self)
-            finally:
-                self.hooks = self.scheduler.hooks = hooks
-        return time.perf_counter() - t0
+        """Run what a server's first requests would otherwise wait for (`engine.warm_up`). The engine
+        must be idle. Returns the seconds it took."""
+        return warm_up(self)
 
     # -- one step ------------------------------------------------------------------------------
 
