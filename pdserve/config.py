@@ -34,6 +34,8 @@ def parse_size(value: int | str) -> int:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype for `name`. `auto` here is the rule from the instruction sets alone; an engine
+    measures what `auto` means for its model on a CPU (`engine/dtype_choice.py`)."""
     import torch
 
     if isinstance(name, torch.dtype):
@@ -65,7 +67,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
 class EngineConfig:
     # A field made with `flag` is also the engine's command-line flag (pdserve/flags.py).
     model: str = flag(help="model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or a preset: tiny, demo")
-    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = flag("auto", "auto: on CPU whichever of float32 and bfloat16 runs this model faster on this CPU "
+                      "(bfloat16 only by a margin), timed at the first start and cached; on CUDA bfloat16 where "
+                      "supported | float32 | bfloat16 | float16")  # engine/dtype_choice.py
     device: str = flag("cpu", "cpu | cuda")
     kv_cache_memory: int | str = flag("1GiB", "KV cache budget, e.g. 512MiB, 2GiB")  # in bytes once validated
     block_size: int = flag(16)  # tokens per KV block

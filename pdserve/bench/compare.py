@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name], records[name] = run_peer(name, url, args, points)
     settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "peers": peers,
                 "serve_args": args.serve_args,
-                "dtype": _dtype(args.serve_args),
+                "dtype": _dtype(args.model, args.serve_args),
                 "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},
                 "burstiness": args.burstiness, "temperature": args.temperature, "when": time.strftime("%Y-%m-%d %H:%M")}
     out = write_json(args.result_json, {"settings": settings, "results": results})
@@ -184,16 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _dtype(serve_args: str) -> str:
-    """The workers' dtype: as passed, or what `auto` resolves to on this machine."""
+def _dtype(model: str, serve_args: str) -> str:
+    """The workers' dtype: as passed, or what `auto` chose on this machine (the workers measured it)."""
     parts = serve_args.split()
-    name = parts[parts.index("--dtype") + 1] if "--dtype" in parts[:-1] else "auto"
+
+    def passed(flag: str, default: str) -> str:
+        return parts[parts.index(flag) + 1] if flag in parts[:-1] else default
+
+    name = passed("--dtype", "auto")
     if name != "auto":
         return name
-    import torch
+    from pdserve.engine.dtype_choice import recorded_choice
+    from pdserve.models.registry import resolve_model
 
-    from pdserve.config import resolve_dtype
-    return f"auto ({str(resolve_dtype('auto', torch.device('cpu'))).removeprefix('torch.')})"
+    return f"auto ({recorded_choice(resolve_model(model), passed('--quantization', 'auto')) or 'not measured'})"
 
 
 def _plots(results: dict, records: dict, plot_dir: Path, model: str) -> list[Path]:

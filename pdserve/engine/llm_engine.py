@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from pdserve.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.config import EngineConfig, resolve_device
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
@@ -60,12 +61,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, device)
         self.hooks = hooks or RoleHooks()
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step before it runs
         ckpt = load_checkpoint(config.model)
         self.tokenizer = ckpt.tokenizer
         self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
+        self.dtype = choose_dtype(config, device, self.model_config, LLMEngine)
         compile_decode = config.compile_decode and config.role != "prefill"  # a prefill worker never decodes
         quantization = config.quantization if device.type == "cpu" else "none"  # auto: CPU kernels only
         model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)

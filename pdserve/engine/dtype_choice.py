@@ -1,0 +1,259 @@
+"""`--dtype auto` on a CPU: the activation dtype this CPU runs this model fastest in, measured.
+
+Whether bfloat16 beats float32 depends on more than the instruction sets: with AMX it is two to
+three times faster; with AVX512-BF16 alone it depends on the model's shapes; on an AVX2-only or
+a plain AVX-512 CPU every bfloat16 operation converts to float32 and back; and a GGUF's 4-bit
+layers run their own kernels whatever the activations. So the first engine of a model on a
+machine times a short workload in each dtype and keeps the answer:
+
+1. Both candidates (float32, bfloat16) are built in turn, one at a time, as engines of their own
+   with a small KV pool, and each runs the workload three times (the first untimed, since the
+   first step of a shape builds the math library's kernels): one prompt's prefill, one stream's
+   decode steps, a batch's decode steps. Each phase keeps its fastest run.
+2. bfloat16 is kept only where it is at least `BFLOAT16_MARGIN` faster over the three phases
+   (the geometric mean of their ratios); otherwise float32, which is exact.
+3. The answer is cached per CPU, model, quantization and torch and pdserve versions in
+   `$XDG_CACHE_HOME/pdserve/dtype-choices.json`, under a file lock: workers started together on
+   one host measure once and agree, which a disaggregated pair must (its KV has one dtype).
+
+Models too large to build twice quickly (`MAX_MEASURED_PARAMETERS`) or in the memory free (float32
+weights at most a quarter of it) are not measured: for them, and on CUDA, `auto` is
+`config.resolve_dtype`'s rule from the instruction sets alone, and the log says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from pdserve.config import EngineConfig, resolve_dtype
+from pdserve.models.arch_config import ArchConfig
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.engine")
+
+CANDIDATES = ("float32", "bfloat16")
+BFLOAT16_MARGIN = 0.10  # bfloat16 rounds activations: it must buy at least this much speed
+MAX_MEASURED_PARAMETERS = 2_000_000_000  # beyond this the workload alone takes most of a minute
+MAX_CACHED_CHOICES = 64  # the cache file keeps the newest this many
+ROUNDS = 3  # of the workload per candidate; the first is not timed
+
+# The workload, in tokens: small enough to take a few seconds on two cores for the default model
+PREFILL_TOKENS = 256
+DECODE_STEPS = 16  # of one stream
+BATCH, BATCH_STEPS = 8, 8  # streams of a decode batch, and its steps
+PROMPT_TOKENS = 16  # of each decoding stream
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "dtype-choices.json"
+
+
+def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,
+                 make_engine: Callable[[EngineConfig], object]) -> torch.dtype:
+    """`config.dtype` resolved; for `auto` on a CPU, the measured choice (cached; measured with
+    engines from `make_engine` where the cache has none)."""
+    if config.dtype != "auto" or device.type != "cpu":
+        return resolve_dtype(config.dtype, device)
+    prior = resolve_dtype("auto", device)
+    reason = _not_measurable(arch)
+    if reason:
+        log.info("dtype auto: %s (from the instruction sets alone: %s)", _name(prior), reason)
+        return prior
+    key = choice_key(config.model, config.quantization)
+    with _locked():
+        entry = _read().get(key)
+        if not _valid(entry):
+            log.info("dtype auto: timing %s for this model on this CPU (once; cached in %s)",
+                     " and ".join(CANDIDATES), cache_file())
+            seconds = {name: measure(dataclasses.replace(_measuring(config, arch), dtype=name), make_engine)
+                       for name in CANDIDATES}
+            entry = {"dtype": pick(seconds), "seconds": seconds, "model": str(config.model),
+                     "quantization": config.quantization, "threads": torch.get_num_threads(),
+                     "cpu": _describe_cpu(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+            _write(key, entry)
+    log.info("dtype auto: %s (measured on this CPU: %s)", entry["dtype"], _summary(entry["seconds"]))
+    return getattr(torch, entry["dtype"])
+
+
+def pick(seconds: dict[str, dict[str, float]]) -> str:
+    """bfloat16 where it is `BFLOAT16_MARGIN` faster than float32 over the phases, else float32."""
+    fp32, bf16 = seconds["float32"], seconds["bfloat16"]
+    ratio = math.exp(sum(math.log(bf16[phase] / fp32[phase]) for phase in fp32) / len(fp32))
+    return "bfloat16" if ratio <= 1 - BFLOAT16_MARGIN else "float32"
+
+
+def measure(config: EngineConfig, make_engine: Callable[[EngineConfig], object]) -> dict[str, float]:
+    """Seconds of each phase of the workload on an engine built from `config`: the fastest of
+    `ROUNDS - 1` timed runs after an untimed one."""
+    engine = make_engine(config)
+    best: dict[str, float] = {}
+    for round_ in range(ROUNDS):
+        for phase, seconds in _run_workload(engine).items():
+            if round_:
+                best[phase] = min(seconds, best.get(phase, math.inf))
+    del engine
+    return best
+
+
+def choice_key(model: str, quantization: str | None) -> str:
+    """What a measurement depends on: the CPU and the kernels it is let run (the overrides of
+    torch, oneDNN and pdserve), the model's files, the quantization, the code."""
+    import pdserve
+
+    from pdserve.layers.cpu import aten_capability, cpu_flags, cpu_model_name
+    from pdserve.layers.kernels.native import ISA_ENV
+
+    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    overrides = [os.environ.get(name) for name in (ISA_ENV, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")]
+    blob = json.dumps([cpu_model_name(), isa, aten_capability(), overrides, torch.__version__, pdserve.__version__,
+                       _model_identity(model), quantization])
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def recorded_choice(model: str, quantization: str | None = "auto") -> str | None:
+    """The dtype `auto` measured for `model` on this machine, if an engine has measured it."""
+    try:
+        entry = _read().get(choice_key(model, quantization))
+    except OSError:
+        return None
+    return entry["dtype"] if _valid(entry) else None
+
+
+def _valid(entry: object) -> bool:
+    """A cache entry this code wrote: a candidate, and positive seconds of the same phases for each."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in CANDIDATES or not isinstance(entry.get("seconds"), dict):
+        return False
+    timings = [entry["seconds"].get(name) for name in CANDIDATES]
+    if not all(isinstance(t, dict) and t for t in timings) or set(timings[0]) != set(timings[1]):
+        return False
+    return all(isinstance(s, (int, float)) and s > 0 for t in timings for s in t.values())
+
+
+def _run_workload(engine) -> dict[str, float]:
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int, seed: int) -> dict:
+        return {"prompt_token_ids": [1 + (seed * 7919 + i * 31) % (vocab - 1) for i in range(n)]}
+
+    phases = {"prefill": [(prompt(PREFILL_TOKENS, 0), 1)],
+              "one stream": [(prompt(PROMPT_TOKENS, 1), DECODE_STEPS + 1)],
+              "batch": [(prompt(PROMPT_TOKENS, 2 + i), BATCH_STEPS + 1) for i in range(BATCH)]}
+    seconds = {}
+    for phase, requests in phases.items():
+        for request, max_tokens in requests:
+            engine.add_request(None, request, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        seconds[phase] = time.perf_counter() - start
+    if engine.num_failed:
+        raise RuntimeError("a request of the dtype measurement failed: see the log")
+    return seconds
+
+
+def _measuring(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
+    """An engine like `config`'s for the workload alone: its own small KV pool, no prefix cache
+    (every round computes), no compiled steps."""
+    tokens = 2 * (PREFILL_TOKENS + PROMPT_TOKENS + DECODE_STEPS + BATCH * (PROMPT_TOKENS + BATCH_STEPS))
+    kv_bytes = 2 * arch.num_layers * arch.kv_size * 4 * (tokens + BATCH * config.block_size)
+    return EngineConfig(model=config.model, device=config.device, quantization=config.quantization,
+                        kv_cache_memory=kv_bytes, block_size=config.block_size,
+                        max_num_batched_tokens=PREFILL_TOKENS, max_num_seqs=BATCH, enable_prefix_caching=False,
+                        seed=config.seed, num_threads=config.num_threads)
+
+
+def _not_measurable(arch: ArchConfig) -> str | None:
+    params = arch.num_parameters()
+    if params > MAX_MEASURED_PARAMETERS:
+        return f"{params / 1e9:.1f}B parameters take too long to time twice at start"
+    free = _available_memory()
+    if free is not None and 4 * params > free / 4:
+        return f"its float32 weights ({4 * params / 2**30:.1f} GiB) would take over a quarter of the free memory"
+    return None
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _model_identity(model: str) -> list:
+    """The model's path with the size and modification time of each of its files."""
+    path = Path(model).expanduser().resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    stats = []
+    for f in files:
+        st = f.stat()
+        stats.append([f.name, st.st_size, st.st_mtime_ns])
+    return [str(path), stats]
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read() -> dict[str, dict]:
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("dtype auto: ignoring the unreadable cache %s (%s); measuring again", path, e)
+        return {}
+    return data if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()) else {}
+
+
+def _write(key: str, entry: dict) -> None:
+    path = cache_file()
+    choices = _read()
+    choices.pop(key, None)
+    choices[key] = entry  # newest last
+    kept = dict(list(choices.items())[-MAX_CACHED_CHOICES:])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(kept, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the choice holds for this process, measured again next time
+        log.warning("dtype auto: could not cache the choice in %s (%s)", path, e)
+
+
+def _summary(seconds: dict[str, dict[str, float]]) -> str:
+    fp32 = seconds["float32"]
+    return ", ".join(f"{phase} bfloat16/float32 {seconds['bfloat16'][phase] / fp32[phase]:.2f}x" for phase in fp32)
+
+
+def _describe_cpu() -> str:
+    from pdserve.layers.cpu import describe_cpu
+
+    return describe_cpu()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
