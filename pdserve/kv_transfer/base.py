@@ -60,6 +60,11 @@ class KVLayout:
             raise ModelMismatch(
                 f"model mismatch: this worker serves model {self.model_hash[:12]}, the peer {other.model_hash[:12]}"
             )
+        if self.dtype != other.dtype:
+            raise LayoutMismatch(
+                f"KV dtype mismatch: this worker holds KV in {self.dtype}, the peer in {other.dtype}; give every "
+                "worker the same --dtype (auto is measured per CPU, and machines of different kinds may differ)"
+            )
         if self != other:
             raise LayoutMismatch(f"KV layout mismatch: {asdict(self)} vs {asdict(other)}")
 

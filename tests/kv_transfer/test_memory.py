@@ -108,8 +108,11 @@ def test_the_handshake_refuses_a_bad_token_and_another_model(decode):
     with pytest.raises(ModelMismatch, match="refused the KV connection: model mismatch"):
         MemorySender(other_model, source(), decode.offer, token=TOKEN)
     other_dtype = KVLayout(LAYOUT.model_hash, LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, "float16")
-    with pytest.raises(LayoutMismatch, match="KV layout mismatch"):
+    with pytest.raises(LayoutMismatch, match="KV dtype mismatch: .* the peer in float16; give every worker the same --dtype"):
         MemorySender(other_dtype, source(), decode.offer, token=TOKEN)
+    other_heads = KVLayout(LAYOUT.model_hash, LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim * 2, LAYOUT.dtype)
+    with pytest.raises(LayoutMismatch, match="KV layout mismatch"):
+        MemorySender(other_heads, source(), decode.offer, token=TOKEN)
 
 
 def test_a_decode_abort_reaches_the_sender_and_frees_the_blocks(decode):

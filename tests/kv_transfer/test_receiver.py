@@ -129,7 +129,8 @@ def test_a_lost_in_place_writer_releases_its_leases(rx):
 @pytest.mark.parametrize("token, layout, message", [
     ("wrong", LAYOUT, "bad token"),
     ("tok", KVLayout("x" * 64, 2, 2, 4, "float32"), "model mismatch"),
-    ("tok", KVLayout("m" * 64, 2, 2, 4, "bfloat16"), "layout mismatch"),
+    ("tok", KVLayout("m" * 64, 2, 2, 4, "bfloat16"), "KV dtype mismatch"),
+    ("tok", KVLayout("m" * 64, 2, 2, 8, "float32"), "layout mismatch"),
 ])
 def test_handshake_refusals_are_explained(rx, token, layout, message):
     sock, ack = connect(rx, token, layout)
