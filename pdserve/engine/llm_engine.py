@@ -69,6 +69,10 @@ class LLMEngine:
         self.dtype = choose_dtype(config, device, self.model_config, LLMEngine)
         compile_decode = config.compile_decode and config.role != "prefill"  # a prefill worker never decodes
         quantization = config.quantization if device.type == "cpu" else "none"  # auto: CPU kernels only
+        if compile_decode and (quantization in ("int4", "int8") or (quantization == "auto" and ckpt.quantized_bits)):
+            log.warning("compiled decode needs dense weights (--quantization none): quantized weights run "
+                        "pdserve's kernels, which a compiled graph cannot hold; decode runs eager")
+            compile_decode = False
         model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)
         self.max_model_len = self._max_model_len(config)
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype)

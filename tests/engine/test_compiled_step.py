@@ -79,3 +79,12 @@ def test_a_long_context_among_short_ones_gives_the_tokens_it_gives_alone(tiny_ll
     together = [o.outputs[0].token_ids for o in llm.generate([long_prompt, *short], params)]
     assert together == alone
     assert_engine_idle(llm)
+
+
+def test_quantized_weights_decode_eager_with_a_warning_not_a_failed_compile(tiny_llama, caplog):
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        llm = make_llm(tiny_llama, compile_decode=True, quantization="int8")
+    assert llm.engine.runner.compiled is None
+    assert "compiled decode needs dense weights" in caplog.text
+    assert greedy(llm, PROMPTS[:2], 8) == greedy(make_llm(tiny_llama, quantization="int8"), PROMPTS[:2], 8)
+    assert_engine_idle(llm)
