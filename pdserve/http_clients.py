@@ -20,7 +20,7 @@ import contextlib
 import logging
 
 import anyio
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -71,7 +71,13 @@ class ClosingStreamingResponse(StreamingResponse):
     iterating when the client disconnects (by cancelling the task that writes) but leaves the
     generator suspended at its `yield`; its `finally` (which aborts the request, releases its
     slot) would then run only when the garbage collector finalizes it, if ever. Here it runs at
-    once, shielded from the cancellation that ended the response."""
+    once, shielded from the cancellation that ended the response. A generator that never started
+    (the client left before the first write) has no `finally` to run: `on_close` is called in every
+    case, after the generator is closed, for what the request held before its stream began."""
+
+    def __init__(self, content, on_close: Callable[[], None] | None = None, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -81,6 +87,8 @@ class ClosingStreamingResponse(StreamingResponse):
             if close is not None:
                 with anyio.CancelScope(shield=True):
                     await close()
+            if self.on_close is not None:
+                self.on_close()
 
 
 class StallGuardedStreamingResponse(ClosingStreamingResponse):

@@ -43,7 +43,7 @@ from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
 from pdserve.router.rounds import reap
 from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, abort_on_worker, worker_lines
-from pdserve.router.waiting_line import WaitingLine
+from pdserve.router.waiting_line import Admitted, WaitingLine
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -159,9 +159,19 @@ class Router:
                                 f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
         return ids, req.sampling(max_tokens)
 
-    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int
-                            ) -> AsyncIterator[wire.OutputLine]:
-        """The decode worker's output lines, followed across workers:
+    async def admit(self, prompt_ids: list[int], sequences: int) -> Admitted:
+        """A decode worker (and prefill worker, if any) with room for the request, held for it: at
+        once, or after waiting in line (first come, first served). At `queue_timeout_s` without
+        room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        chosen = self._route_or_none(prompt_ids, frozenset(), sequences)
+        if chosen is None:
+            chosen = await self._route_when_room(prompt_ids, frozenset(), sequences, deadline)
+        return Admitted(*chosen, sequences, deadline, self.line)
+
+    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int,
+                            admitted: Admitted) -> AsyncIterator[wire.OutputLine]:
+        """The decode worker's output lines, from the `admitted` one, followed across workers:
         - one that fails before the first token is replaced once by another;
         - with every decode worker holding as many sequences from here as its heartbeat says it
           can (running and queued), the request waits in line here (first come, first served), and
@@ -173,13 +183,14 @@ class Router:
           takes its KV from the hot one's prefix cache and continues.
         Continuing requests resume (`output_token_ids`): no token repeated, none missing, and
         seeded sampling goes on exactly as if nothing had happened."""
+        admitted.held = False  # from here on this stream lets its workers go
         live = LiveStream(request_id, sampling.n, len(prompt_ids), sampling.max_tokens)
         self.live[request_id] = live
         tried: set[str] = set()
         generated: list[int] = []
         started = False
-        deadline, backoff = time.monotonic() + self.config.queue_timeout_s, 0.05
-        d, p = self._route_or_none(prompt_ids, frozenset(), live.n) or (None, None)
+        deadline, backoff = admitted.deadline, 0.05
+        d, p = admitted.decode, admitted.prefill
         try:
             for attempt in itertools.count():
                 if d is None:  # every worker is full: wait here for room

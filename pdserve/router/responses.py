@@ -89,18 +89,26 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
                        headers={"Retry-After": "1"})
     try:
         router.require_workers()
-    except APIError:
+        admitted = await unless_disconnected(request, router.admit(ids, sampling.n))  # may wait in line
+    except ClientGone:
+        router.admission.release(request_id)
+        return Response(status_code=499)  # nobody reads it
+    except APIError:  # no worker, or still no room at the queue timeout: 503 before any byte
         router.admission.release(request_id)
         raise
-    stream = router.worker_stream(request_id, ids, sampling, req.priority)
+    stream = router.worker_stream(request_id, ids, sampling, req.priority, admitted)
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
                          lambda index: router.stop_completion(request_id, index))
     clock = RequestClock(router.metrics, len(ids))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def never_streamed() -> None:  # what `_sse` releases, for a response whose first write never came
+            admitted.release()
+            router.admission.release(request_id)
         return StallGuardedStreamingResponse(
             _sse(router, request_id, req, stream, clock, detok, chat, include_usage),
-            stall_s=router.config.client_stall_s, media_type="text/event-stream")
+            stall_s=router.config.client_stall_s, on_close=never_streamed, media_type="text/event-stream")
     outcome = "error"
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
@@ -121,6 +129,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         outcome = "cancelled"
         return Response(status_code=499)  # nobody reads it
     finally:
+        admitted.release()  # a stream closed before its first step never took the hold over
         router.admission.release(request_id)
         clock.finish(outcome)
     completion_tokens = clock.tokens

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -61,3 +62,22 @@ class WaitingLine:
             if not turn.done():
                 turn.set_result(None)
                 return
+
+
+@dataclass(eq=False)
+class Admitted:
+    """A request's first workers, chosen with room (`Router.admit`), its sequences held on the
+    decode worker. Its stream takes the hold over when it starts (`held` False); until then, and
+    if it never starts (the client left first), `release` lets it go. Idempotent."""
+
+    decode: Any
+    prefill: Any
+    sequences: int
+    deadline: float  # time.monotonic() until which the request may still wait for room, in all
+    line: WaitingLine
+    held: bool = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.line.release(self.decode, self.sequences)

@@ -301,3 +301,41 @@ def test_a_streamed_client_that_leaves_aborts_its_request_on_the_worker(cluster,
     wait_for(lambda: w.stats().requests_aborted > before, 30, "the abort on the worker")
     wait_for(cluster["d"].is_idle, 30, "idle decode worker")
     assert sent[0].endswith("-0")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_routers_own_no_room_refusal_is_a_503_with_retry_after(cluster, monkeypatch, stream):
+    """Every decode worker holds as many sequences from this router as it said it can: the request
+    waits in line, and at its queue timeout gets a 503 with Retry-After before any byte of a
+    response, streamed or not; nothing it held is left behind."""
+    import openai
+
+    router = cluster["router"]
+    entry = router.registry.workers()[0]
+    wait_for(lambda: entry.load.capacity > 0, 30, "a heartbeat with the worker's capacity")
+    monkeypatch.setattr(router.config, "queue_timeout_s", 0.3)
+    monkeypatch.setattr(entry, "in_flight", entry.load.capacity)  # every sequence it can hold is taken
+    r = completion(cluster["url"], prompt="hello", max_tokens=4, stream=stream)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "overloaded"
+    client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=4, stream=stream)
+    assert refused.value.status_code == 503
+    assert router.admission.requests == 0 and not router.line and entry.in_flight == entry.load.capacity
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_waiting_in_line_leaves_nothing_held(cluster, monkeypatch, stream):
+    router = cluster["router"]
+    entry = router.registry.workers()[0]
+    wait_for(lambda: entry.load.capacity > 0, 30, "a heartbeat with the worker's capacity")
+    monkeypatch.setattr(router.config, "queue_timeout_s", 30.0)
+    monkeypatch.setattr(entry, "in_flight", entry.load.capacity)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": stream},
+                   timeout=httpx.Timeout(5, read=0.5))
+    wait_for(lambda: router.admission.requests == 0 and not router.line, 10, "the router to let the request go")
+    monkeypatch.setattr(entry, "in_flight", 0)  # room again: the next request is served
+    assert completion(cluster["url"], prompt="hello", max_tokens=4, stream=stream).status_code == 200
+    wait_for(lambda: entry.in_flight == 0 and cluster["d"].is_idle(), 30, "an idle decode worker")
