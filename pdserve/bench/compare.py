@@ -7,7 +7,9 @@
    - disaggregated: one prefill and one decode worker, the cores split between them;
    - replicas: two colocated workers, the cores split.
    With `--peer-url [NAME=]URL`, servers already running (vLLM for CPU, SGLang, another pdserve)
-   are measured too, each as one more row: the same prompts, loads and targets.
+   are measured too, each as one more row: the same prompts, loads and targets. With
+   `--peer-command NAME=CMD` the peer is started only for its own rows and stopped after them
+   (`peer_process.py`): a server idling beside another's measurement can slow it.
 2. Run the same seeded workload sweep against each (the `pdserve bench` runner), sampling the
    memory of the router and workers (proportional set size: shared pages count once), then stop
    the cluster.
@@ -28,6 +30,7 @@ from pathlib import Path
 from pdserve.bench.host_cpu import NOISY_OTHERS_CORES, noisy
 from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.peer import parse_peer, peer_pids
+from pdserve.bench.peer_process import PeerProcess
 from pdserve.bench.procmem import memory_mib
 from pdserve.bench.results import write_json
 from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
@@ -60,11 +63,23 @@ def run_config(name: str, args: argparse.Namespace, points: list[dict]) -> tuple
 
 
 def run_peer(name: str, url: str, args: argparse.Namespace, points: list[dict]) -> tuple[dict, dict]:
-    pids = peer_pids(url)
-    print(f"[bench compare] {name}: {url}" + (f" (processes {pids})" if pids else " (not on this machine)"),
-          file=sys.stderr, flush=True)
-    result, records = measure(name, url, pids, argparse.Namespace(**{**vars(args), "api_key": args.peer_key}), points)
-    return {**result, "url": url, "processes": [{"pid": pid} for pid in pids]}, records
+    command = args.peer_commands.get(name)
+    started = None
+    if command is not None:
+        print(f"[bench compare] starting {name}: {command}", file=sys.stderr, flush=True)
+        started = PeerProcess(name, url, command, Path(args.plot_dir) / f"peer-{name}.log", args.peer_key,
+                              progress=lambda s: print(f"[bench compare] {name}: still starting after {s:.0f}s",
+                                                       file=sys.stderr, flush=True))
+    try:
+        pids = peer_pids(url)
+        print(f"[bench compare] {name}: {url}" + (f" (processes {pids})" if pids else " (not on this machine)"),
+              file=sys.stderr, flush=True)
+        result, records = measure(name, url, pids, argparse.Namespace(**{**vars(args), "api_key": args.peer_key}),
+                                  points)
+    finally:
+        if started is not None:
+            started.stop()
+    return {**result, "url": url, "processes": [{"pid": pid} for pid in pids], "command": command}, records
 
 
 # Reading a process's proportional set size walks its page tables while holding its memory map's
@@ -122,6 +137,15 @@ def table(results: dict[str, dict], baseline: str = "colocated") -> str:
     return "\n".join(lines)
 
 
+def _peer_command(text: str, peers: dict[str, str]) -> tuple[str, str]:
+    name, sep, command = text.partition("=")
+    if not sep or not command.strip():
+        raise ValueError(f"--peer-command takes NAME=CMD; got {text!r}")
+    if name not in peers:
+        raise ValueError(f"--peer-command {name}: no --peer-url names {name!r}")
+    return name, command
+
+
 def _ratios(run: dict, base: dict) -> str:
     def over(a: float | None, b: float | None) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}x"
@@ -143,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-url", action="append", default=[], metavar="[NAME=]URL",
                    help="an OpenAI-compatible server already running (vLLM, SGLang, ...) measured with the same "
                         "sweep, as one more row; repeatable")
+    p.add_argument("--peer-command", action="append", default=[], metavar="NAME=CMD",
+                   help="start peer NAME with this shell command just before its rows and stop it after "
+                        "(its process group), so that it never idles beside another server's measurement; "
+                        "repeatable")
     p.add_argument("--peer-model", default=None, help="the model name to ask peers for (default: their first)")
     add_secret_args(p, "peer-api-key", PEER_KEY_ENV, "the peers' API key")
     p.add_argument("--baseline", default=None, help="the row the table's ratios are against: a configuration or a "
@@ -158,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = load_points(args.request_rate, args.concurrency)
         peers = dict(parse_peer(text, i) for i, text in enumerate(args.peer_url))
+        args.peer_commands = dict(_peer_command(text, peers) for text in args.peer_command)
         args.peer_key = read_secret(args.peer_api_key_file, PEER_KEY_ENV)
     except ValueError as e:
         p.error(str(e))
@@ -172,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name], records[name] = run_config(name, args, points)
     for name, url in peers.items():
         results[name], records[name] = run_peer(name, url, args, points)
-    settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "peers": peers,
+    settings = {"model": args.model, "configs": {n: CONFIGS[n] for n in names}, "peers": peers, "peer_commands": args.peer_commands,
                 "serve_args": args.serve_args,
                 "dtype": _dtype(args.model, args.serve_args),
                 "cores": len(os.sched_getaffinity(0)), "slo_ms": {"ttft": args.ttft_slo, "tpot": args.tpot_slo},

@@ -34,3 +34,44 @@ def test_a_local_peer_is_found_by_its_port_with_its_children():
             child.kill()
             child.wait()
     assert peer_pids("http://10.1.2.3:8000") == []  # another machine: nothing to measure here
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_peer_started_by_command_serves_until_stopped_with_its_children(tiny_llama, tmp_path):
+    """A real router of the tiny model as the peer: up for its rows, then its whole group gone."""
+    from pdserve.bench.peer_process import PeerProcess
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = f"{sys.executable} -m pdserve.cli router --model {tiny_llama} --port {port}"
+    peer = PeerProcess("p", url, command, tmp_path / "peer.log", timeout_s=120)
+    try:
+        serving = peer_pids(url)
+        assert serving and all(pid != os.getpid() for pid in serving)
+        with pytest.raises(RuntimeError, match="already listens"):  # a second one would measure the first
+            PeerProcess("p", url, command, tmp_path / "again.log", timeout_s=5)
+    finally:
+        peer.stop()
+    assert peer.proc.poll() is not None and listening_pids(port) == []
+
+
+def test_a_peer_command_that_exits_is_an_error_naming_its_log(tmp_path):
+    from pdserve.bench.peer_process import PeerProcess
+
+    with pytest.raises(RuntimeError, match="exited; see .*peer.log"):
+        PeerProcess("p", f"http://127.0.0.1:{_free_port()}", "echo no server here; exit 3", tmp_path / "peer.log")
+    assert "no server here" in (tmp_path / "peer.log").read_text()
+
+
+def test_a_peer_command_needs_a_peer_url_of_its_name():
+    from pdserve.bench.compare import main
+
+    with pytest.raises(SystemExit):
+        main(["--configs", "", "--peer-url", "a=http://127.0.0.1:1", "--peer-command", "b=true"])
+    with pytest.raises(SystemExit):
+        main(["--configs", "", "--peer-url", "a=http://127.0.0.1:1", "--peer-command", "a="])
