@@ -6,6 +6,13 @@
   no torch: the router's process never loads it (checked in a real process, not only by reading).
 - `on_ray/` places processes: it starts workers by their command line and imports none of them.
 - `wire.py` is the vocabulary between processes: it depends on nothing of theirs.
+- `kv_transfer/` moves KV between workers: nothing of the worker, router, benchmarks or tools.
+- `worker/` serves an engine: nothing of the router (their common words are `wire.py`) or the tools.
+- `workload/` is the benchmarks' and the simulator's common vocabulary (lengths, records, results,
+  plots): nothing of either, nor of the engine, the model or the servers.
+- `bench/` measures and `sim/` simulates; neither imports the other, and the simulator starts no
+  server of its own.
+- Between the package's parts (its subpackages and top-level modules) the imports form no circle.
 """
 
 from __future__ import annotations
@@ -25,10 +32,17 @@ ABOVE_ENGINE = ("pdserve.worker", "pdserve.router", "pdserve.kv_transfer", "pdse
 RULES = {
     "engine": NETWORK + ABOVE_ENGINE,
     "models": NETWORK + ABOVE_ENGINE + ("pdserve.engine",),
-    "layers": NETWORK + ABOVE_ENGINE + ("pdserve.engine",),
+    "layers": NETWORK + ABOVE_ENGINE + ("pdserve.engine", "pdserve.models"),
     "router": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.kv_transfer", "pdserve.layers", "pdserve.llm"),
     "on_ray": ("torch", "pdserve.engine", "pdserve.kv_transfer", "pdserve.layers", "pdserve.models", "pdserve.llm",
                "pdserve.worker"),
+    "kv_transfer": ("pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.bench", "pdserve.sim",
+                    "pdserve.on_ray", "pdserve.launcher", "pdserve.workload"),
+    "worker": ("pdserve.router", "pdserve.bench", "pdserve.sim", "pdserve.on_ray", "pdserve.launcher",
+               "pdserve.workload"),
+    "workload": NETWORK + ABOVE_ENGINE + ("torch", "pdserve.engine", "pdserve.models", "pdserve.layers"),
+    "bench": ("pdserve.sim", "pdserve.on_ray"),
+    "sim": ("pdserve.bench", "pdserve.worker", "pdserve.on_ray", "httpx", "fastapi", "uvicorn"),
     "wire.py": ("torch", "fastapi", "httpx", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "errors.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "prefix_hash.py": ("torch", "pdserve.engine"),
@@ -59,6 +73,50 @@ def crossings(layer: str) -> list[str]:
 @pytest.mark.parametrize("layer", sorted(RULES))
 def test_no_import_crosses_a_layer(layer):
     assert crossings(layer) == []
+
+
+def part_graph(package: Path) -> dict[str, set[str]]:
+    """Which of the package's parts (subpackages and top-level modules) each part imports."""
+    def part(module: str) -> str | None:
+        name = module.split(".")[1] if module.startswith("pdserve.") else None
+        return name if name and ((package / name).is_dir() or (package / f"{name}.py").is_file()) else None
+
+    graph: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package)
+        here = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        targets = {part(m) for m in imports(path)} - {None, here}
+        graph.setdefault(here, set()).update(targets)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle as the path that closes it, found by depth-first search."""
+    found, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    assert circles(part_graph(PACKAGE)) == []
+
+
+def test_a_circle_is_found():
+    assert circles({"layers": {"models"}, "models": {"layers", "tokenizer"}, "tokenizer": set()}) == [
+        ["layers", "models", "layers"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_the_rules_catch_a_crossing(tmp_path, monkeypatch):

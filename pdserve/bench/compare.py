@@ -27,13 +27,14 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.host_cpu import NOISY_OTHERS_CORES, noisy
+from pdserve.workload.host_cpu import NOISY_OTHERS_CORES, noisy
 from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.peer import parse_peer, peer_pids
 from pdserve.bench.peer_process import PeerProcess
 from pdserve.bench.procmem import memory_mib
-from pdserve.bench.results import write_json
-from pdserve.bench.serving import add_workload_args, load_points, server_info, spec_from_args, sweep
+from pdserve.workload.results import write_json
+from pdserve.bench.serving import server_info, sweep
+from pdserve.workload.args import add_workload_args, load_points, spec_from_args
 from pdserve.credentials import add_secret_args, read_secret
 
 PEER_KEY_ENV = "PDSERVE_PEER_API_KEY"
@@ -230,7 +231,7 @@ def _dtype(model: str, serve_args: str) -> str:
 
 
 def _plots(results: dict, records: dict, plot_dir: Path, model: str) -> list[Path]:
-    from pdserve.bench import plots
+    from pdserve.workload import plots
 
     first = next(iter(results.values()))["runs"]
     key = "concurrency" if first[0]["load"]["concurrency"] else "request_rate"

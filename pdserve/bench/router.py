@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.procmem import memory_mib
-from pdserve.bench.results import write_json
+from pdserve.workload.results import write_json
 from pdserve.credentials import TOKEN_ENV
 
 

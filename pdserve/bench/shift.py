@@ -36,9 +36,9 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.local_cluster import LocalCluster
-from pdserve.bench.loadgen import LengthDist
-from pdserve.bench.metrics import summarize
-from pdserve.bench.results import write_json
+from pdserve.workload.loadgen import LengthDist
+from pdserve.workload.metrics import summarize
+from pdserve.workload.results import write_json
 from pdserve.bench.serving import run_load, server_info
 from pdserve.bench.shift_probe import probe_rates
 from pdserve.bench.shift_report import (

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdserve.bench.loadgen import WorkloadSpec, build_requests
+from pdserve.workload.loadgen import WorkloadSpec, build_requests
 from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.serving import run_load, server_info
 from pdserve.bench.shift_workload import Phase, Split

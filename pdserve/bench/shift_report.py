@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.workload.metrics import RequestRecord, summarize
 
 REBALANCE = "rebalance"
 BASELINE = "1P1D"
@@ -133,7 +133,7 @@ def timeline_plot(runs: dict[str, tuple[list[RequestRecord], float]], moves: lis
     """Output tokens/s and TTFT (by send time) over the run, one line per configuration (name ->
     its records and the perf_counter time its load started); the phase boundaries and the
     controller's moves marked."""
-    from pdserve.bench.plots import pyplot, save_figure
+    from pdserve.workload.plots import pyplot, save_figure
 
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8), sharex=True)

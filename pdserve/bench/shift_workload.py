@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
+from pdserve.workload.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
 
 _SPLIT = re.compile(r"^(?:(\d+)P(\d+)D|(\d+)C)$")
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.models.arch_config import RopeScaling
+from pdserve.layers.rope_scaling import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

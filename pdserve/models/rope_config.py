@@ -11,20 +11,11 @@ author meant is unknowable, and either guess generates different tokens without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from pdserve.layers.rope_scaling import SUPPORTED_ROPE_TYPES, RopeScaling
+
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
-
-
-@dataclass(slots=True, frozen=True)
-class RopeScaling:
-    kind: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 def read_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:

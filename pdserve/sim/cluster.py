@@ -21,7 +21,7 @@ import itertools
 import math
 from typing import Callable
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.metrics import RequestRecord
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks

@@ -26,8 +26,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.bench.loadgen import BenchRequest, LengthDist
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.loadgen import BenchRequest, LengthDist
+from pdserve.workload.metrics import RequestRecord
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.sim import closed_form
 from pdserve.sim.cluster import SimCluster

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.loadgen import LengthDist
-from pdserve.bench.results import write_json
+from pdserve.workload.loadgen import LengthDist
+from pdserve.workload.results import write_json
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
 from pdserve.sim.plan import Config, InstanceSpec, Planner, Traffic, unreachable, within_budget
 from pdserve.sim.verdict import SLA

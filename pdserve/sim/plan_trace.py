@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.loadgen import LengthDist
-from pdserve.bench.results import write_json
+from pdserve.workload.loadgen import LengthDist
+from pdserve.workload.results import write_json
 from pdserve.sim.plan import Planner, Traffic
 
 

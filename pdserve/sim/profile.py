@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.results import write_json
+from pdserve.workload.results import write_json
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.sim.perf import LinearPerfModel
@@ -106,7 +106,7 @@ def measure_steps(engine, timer: StepTimer, prefill_lengths, batches, contexts, 
 
 
 def measure_links(arch, dtype, backends, token_counts, reps: int = 3) -> dict[str, list[tuple[int, float]]]:
-    from pdserve.bench.transfer import Link
+    from pdserve.kv_transfer.timed_link import Link
     from pdserve.kv_transfer.base import KVLayout
 
     per_token = KVLayout.of(arch, dtype).slot_bytes * arch.num_layers

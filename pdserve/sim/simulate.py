@@ -19,10 +19,10 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.bench.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
-from pdserve.bench.metrics import RequestRecord, summarize
-from pdserve.bench.results import write_json
-from pdserve.bench.serving import add_workload_args, load_points, markdown
+from pdserve.workload.loadgen import BenchRequest, LengthDist, WorkloadSpec, arrival_times, build_requests
+from pdserve.workload.metrics import RequestRecord, summarize
+from pdserve.workload.results import write_json
+from pdserve.workload.args import add_workload_args, load_points, markdown
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.router.rebalance import RebalancePolicy
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline

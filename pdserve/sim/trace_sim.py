@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.metrics import RequestRecord, meets_slo
+from pdserve.workload.metrics import RequestRecord, meets_slo
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.router.rebalance import RebalancePolicy
 from pdserve.sim.closed_form import decode_rate, prefill_seconds

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.loadgen import LengthDist
-from pdserve.bench.results import write_json
+from pdserve.workload.loadgen import LengthDist
+from pdserve.workload.results import write_json
 from pdserve.sim import trace_sim as ts
 from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
 from pdserve.sim.fork_map import fork_map

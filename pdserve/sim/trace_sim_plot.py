@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.bench.plots import pyplot, save_figure
+from pdserve.workload.plots import pyplot, save_figure
 
 
 def trace_sim_plot(result: dict, out_dir: Path) -> Path:

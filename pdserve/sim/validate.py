@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.bench.host_cpu import noisy
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec
-from pdserve.bench.results import write_json
+from pdserve.workload.host_cpu import noisy
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec
+from pdserve.workload.results import write_json
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.profile import perf_model

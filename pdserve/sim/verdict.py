@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.loadgen import BenchRequest
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.loadgen import BenchRequest
+from pdserve.workload.metrics import RequestRecord
 from pdserve.sim.cluster import SimCluster
 
 

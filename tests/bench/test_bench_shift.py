@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pdserve.bench.loadgen import LengthDist
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.loadgen import LengthDist
+from pdserve.workload.metrics import RequestRecord
 from pdserve.bench.shift import main
 from pdserve.bench.shift_report import best_static, half_summaries, parse_decisions, parse_moves, ratios, table
 from pdserve.bench.shift_workload import Phase, Split, build_shift_workload, disaggregated_splits

@@ -11,6 +11,7 @@ import torch
 import pdserve.bench.first_token as first_token
 import pdserve.bench.transfer as bench
 from pdserve.kv_transfer.leases import EventKind, ReceiverEvent
+from pdserve.kv_transfer.timed_link import Link, TransferMismatch
 from pdserve.models.arch_config import ArchConfig
 from tests.worker.cluster import BACKENDS
 
@@ -20,8 +21,8 @@ def test_links_and_limits_take_turns(tiny_llama):
     num_bytes = 100 * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
     contenders = {"memcpy": bench.Memcpy(num_bytes, shared=True), "loopback": bench.Loopback(num_bytes)}
     for backend in BACKENDS:
-        contenders[backend] = bench.Link(cfg, torch.float32, backend, 100)
-    contenders["tcp-int8"] = bench.Link(cfg, torch.float32, "tcp", 100, "int8")
+        contenders[backend] = Link(cfg, torch.float32, backend, 100)
+    contenders["tcp-int8"] = Link(cfg, torch.float32, "tcp", 100, "int8")
     try:
         best = bench.take_turns(contenders, reps=2)
     finally:
@@ -37,20 +38,20 @@ def _tiny_cfg(tiny_llama) -> ArchConfig:
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_kv_that_arrives_changed_is_an_error_not_an_assert(tiny_llama, backend):
     # TransferMismatch, not AssertionError: the check must survive `python -O`
-    link = bench.Link(_tiny_cfg(tiny_llama), torch.float32, backend, 40)
+    link = Link(_tiny_cfg(tiny_llama), torch.float32, backend, 40)
     try:
         link.once()
         link.dst[0, 3, 0, 0, 0] += 1.0  # one value of the landed KV
     finally:
-        with pytest.raises(bench.TransferMismatch, match=f"{backend}: KV arrived changed"):
+        with pytest.raises(TransferMismatch, match=f"{backend}: KV arrived changed"):
             link.close()
 
 
 def test_a_transfer_that_does_not_land_is_an_error(tiny_llama):
-    link = bench.Link(_tiny_cfg(tiny_llama), torch.float32, "tcp", 40)
+    link = Link(_tiny_cfg(tiny_llama), torch.float32, "tcp", 40)
     try:
         link.events.put(ReceiverEvent(EventKind.FAILED, "bench", 1, reason="injected"))
-        with pytest.raises(bench.TransferMismatch, match="tcp: the transfer ended in FAILED, not LANDED"):
+        with pytest.raises(TransferMismatch, match="tcp: the transfer ended in FAILED, not LANDED"):
             link.once()
     finally:
         link.dst.copy_(link.src)  # only the outcome is under test here, not the bytes

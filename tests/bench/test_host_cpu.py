@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from pdserve.bench.host_cpu import HostCpu, machine_cpu_s, noisy, process_cpu_s
+from pdserve.workload.host_cpu import HostCpu, machine_cpu_s, noisy, process_cpu_s
 
 # burns half a second of its own CPU, however long a busy machine takes to give it that, says so,
 # and stays (readable) until its stdin closes

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec, arrival_times, build_requests
-from pdserve.bench.metrics import RequestRecord, distribution, summarize
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec, arrival_times, build_requests
+from pdserve.workload.metrics import RequestRecord, distribution, summarize
 
 
 def record(start, first, end, tokens, chunks=None, error=None):

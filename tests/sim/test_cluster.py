@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.bench.loadgen import arrival_times
+from pdserve.workload.loadgen import arrival_times
 from pdserve.router import routing
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.sim import cluster as sim_cluster
@@ -77,7 +77,7 @@ def test_md1_queue_mean_wait():
 
 
 def test_a_loaded_cluster_finishes_everything_and_reports_bench_metrics():
-    from pdserve.bench.metrics import summarize
+    from pdserve.workload.metrics import summarize
 
     c = SimCluster(PREFILL, PREFILL, num_prefill=1, num_decode=2, worker_args={"num_blocks": 256},
                    policy=DisaggregationPolicy(min_remote_tokens=64))

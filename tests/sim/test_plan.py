@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.bench.loadgen import LengthDist
+from pdserve.workload.loadgen import LengthDist
 from pdserve.sim.perf import LinearPerfModel
 from pdserve.sim.plan import InstanceSpec, Planner, Traffic, unreachable
 from pdserve.sim.verdict import SLA

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec, build_requests
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec, build_requests
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.perf import LinearPerfModel, StepShape
 from pdserve.sim.profile import fit_link, fit_steps, perf_model

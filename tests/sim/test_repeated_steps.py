@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec, build_requests
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec, build_requests
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.router.rebalance import RebalancePolicy
 from pdserve.sim.cluster import SimCluster, SimWorker

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.bench.loadgen import LengthDist
+from pdserve.workload.loadgen import LengthDist
 from pdserve.sim import trace_sim as ts
 from pdserve.sim.plan_trace import Window
 from pdserve.sim.trace_sim_cli import main

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from pdserve.bench.host_cpu import NOISY_OTHERS_CORES
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec
+from pdserve.workload.host_cpu import NOISY_OTHERS_CORES
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec
 from pdserve.router.policy import DisaggregationPolicy
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.profile import perf_model

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.bench.loadgen import BenchRequest
+from pdserve.workload.loadgen import BenchRequest
 
 OUTCOMES = ("ok", "error", "lost")
 ERROR_PAUSE_S = 0.5

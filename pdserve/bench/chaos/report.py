@@ -103,7 +103,7 @@ def summary_line(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    from pdserve.bench.plots import pyplot, save_figure
+    from pdserve.workload.plots import pyplot, save_figure
 
     plt = pyplot()
     runs = result["runs"]

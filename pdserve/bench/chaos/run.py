@@ -39,8 +39,8 @@ from pdserve.bench.chaos.report import (
     details, goodput, latency, markdown, outcome_counts, plot, summary_line, throughput_series,
 )
 from pdserve.bench.chaos.watch import Watcher
-from pdserve.bench.loadgen import LengthDist, WorkloadSpec, build_requests
-from pdserve.bench.results import write_json
+from pdserve.workload.loadgen import LengthDist, WorkloadSpec, build_requests
+from pdserve.workload.results import write_json
 from pdserve.bench.soak.audit import wait_idle
 
 say = lambda msg: print(f"[bench chaos] {msg}", file=sys.stderr, flush=True)  # noqa: E731

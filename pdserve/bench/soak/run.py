@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.results import write_json
+from pdserve.workload.results import write_json
 from pdserve.bench.soak.actions import ACTIONS, CATEGORY, draw, first_round, is_burst
 from pdserve.bench.soak.audit import as_dicts, audit, scrape, wait_idle
 from pdserve.bench.soak.cluster import Monitor, SoakCluster

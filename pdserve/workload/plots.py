@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.workload.metrics import RequestRecord
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end to end"))
 
