@@ -10,16 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-_GREEDY_EPS = 1e-5
+from pdserve.limits import (
+    MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
+    SEED_LIMIT,
+)
 
-SEED_LIMIT = 1 << 63  # seeds are in [0, SEED_LIMIT); the n completions of one request use seed + i
-MAX_N = 128  # completions per request (the OpenAI router allows fewer)
-MAX_TOKENS_LIMIT = 1 << 24  # max_tokens and min_tokens; the model's length is the real limit
-MAX_TEMPERATURE = 100.0
-MAX_TOP_K = 1 << 20  # above any vocabulary; values at or past the vocabulary size cut nothing
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
+_GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)

@@ -27,20 +27,17 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from pdserve.sampling_params import (
-    MAX_N, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, SamplingParams,
+from pdserve.limits import (
+    MAX_BLOCK_SIZE, MAX_FENCE, MAX_N, MAX_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT,
+    MAX_TOP_K, MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
-
-MAX_SEQUENCE_TOKENS = 1 << 20  # prompt (or generated) token ids in one request; the model's length is lower
-MAX_PRIORITY = 1000  # priorities from peers are in [-MAX_PRIORITY, MAX_PRIORITY]
-MAX_BLOCK_SIZE = 1024
-MAX_FENCE = (1 << 63) - 1
+from pdserve.sampling_params import SamplingParams
 # Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
 # Every pattern ends in \Z, not $: `$` also matches before a trailing newline, which would pass.
 REQUEST_ID = r"^[A-Za-z0-9_.:\-]{1,200}\Z"
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID)]
-TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+TokenId = Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_SEQUENCE_TOKENS)]
 Prompt = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
 Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?\Z")]
@@ -139,7 +136,7 @@ class GenerateRequest(Message, kw_only=True):
     prompt_token_ids: Prompt
     output_token_ids: TokenIds = []
     sampling: Sampling = msgspec.field(default_factory=Sampling)
-    priority: Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority: Annotated[int, Meta(ge=-MAX_WIRE_PRIORITY, le=MAX_WIRE_PRIORITY)] = 0
     prefill_url: Url | None = None
     stream: bool = True
 
@@ -274,7 +271,7 @@ class PrefillLease(Message, kw_only=True):
     output_token_ids: TokenIds = []  # a resumed request's tokens so far
     sampling: Sampling
     start: Annotated[int, Meta(ge=0, le=MAX_SEQUENCE_TOKENS)]
-    block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=MAX_SEQUENCE_TOKENS)]
+    block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]], Meta(max_length=MAX_SEQUENCE_TOKENS)]
     block_size: BlockSize
     model_hash: ModelHash
     kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"

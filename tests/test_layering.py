@@ -6,6 +6,7 @@
   no torch: the router's process never loads it (checked in a real process, not only by reading).
 - `on_ray/` places processes: it starts workers by their command line and imports none of them.
 - `wire.py` is the vocabulary between processes: it depends on nothing of theirs.
+- `limits.py` is every bound a request may carry, for every tier: it imports nothing of pdserve.
 - `kv_transfer/` moves KV between workers: nothing of the worker, router, benchmarks or tools.
 - `worker/` serves an engine: nothing of the router (their common words are `wire.py`) or the tools.
 - `workload/` is the benchmarks' and the simulator's common vocabulary (lengths, records, results,
@@ -44,6 +45,8 @@ RULES = {
     "bench": ("pdserve.sim", "pdserve.on_ray"),
     "sim": ("pdserve.bench", "pdserve.worker", "pdserve.on_ray", "httpx", "fastapi", "uvicorn"),
     "wire.py": ("torch", "fastapi", "httpx", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
+    "limits.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer",
+                  "pdserve.sampling_params", "pdserve.wire", "pdserve.config"),
     "errors.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "prefix_hash.py": ("torch", "pdserve.engine"),
     "detokenizer.py": ("torch", "pdserve.engine"),

@@ -19,11 +19,12 @@ from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
-from pdserve.engine.request import MAX_ABS_PRIORITY, Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
+from pdserve.limits import MAX_ABS_PRIORITY
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import CompletionOutput, RequestOutput

@@ -12,9 +12,6 @@ if TYPE_CHECKING:
     import torch
 
 
-MAX_ABS_PRIORITY = 1 << 31  # priorities are integers in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]; lower first
-
-
 class RequestStatus(enum.IntEnum):
     # Live states first; every finished state compares greater than RUNNING.
     WAITING = enum.auto()

@@ -8,17 +8,11 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
-from pdserve.sampling_params import MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT
+from pdserve.limits import (
+    MAX_CLIENT_N, MAX_CLIENT_PRIORITY, MAX_CLIENT_STOP_STRINGS, MAX_MESSAGES, MAX_SEQUENCE_TOKENS,
+    MAX_STOP_STRING_CHARS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
+)
 from pdserve.wire import Sampling
-
-
-MAX_N = 16
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
-MAX_STOP_CHARS = 256
-MAX_CLIENT_PRIORITY = 9  # clients may only lower their own priority: 0 (the default) goes first
-MAX_PROMPT_TOKEN_IDS = 1 << 20
-MAX_MESSAGES = 4096
-
 
 
 def _encodable(text: str) -> str:
@@ -30,7 +24,7 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_encodable)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_encodable)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -46,9 +40,9 @@ class _Sampling(BaseModel):
     top_p: Finite = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: Finite = Field(default=0.0, ge=0.0, le=1.0)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CLIENT_N)
     seed: StrictInt | None = Field(default=None, ge=0, lt=SEED_LIMIT)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_CLIENT_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -67,8 +61,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]],
-                             Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+    prompt: Text | Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
+                             Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
     echo: bool = False
 
 

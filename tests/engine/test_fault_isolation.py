@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.sampling_params import SEED_LIMIT
+from pdserve.limits import SEED_LIMIT
 from tests.factories import FailingSampler, assert_engine_idle, make_llm
 
 PROMPTS = [{"prompt_token_ids": [(i * 13 + k) % 400 + 5 for k in range(9 + 3 * i)]} for i in range(3)]
