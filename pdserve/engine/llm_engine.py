@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from pdserve.config import EngineConfig, resolve_device
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.completions import Completion, Completions, make_detokenizer
 from pdserve.engine.dtype_choice import choose_dtype
-from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import Request, RequestStatus
@@ -27,28 +26,12 @@ from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.engine")
 
 PromptInput = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
-
-
-@dataclass(slots=True)
-class _Sequence:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    index: int  # which of the parent's n completions
-    num_tokens_sent: int = 0
-
-
-@dataclass(slots=True)
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
 
 
 class LLMEngine:
@@ -93,8 +76,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode)
-        self._parents: dict[str, _Parent] = {}
-        self._sequences: dict[str, tuple[_Parent, _Sequence]] = {}  # by engine request id
+        self._parents: dict[str, Completions] = {}
+        self._sequences: dict[str, tuple[Completions, Completion]] = {}  # by engine request id
         self._aborted: list[RequestOutput] = []
         self._landed: list[Request] = []  # got their first token from a prefill worker
         self._ids = itertools.count()
@@ -149,7 +132,7 @@ class LLMEngine:
         self._validate_prompt(token_ids, params)
         self._validate_resumed(token_ids, output_token_ids, params)
         # Every completion is built before any is queued: a request joins whole, or not at all.
-        parent = _Parent(request_id, text, token_ids, [])
+        parent = Completions(request_id, text, token_ids, [])
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(n=1, seed=params.child_seed(i))
             engine_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -158,9 +141,9 @@ class LLMEngine:
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
                           priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
                           output_token_ids=output_token_ids)
-            detokenizer = self._detokenizer(token_ids, output_token_ids, child_params)
+            detokenizer = make_detokenizer(self.tokenizer, token_ids, output_token_ids, child_params)
             self._skip_draws(req, len(output_token_ids))
-            parent.sequences.append(_Sequence(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))
+            parent.sequences.append(Completion(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))
         self._parents[request_id] = parent
         for seq in parent.sequences:
             self._sequences[seq.request.request_id] = (parent, seq)
@@ -233,7 +216,7 @@ class LLMEngine:
         self.num_aborted += 1
         for seq in parent.sequences:
             self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
-        self._aborted.append(self._make_output(parent, changed=set()))
+        self._aborted.append(parent.output(changed=set()))
         self._forget(parent)
 
     def stop_completion(self, request_id: str, index: int) -> None:
@@ -246,8 +229,8 @@ class LLMEngine:
         if req.status.finished:
             return
         self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-        if all(seq.request.status.finished for seq in parent.sequences):
-            self._aborted.append(self._make_output(parent, changed=set()))
+        if parent.finished:
+            self._aborted.append(parent.output(changed=set()))
             self._forget(parent)
 
     def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0)) -> bool:
@@ -318,7 +301,7 @@ class LLMEngine:
         self.num_failed += 1
         for seq in parent.sequences:
             self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_ERROR)
-        self._aborted.append(self._make_output(parent, changed=set()))
+        self._aborted.append(parent.output(changed=set()))
         self._forget(parent)
 
     def _take_aborted(self) -> list[RequestOutput]:
@@ -344,24 +327,13 @@ class LLMEngine:
             parent = self._parents.get(request_id)
             if parent is None:
                 continue  # failed after an earlier completion of it advanced
-            out = self._make_output(parent, indices)
+            out = parent.output(indices)
             outputs.append(out)
             if out.finished:
                 self._forget(parent)
         return outputs
 
-    def _detokenizer(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams
-                     ) -> IncrementalDetokenizer | None:
-        """None for a request that wants token ids only (a worker's: its router makes the text)."""
-        if not params.detokenize:
-            return None
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-        for token in resumed:
-            detokenizer.add(token)
-        detokenizer.released = len(detokenizer.text)  # the text of resumed tokens went out before
-        return detokenizer
-
-    def _detokenize(self, req: Request, seq: _Sequence) -> None:
+    def _detokenize(self, req: Request, seq: Completion) -> None:
         if seq.detokenizer is None:
             return
         seq.detokenizer.add(req.output_token_ids[-1])
@@ -372,39 +344,7 @@ class LLMEngine:
         if req.status.finished:
             seq.detokenizer.flush()
 
-    def _make_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
-        completions = []
-        for seq in parent.sequences:
-            req, detok = seq.request, seq.detokenizer
-            finished = req.status.finished
-            if detok is None:
-                text = delta_text = ""
-            else:
-                delta_text = detok.take_delta(finished) if seq.index in changed or finished else ""
-                text = detok.text[: detok.released]
-            delta_ids = req.output_token_ids[seq.num_tokens_sent :]
-            seq.num_tokens_sent = len(req.output_token_ids)
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=text,
-                token_ids=list(req.output_token_ids),
-                finish_reason=req.status.finish_reason,
-                stop_reason=req.stop_reason,
-                delta_text=delta_text,
-                delta_token_ids=delta_ids,
-            ))
-        finished = all(s.request.status.finished for s in parent.sequences)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=min(s.request.num_cached_tokens for s in parent.sequences),
-            phase_times=parent.sequences[0].request.phase_times() if finished else None,
-        )
-
-    def _forget(self, parent: _Parent) -> None:
+    def _forget(self, parent: Completions) -> None:
         self._parents.pop(parent.request_id, None)
         for seq in parent.sequences:
             self._sequences.pop(seq.request.request_id, None)
