@@ -11,7 +11,8 @@ machine times a short workload in each dtype and keeps the answer:
    first step of a shape builds the math library's kernels): one prompt's prefill, one stream's
    decode steps, a batch's decode steps. Each phase keeps its fastest run.
 2. bfloat16 is kept only where it is at least `BFLOAT16_MARGIN` faster over the three phases
-   (the geometric mean of their ratios); otherwise float32, which is exact.
+   (the geometric mean of their ratios); otherwise float32, which is exact. A bfloat16 engine
+   that fails to build or run on this CPU is logged and leaves float32.
 3. The answer is cached per CPU, model, quantization and torch and pdserve versions in
    `$XDG_CACHE_HOME/pdserve/dtype-choices.json`, under a file lock: workers started together on
    one host measure once and agree, which a disaggregated pair must (its KV has one dtype).
@@ -77,13 +78,21 @@ def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,
         if not _valid(entry):
             log.info("dtype auto: timing %s for this model on this CPU (once; cached in %s)",
                      " and ".join(CANDIDATES), cache_file())
-            seconds = {name: measure(dataclasses.replace(_measuring(config, arch), dtype=name), make_engine)
-                       for name in CANDIDATES}
-            entry = {"dtype": pick(seconds), "seconds": seconds, "model": str(config.model),
+            seconds, failed = {}, {}
+            for name in CANDIDATES:
+                try:
+                    seconds[name] = measure(dataclasses.replace(_measuring(config, arch), dtype=name), make_engine)
+                except Exception as e:  # a dtype this CPU cannot run is not a choice; float32 runs everywhere
+                    if name == "float32":
+                        raise
+                    log.warning("dtype auto: %s does not run here (%s: %s)", name, type(e).__name__, e)
+                    failed[name] = f"{type(e).__name__}: {e}"[:500]
+            entry = {"dtype": "float32" if failed else pick(seconds), "seconds": seconds, "failed": failed,
+                     "model": str(config.model),
                      "quantization": config.quantization, "threads": torch.get_num_threads(),
                      "cpu": _describe_cpu(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
             _write(key, entry)
-    log.info("dtype auto: %s (measured on this CPU: %s)", entry["dtype"], _summary(entry["seconds"]))
+    log.info("dtype auto: %s (measured on this CPU: %s)", entry["dtype"], _summary(entry))
     return getattr(torch, entry["dtype"])
 
 
@@ -132,11 +141,15 @@ def recorded_choice(model: str, quantization: str | None = "auto") -> str | None
 
 
 def _valid(entry: object) -> bool:
-    """A cache entry this code wrote: a candidate, and positive seconds of the same phases for each."""
+    """A cache entry this code wrote: a candidate chosen, positive seconds of the same phases for each
+    candidate timed, and float32 the choice where another failed."""
     if not isinstance(entry, dict) or entry.get("dtype") not in CANDIDATES or not isinstance(entry.get("seconds"), dict):
         return False
-    timings = [entry["seconds"].get(name) for name in CANDIDATES]
-    if not all(isinstance(t, dict) and t for t in timings) or set(timings[0]) != set(timings[1]):
+    failed = entry.get("failed") or {}
+    if not isinstance(failed, dict) or "float32" in failed or (failed and entry["dtype"] != "float32"):
+        return False
+    timings = [entry["seconds"].get(name) for name in CANDIDATES if name not in failed]
+    if not all(isinstance(t, dict) and t for t in timings) or len({frozenset(t) for t in timings}) != 1:
         return False
     return all(isinstance(s, (int, float)) and s > 0 for t in timings for s in t.values())
 
@@ -244,9 +257,11 @@ def _write(key: str, entry: dict) -> None:
         log.warning("dtype auto: could not cache the choice in %s (%s)", path, e)
 
 
-def _summary(seconds: dict[str, dict[str, float]]) -> str:
-    fp32 = seconds["float32"]
-    return ", ".join(f"{phase} bfloat16/float32 {seconds['bfloat16'][phase] / fp32[phase]:.2f}x" for phase in fp32)
+def _summary(entry: dict) -> str:
+    if entry.get("failed"):
+        return "; ".join(f"{name} failed: {why}" for name, why in entry["failed"].items())
+    fp32, bf16 = entry["seconds"]["float32"], entry["seconds"]["bfloat16"]
+    return ", ".join(f"{phase} bfloat16/float32 {bf16[phase] / fp32[phase]:.2f}x" for phase in fp32)
 
 
 def _describe_cpu() -> str:

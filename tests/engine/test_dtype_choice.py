@@ -158,3 +158,22 @@ def test_forcing_other_kernels_is_another_measurement(tiny_llama, monkeypatch):
             m.setenv(name, value)
             assert choice_key(str(tiny_llama), "auto") != key
     assert choice_key(str(tiny_llama), "auto") == key
+
+
+def test_a_bfloat16_engine_that_cannot_run_here_leaves_float32(tiny_llama, caplog):
+    """As on a CPU whose kernels refuse bfloat16: the measurement logs it, chooses float32 and
+    caches that, and a worker still starts."""
+    build = CountingBuilder()
+
+    def refusing(config: EngineConfig) -> LLMEngine:
+        if config.dtype == "bfloat16":
+            raise RuntimeError("bfloat16 is not supported on this CPU")
+        return build(config)
+
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        assert choose_dtype(EngineConfig(model=str(tiny_llama)), CPU, arch_of(tiny_llama), refusing) == torch.float32
+    assert "bfloat16 does not run here (RuntimeError: bfloat16 is not supported" in caplog.text
+    entry = next(iter(json.loads(cache_file().read_text()).values()))
+    assert entry["dtype"] == "float32" and set(entry["failed"]) == {"bfloat16"} and set(entry["seconds"]) == {"float32"}
+    assert choose_dtype(EngineConfig(model=str(tiny_llama)), CPU, arch_of(tiny_llama), refusing) == torch.float32
+    assert len(build.built) == 1  # the cached answer: nothing measured again
