@@ -210,15 +210,15 @@ class Router:
                                                      self.config.worker_silence_s):
                         if live.n == 1:
                             out = item.outputs[0]
-                            if out.finish_reason == "abort" and live.move_to is not None:
-                                out.finish_reason, moved = None, True  # stopped for the move
+                            if live.stopped_for_move(out):
+                                out.finish_reason, moved = None, True  # the client sees no end: it goes on
                             generated += out.token_ids
                             live.tokens_arrived(len(out.token_ids))
                         started = True
                         yield item
                     if not moved:
                         return
-                    d, p, live.move_to = live.move_to, d, None  # the hot worker now sends its KV
+                    d, p = live.take_move(), d  # the hot worker now sends its KV
                     d.in_flight += live.n
                     self.metrics.migrations.labels("hot_spot").inc()
                 except APIError as e:
@@ -240,7 +240,7 @@ class Router:
                     tried.add(d.worker_id)
                     if isinstance(e, WorkerSilent):
                         self.metrics.silent_streams.inc()
-                    live.move_to = None
+                    live.cancel_move()
                     let_go()
                     d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)
                     if started:
@@ -297,7 +297,7 @@ class Router:
         self.index.forget(entry.worker_id)
         for live in self.live.values():
             if live.worker_id == entry.worker_id:
-                live.inbox.put_nowait(WorkerLost(f"worker {entry.url} was dropped: {reason}"))
+                live.worker_lost(f"worker {entry.url} was dropped: {reason}")
 
 def create_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager

@@ -78,7 +78,7 @@ async def relieve_hot_spots(router: Router) -> None:
     decodes = {w.worker_id: w for w in router.registry.workers("decode")
                if w.heartbeats > router.relieved_at.get(w.worker_id, 0)}
     streams = [s.running() for s in router.live.values()
-               if s.n == 1 and s.move_to is None and s.worker_id in decodes]
+               if s.movable and s.worker_id in decodes]
     loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
     moves = choose_migrations(loads, streams, router.config.decode_weights, router.config.relief)
     for stream_id, target in moves:
@@ -88,12 +88,12 @@ async def relieve_hot_spots(router: Router) -> None:
         hot = decodes[live.worker_id]
         for entry in (hot, decodes[target]):
             router.relieved_at[entry.worker_id] = entry.heartbeats
-        live.move_to = decodes[target]
+        live.ask_to_move(decodes[target])
         try:  # the hot worker stops it; its last line ends the call, and the stream moves on
             await router.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
                 request_id=live.worker_request_id)), headers=router.worker_headers, timeout=5.0)
         except httpx.HTTPError:
-            live.move_to = None  # the worker is failing: the failure path takes over
+            live.cancel_move()  # the worker is failing: the failure path takes over
 
 
 def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:

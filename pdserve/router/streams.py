@@ -46,18 +46,54 @@ class WorkerSilent(WorkerLost):
 
 @dataclass(eq=False)
 class LiveStream:
+    """What the rest of the router may know of, and ask of, a request being streamed: its worker
+    and its size (for relief and the reaper), a move (`ask_to_move`, by hot-spot relief) and the
+    loss of its worker (`worker_lost`, by the reaper). Only its stream (`Router.worker_stream`)
+    reads the answers; nothing else writes its fields."""
+
     request_id: str
     n: int
     context_tokens: int  # prompt + generated so far
     remaining_tokens: int
     worker_id: str = ""
     worker_request_id: str = ""  # the id of the current call on that worker
-    move_to: Any = None  # a registry entry: hot-spot relief asked this request to move there
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _move_target: Any = None  # a registry entry: relief asked this request to move there
 
     def tokens_arrived(self, n: int) -> None:
         self.context_tokens += n
         self.remaining_tokens -= n
+
+    @property
+    def movable(self) -> bool:
+        """A single completion not already on its way to another worker."""
+        return self.n == 1 and self._move_target is None
+
+    @property
+    def moving_to(self) -> Any:
+        return self._move_target
+
+    def ask_to_move(self, target: Any) -> None:
+        """Hot-spot relief: continue on `target`, taking the KV from the current worker, once the
+        current worker stops the request (the caller asks it to, by an abort)."""
+        assert self.movable, f"stream {self.request_id} cannot move now"
+        self._move_target = target
+
+    def cancel_move(self) -> None:
+        self._move_target = None
+
+    def stopped_for_move(self, out: wire.CompletionDelta) -> bool:
+        """Whether this line's abort is the move's doing (the request goes on), not an end."""
+        return out.finish_reason == "abort" and self._move_target is not None
+
+    def take_move(self) -> Any:
+        """The worker to continue on, and the move done."""
+        target, self._move_target = self._move_target, None
+        return target
+
+    def worker_lost(self, reason: str) -> None:
+        """The reaper dropped this stream's worker: the stream ends its call now."""
+        self.inbox.put_nowait(WorkerLost(reason))
 
     def running(self) -> RunningStream:
         return RunningStream(self.request_id, self.worker_id, self.context_tokens, self.remaining_tokens)

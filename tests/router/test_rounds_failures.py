@@ -78,7 +78,7 @@ def test_relief_moves_a_request_only_when_the_hot_worker_took_the_abort(tiny_lla
     asyncio.run(scenario())
 
     assert aborts == [("hot.invalid", "s-0")]  # relief asked the hot worker to stop it
-    assert live.move_to is (cool if hot_worker == "answers" else None)
+    assert live.moving_to is (cool if hot_worker == "answers" else None)
     # either way both workers wait for their next heartbeat before relief looks at them again
     assert router.relieved_at == {hot.worker_id: 1, cool.worker_id: 1}
 
