@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -42,7 +40,8 @@ from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, no
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.responses import serve
 from pdserve.router.rounds import reap
-from pdserve.router.streams import LiveStream, NoRoom, WorkerLost, WorkerSilent, abort_on_worker, worker_lines
+from pdserve.router.request_stream import RequestStream
+from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
 from pdserve.router.waiting_line import Admitted, WaitingLine
 from pdserve.tokenizer import Tokenizer
 
@@ -164,91 +163,16 @@ class Router:
         once, or after waiting in line (first come, first served). At `queue_timeout_s` without
         room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
         deadline = time.monotonic() + self.config.queue_timeout_s
-        chosen = self._route_or_none(prompt_ids, frozenset(), sequences)
+        chosen = self.route_or_none(prompt_ids, frozenset(), sequences)
         if chosen is None:
-            chosen = await self._route_when_room(prompt_ids, frozenset(), sequences, deadline)
+            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline)
         return Admitted(*chosen, sequences, deadline, self.line)
 
-    async def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int,
-                            admitted: Admitted) -> AsyncIterator[wire.OutputLine]:
-        """The decode worker's output lines, from the `admitted` one, followed across workers:
-        - one that fails before the first token is replaced once by another;
-        - with every decode worker holding as many sequences from here as its heartbeat says it
-          can (running and queued), the request waits in line here (first come, first served), and
-          one whose worker still answers 503 (queue full) asks again after a short backoff, for up
-          to `queue_timeout_s` in all: the router admitted the request, so it waits, not errs;
-        - one that fails later ends the stream with an error, or, with `migrate_on_failure`
-          (single completions), another continues from the prompt plus the tokens so far;
-        - hot-spot relief may move a running request: the hot worker stops it, and the new one
-          takes its KV from the hot one's prefix cache and continues.
-        Continuing requests resume (`output_token_ids`): no token repeated, none missing, and
-        seeded sampling goes on exactly as if nothing had happened."""
-        admitted.held = False  # from here on this stream lets its workers go
-        live = LiveStream(request_id, sampling.n, len(prompt_ids), sampling.max_tokens)
-        self.live[request_id] = live
-        tried: set[str] = set()
-        generated: list[int] = []
-        started = False
-        deadline, backoff = admitted.deadline, 0.05
-        d, p = admitted.decode, admitted.prefill
-        try:
-            for attempt in itertools.count():
-                if d is None:  # every worker is full: wait here for room
-                    d, p = await self._route_when_room(prompt_ids + generated, frozenset(tried), live.n, deadline)
-                live.worker_id, live.worker_request_id = d.worker_id, f"{request_id}-{attempt}"
-                held = [d]  # released once: on a retry before waiting, else as the attempt ends
-
-                def let_go() -> None:
-                    if held:
-                        self.line.release(held.pop(), live.n)
-                body = wire.GenerateRequest(request_id=live.worker_request_id, prompt_token_ids=prompt_ids,
-                                            output_token_ids=list(generated), sampling=sampling, priority=priority,
-                                            prefill_url=p.url if p is not None else None)
-                moved = False
-                try:
-                    async for item in worker_lines(self.http, d.url, body, self.worker_headers, live,
-                                                     self.config.worker_silence_s):
-                        if live.n == 1:
-                            out = item.outputs[0]
-                            if live.stopped_for_move(out):
-                                out.finish_reason, moved = None, True  # the client sees no end: it goes on
-                            generated += out.token_ids
-                            live.tokens_arrived(len(out.token_ids))
-                        started = True
-                        yield item
-                    if not moved:
-                        return
-                    d, p = live.take_move(), d  # the hot worker now sends its KV
-                    d.in_flight += live.n
-                    self.metrics.migrations.labels("hot_spot").inc()
-                except APIError as e:
-                    if e.status != 503 or started or time.monotonic() + backoff > deadline:
-                        raise
-                    # the worker's queue is full after all (other clients of it): wait, then ask again
-                    self.metrics.requeued.inc()
-                    let_go()
-                    await asyncio.sleep(backoff * (0.5 + random.random()))
-                    backoff = min(2 * backoff, 1.0)
-                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)
-                except (httpx.HTTPError, WorkerLost) as e:
-                    log.warning("request %s: decode worker %s failed: %s: %s", request_id, d.url, type(e).__name__, e)
-                    migrate = self.config.migrate_on_failure and live.n == 1 and len(tried) < 2
-                    if not isinstance(e, WorkerSilent):  # unreachable or broken: its other streams fail
-                        self.drop_worker(d.worker_id, "it failed a request")  # now, not when its lease lapses
-                    if (started or tried) and not migrate:  # the client hears no internal address or detail
-                        raise APIError(502, "the decode worker failed mid-request", "server_error") from None
-                    tried.add(d.worker_id)
-                    if isinstance(e, WorkerSilent):
-                        self.metrics.silent_streams.inc()
-                    live.cancel_move()
-                    let_go()
-                    d, p = self._route_or_none(prompt_ids + generated, frozenset(tried), live.n) or (None, None)
-                    if started:
-                        self.metrics.migrations.labels("failure").inc()
-                finally:
-                    let_go()
-        finally:
-            self.live.pop(request_id, None)
+    def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int,
+                      admitted: Admitted) -> AsyncIterator[wire.OutputLine]:
+        """The request's output lines, from the `admitted` workers on, followed across workers by
+        its owner (`request_stream.py`)."""
+        return RequestStream(self, request_id, prompt_ids, sampling, priority, admitted).lines()
 
     def stop_completion(self, request_id: str, index: int) -> None:
         """The router found completion `index`'s stop string: its worker stops computing it."""
@@ -257,18 +181,18 @@ class Router:
         if worker is not None:
             abort_on_worker(self.http, worker.url, live.worker_request_id, self.worker_headers, index)
 
-    def _route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
+    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
                        ) -> tuple[Any, Any] | None:
         try:
             return self.route(prompt_ids, exclude, sequences)
         except NoRoom:
             return None
 
-    async def _route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
+    async def route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
                                deadline: float) -> tuple[Any, Any]:
         """Wait in line until a decode worker has room; 503 at `deadline`."""
         self.metrics.requeued.inc()
-        return await self.line.wait(lambda: self._route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
+        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
 
     @property
     def worker_headers(self) -> dict[str, str]:

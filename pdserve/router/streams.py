@@ -48,7 +48,7 @@ class WorkerSilent(WorkerLost):
 class LiveStream:
     """What the rest of the router may know of, and ask of, a request being streamed: its worker
     and its size (for relief and the reaper), a move (`ask_to_move`, by hot-spot relief) and the
-    loss of its worker (`worker_lost`, by the reaper). Only its stream (`Router.worker_stream`)
+    loss of its worker (`worker_lost`, by the reaper). Only its owner (`request_stream.RequestStream`)
     reads the answers; nothing else writes its fields."""
 
     request_id: str
