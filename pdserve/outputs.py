@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
-    text: str  # all text generated so far
-    token_ids: list[int]  # all tokens generated so far
+    text: str  # the whole text, in the request's final output ("" before: streams read delta_text)
+    token_ids: list[int]  # the whole completion, in the request's final output ([] before: delta_token_ids)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""  # text new since the previous output of this request

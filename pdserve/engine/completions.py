@@ -2,8 +2,9 @@
 
 Each completion is one engine `Request` (a request of n is n of them, which the scheduler runs
 independently), with its text made incrementally and how many of its tokens went out before. An
-output carries what is new since the last one (`delta_text`, `delta_token_ids`), and, for the
-offline API, all text and tokens so far.
+output carries what is new since the last one (`delta_text`, `delta_token_ids`); the request's
+final output also carries each completion whole (`text`, `token_ids`), for the offline API. No
+step copies what earlier steps already sent: a long output costs each step its new tokens only.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Completions:
         """The request's output now: the completions in `changed` advanced this step (a finished
         one flushes its held-back text whether or not it advanced)."""
         completions = []
+        whole = self.finished  # the final output carries each completion whole; the others, what is new
         for seq in self.sequences:
             req, detok = seq.request, seq.detokenizer
             finished = req.status.finished
@@ -47,13 +49,13 @@ class Completions:
                 text = delta_text = ""
             else:
                 delta_text = detok.take_delta(finished) if seq.index in changed or finished else ""
-                text = detok.text[: detok.released]
+                text = detok.text[: detok.released] if whole else ""
             delta_ids = req.output_token_ids[seq.num_tokens_sent :]
             seq.num_tokens_sent = len(req.output_token_ids)
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(req.output_token_ids),
+                token_ids=list(req.output_token_ids) if whole else [],
                 finish_reason=req.status.finish_reason,
                 stop_reason=req.stop_reason,
                 delta_text=delta_text,
