@@ -28,6 +28,9 @@ import torch
 
 from pdserve import LLM
 from pdserve.bench.machine import MachineLimits, current_rss_bytes, environment, measure, peak_rss_bytes
+from pdserve.bench.model_arithmetic import (
+    BYTE_COUNT, FLOP_COUNT, decode_step_bytes, matmul_weight_bytes, non_embedding_parameters, prefill_flops,
+)
 from pdserve.bench.runners import (
     hf_generate, llamacpp_decoder, load_transformers, ours_decode, ours_offline, ours_prefill, torch_dtype,
 )
@@ -35,17 +38,6 @@ from pdserve.bench.workload import FULL, QUICK, Sizes, Workload, make_workload
 from pdserve.models.arch_config import ArchConfig
 
 DTYPES = ("float32", "bfloat16")
-FLOP_COUNT = (
-    "MFU = 2 * non-embedding parameters * prompt tokens / seconds / measured matmul peak (the Kaplan "
-    "et al. count: one multiply-add per weight per token; embedding lookup and the one-token lm_head "
-    "excluded). Causal attention adds 2 * layers * q_size * L**2 FLOP (QK^T and AV); "
-    "mfu_incl_attention_pct counts it too."
-)
-BYTE_COUNT = (
-    "MBU = bytes read per decode step / step time / measured read bandwidth, where a step reads every "
-    "weight once (all layers and lm_head; one embedding row is ignored) plus each request's K and V "
-    "for its whole context (mean context over the timed steps)."
-)
 COMPILED = "bfloat16_compiled"  # the default model's bfloat16 engine with compiled decode graphs
 AS_STORED = "gguf_"  # + dtype: the default model's own 4- and 8-bit weights, activations in dtype
 LLAMA_CPP_NOTE = (
@@ -53,41 +45,6 @@ LLAMA_CPP_NOTE = (
     "does in the gguf_* rows (the default); the float32 and bfloat16 rows dequantize them at load and read "
     "~3x (bfloat16) or ~6x (float32) the bytes per token."
 )
-
-
-# -- model arithmetic --------------------------------------------------------------------------
-
-
-def non_embedding_parameters(cfg: ArchConfig) -> int:
-    return cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-
-
-def prefill_flops(cfg: ArchConfig, tokens: int) -> tuple[float, float]:
-    """(matmul FLOP, causal attention FLOP) of one prompt."""
-    return 2.0 * non_embedding_parameters(cfg) * tokens, 2.0 * cfg.num_layers * cfg.q_size * tokens**2
-
-
-def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_context: float) -> float:
-    weights = non_embedding_parameters(cfg) + cfg.vocab_size * cfg.hidden_size  # + lm_head
-    kv = 2 * cfg.num_layers * cfg.kv_size * mean_context * batch
-    return (weights + kv) * element_size
-
-
-def matmul_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every matmul weight (the layers' and the head), as held: what a decode step reads."""
-    from pdserve.layers.quant import Int4Weight, QuantizedWeight
-    from pdserve.models.loader import matmul_weights
-
-    total = 0
-    for _, module, attr in matmul_weights(model):
-        w = getattr(module, attr)
-        if isinstance(w, QuantizedWeight):
-            total += w.qs.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
-        elif isinstance(w, Int4Weight):
-            total += w.packed.nbytes + w.scales_and_zeros.nbytes
-        else:
-            total += w.numel() * w.element_size()
-    return total
 
 
 def _rate(count: float, seconds: float) -> float:

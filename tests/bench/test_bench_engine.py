@@ -14,6 +14,7 @@ import torch
 
 import pdserve.bench.engine as bench
 from pdserve.bench.machine import measure
+from pdserve.bench.model_arithmetic import decode_step_bytes
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.synthetic import write_model
 
@@ -99,7 +100,7 @@ def test_byte_count_matches_the_model(tiny: Path):
     cfg = ArchConfig.from_hf_config(json.loads((tiny / "config.json").read_text()))
     embedding_bytes = cfg.vocab_size * cfg.hidden_size * 4
     weight_bytes = results["dtypes"]["float32"]["memory"]["weight_bytes"]
-    assert bench.decode_step_bytes(cfg, 4, batch=1, mean_context=0) == weight_bytes - embedding_bytes
+    assert decode_step_bytes(cfg, 4, batch=1, mean_context=0) == weight_bytes - embedding_bytes
     assert "transformers" not in results["dtypes"]["float32"]["decode"][0]
 
 
