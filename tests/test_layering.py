@@ -47,6 +47,7 @@ RULES = {
     "wire.py": ("torch", "fastapi", "httpx", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "limits.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer",
                   "pdserve.sampling_params", "pdserve.wire", "pdserve.config"),
+    "cache.py": ("torch", "pdserve.engine", "pdserve.models", "pdserve.layers", "pdserve.worker", "pdserve.router"),
     "errors.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "prefix_hash.py": ("torch", "pdserve.engine"),
     "detokenizer.py": ("torch", "pdserve.engine"),

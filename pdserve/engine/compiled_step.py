@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.cache import cache_path
 from pdserve.layers.attention import AttentionMetadata, step_metadata
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -47,8 +48,7 @@ log = logging.getLogger("pdserve.engine")
 
 
 def inductor_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "pdserve" / "inductor"
+    return cache_path("inductor")
 
 
 def graph_key(rows: int) -> int:

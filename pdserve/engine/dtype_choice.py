@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from pdserve.cache import cache_path
 from pdserve.config import EngineConfig, resolve_dtype
 from pdserve.models.arch_config import ArchConfig
 from pdserve.sampling_params import SamplingParams
@@ -58,7 +59,7 @@ PROMPT_TOKENS = 16  # of each decoding stream
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "dtype-choices.json"
+    return cache_path("dtype-choices.json")
 
 
 def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,

@@ -13,8 +13,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
 from typing import TYPE_CHECKING
+
+from pdserve.cache import cache_path
 
 if TYPE_CHECKING:
     from pdserve.models.checkpoint import Checkpoint
@@ -40,7 +41,7 @@ def default_model_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "gguf"
+    return cache_path("gguf")
 
 
 def cache_entry(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pdserve.cache import cache_path
 from pdserve.models.presets import PRESETS
 
 
 def models_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "models"
+    return cache_path("models")
 
 
 def resolve_model(name: str | None) -> str:

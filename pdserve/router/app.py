@@ -42,7 +42,7 @@ from pdserve.router.responses import serve
 from pdserve.router.rounds import reap
 from pdserve.router.request_stream import RequestStream
 from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
-from pdserve.router.waiting_line import Admitted, WaitingLine
+from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -166,7 +166,7 @@ class Router:
         chosen = self.route_or_none(prompt_ids, frozenset(), sequences)
         if chosen is None:
             chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline)
-        return Admitted(*chosen, sequences, deadline, self.line)
+        return Admitted(*chosen, deadline, Hold(self.line, chosen[0], sequences))
 
     def worker_stream(self, request_id: str, prompt_ids: list[int], sampling: wire.Sampling, priority: int,
                       admitted: Admitted) -> AsyncIterator[wire.OutputLine]:

@@ -3,8 +3,8 @@ request's owner there. It holds the request's state (the workers tried, the toke
 deadline) and each way a call can end is a method of its own:
 
 1. A call (`_call`): `/v1/generate` on the decode worker (with the prefill worker that sends it
-   the prompt's KV, if any) streams output lines, each passed on. It holds one of the worker's
-   sequence slots (`Hold`) until it ends.
+   the prompt's KV, if any) streams output lines, each passed on. It holds the worker's sequence
+   slots (`Hold`; the first call, the hold `Router.admit` took) until it ends.
 2. The call ends, and:
    - the request finished: done;
    - hot-spot relief moved it (`LiveStream.ask_to_move`, then an abort on the hot worker): it
@@ -35,7 +35,7 @@ import httpx
 from pdserve import wire
 from pdserve.http_errors import APIError
 from pdserve.router.streams import LiveStream, WorkerLost, WorkerSilent, worker_lines
-from pdserve.router.waiting_line import Admitted, WaitingLine
+from pdserve.router.waiting_line import Admitted, Hold
 
 if TYPE_CHECKING:
     from pdserve.router.app import Router
@@ -44,18 +44,6 @@ log = logging.getLogger("pdserve.router")
 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0  # between asking a full worker's queue again
 MAX_WORKERS_FAILED = 2  # a request migrates after at most this many failed workers
-
-
-class Hold:
-    """One call's sequence slots on its decode worker, let go exactly once."""
-
-    def __init__(self, line: WaitingLine, worker: Any, sequences: int) -> None:
-        self._line, self._worker, self._sequences = line, worker, sequences
-
-    def release(self) -> None:
-        if self._worker is not None:
-            self._line.release(self._worker, self._sequences)
-            self._worker = None
 
 
 class RequestStream:
@@ -76,14 +64,13 @@ class RequestStream:
     async def lines(self) -> AsyncIterator[wire.OutputLine]:
         """The output lines, followed across workers (the module's docstring)."""
         router = self.router
-        self.admitted.held = False  # from here on the calls hold, and let go of, their workers
         router.live[self.request_id] = self.live
         try:
             for attempt in itertools.count():
                 if self.decode is None:
                     self.decode, self.prefill = await router.route_when_room(
                         self._context(), frozenset(self.tried), self.live.n, self.deadline)
-                hold = Hold(router.line, self.decode, self.live.n)
+                hold = self.admitted.hold if attempt == 0 else Hold(router.line, self.decode, self.live.n)
                 try:
                     async for item in self._call(attempt):
                         yield item

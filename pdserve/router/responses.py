@@ -129,7 +129,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         outcome = "cancelled"
         return Response(status_code=499)  # nobody reads it
     finally:
-        admitted.release()  # a stream closed before its first step never took the hold over
+        admitted.release()  # a stream that never started leaves its first hold here (else a no-op)
         router.admission.release(request_id)
         clock.finish(outcome)
     completion_tokens = clock.tokens

@@ -64,20 +64,28 @@ class WaitingLine:
                 return
 
 
+class Hold:
+    """Sequence slots a request holds on a decode worker, let go exactly once (idempotent)."""
+
+    def __init__(self, line: WaitingLine, worker: Any, sequences: int) -> None:
+        self._line, self._worker, self._sequences = line, worker, sequences
+
+    def release(self) -> None:
+        if self._worker is not None:
+            self._line.release(self._worker, self._sequences)
+            self._worker = None
+
+
 @dataclass(eq=False)
 class Admitted:
-    """A request's first workers, chosen with room (`Router.admit`), its sequences held on the
-    decode worker. Its stream takes the hold over when it starts (`held` False); until then, and
-    if it never starts (the client left first), `release` lets it go. Idempotent."""
+    """A request's first workers, chosen with room (`Router.admit`), and its hold on the decode
+    worker: its stream's first call lets it go when it ends; a stream that never starts (the client
+    left first) leaves it to `release`, which after the stream is a no-op."""
 
     decode: Any
     prefill: Any
-    sequences: int
     deadline: float  # time.monotonic() until which the request may still wait for room, in all
-    line: WaitingLine
-    held: bool = True
+    hold: Hold
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.line.release(self.decode, self.sequences)
+        self.hold.release()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP runtime must resolve to the one torch loaded
 
+from pdserve.cache import cache_path
 from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
@@ -40,8 +41,7 @@ ISA_ENV = "PDSERVE_CPU_ISA"
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "pdserve" / "kernels"
+    return cache_path("kernels")
 
 
 @dataclass(frozen=True, slots=True)
