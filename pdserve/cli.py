@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
@@ -118,16 +117,52 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 # Commands with parsers of their own: name -> (module, function taking the rest of argv).
-OWN_PARSERS = {
-    "bench": ("pdserve.bench.serving", "main"),
-    "bench-engine": ("pdserve.bench.engine", "main"),
-    "bench-router": ("pdserve.bench.router", "main"),
-    "bench-transfer": ("pdserve.bench.transfer", "command"),
-    "profile": ("pdserve.sim.profile", "main"),
-    "simulate": ("pdserve.sim.simulate", "main"),
-    "simulate-trace": ("pdserve.sim.trace_sim_cli", "main"),
-    "plan": ("pdserve.sim.plan_cli", "main"),
-}
+# Commands that parse their own flags, each imported only when it runs.
+
+
+def _bench(argv: list[str]) -> int:
+    from pdserve.bench.cli import main
+    return main(argv)
+
+
+def _bench_engine(argv: list[str]) -> int:
+    from pdserve.bench.engine import main
+    return main(argv)
+
+
+def _bench_router(argv: list[str]) -> int:
+    from pdserve.bench.router import main
+    return main(argv)
+
+
+def _bench_transfer(argv: list[str]) -> int:
+    from pdserve.bench.transfer import command
+    return command(argv)
+
+
+def _profile(argv: list[str]) -> int:
+    from pdserve.sim.profile import main
+    return main(argv)
+
+
+def _simulate(argv: list[str]) -> int:
+    from pdserve.sim.simulate import main
+    return main(argv)
+
+
+def _simulate_trace(argv: list[str]) -> int:
+    from pdserve.sim.trace_sim_cli import main
+    return main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from pdserve.sim.plan_cli import main
+    return main(argv)
+
+
+OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
+               "bench-transfer": _bench_transfer, "profile": _profile, "simulate": _simulate,
+               "simulate-trace": _simulate_trace, "plan": _plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,8 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in OWN_PARSERS:
-        module, function = OWN_PARSERS[argv[0]]
-        return getattr(importlib.import_module(module), function)(argv[1:])
+        return OWN_PARSERS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

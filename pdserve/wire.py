@@ -120,9 +120,10 @@ class Sampling(Message):
         such as min_tokens past max_tokens). Workers do not detokenize: `detokenize=False`."""
         return SamplingParams(**_copied(self, self.__struct_fields__), detokenize=False)
 
-    @classmethod
-    def of(cls, params: SamplingParams) -> Sampling:
-        return cls(**_copied(params, cls.__struct_fields__))
+    def first_token_params(self, resumed: int) -> SamplingParams:
+        """A prefill worker's parameters: the same sampler (seed and all), for the one token after
+        the prompt and `resumed` tokens so far, with nothing that could stop it sooner."""
+        return self.params().clone(n=1, max_tokens=resumed + 1, min_tokens=0, stop_token_ids=[])
 
 
 def _copied(source: object, fields: tuple[str, ...]) -> dict:

@@ -9,7 +9,9 @@ from typing import Any
 
 from pdserve.kv_transfer.base import model_fingerprint
 from pdserve.models.arch_config import ArchConfig
-from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.router import Router
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker.registration import RouterMembership
 from pdserve.worker.server import ServerThread
@@ -34,7 +36,9 @@ class RouterServer:
 
     def __init__(self, model_dir: Path, **config: Any) -> None:
         self.router = make_router(model_dir, **config)
-        self.server = ServerThread(create_app(self.router), lifespan="on").start()
+        app = create_app(self.router)
+        self.rounds = app.state.rounds  # reaping, hot-spot relief, the P:D controller
+        self.server = ServerThread(app, lifespan="on").start()
         self.url = self.server.url
         self.members: list[RouterMembership] = []
 

@@ -13,7 +13,9 @@
   plots): nothing of either, nor of the engine, the model or the servers.
 - `bench/` measures and `sim/` simulates; neither imports the other, and the simulator starts no
   server of its own.
-- Between the package's parts (its subpackages and top-level modules) the imports form no circle.
+- Between the package's parts (its subpackages and top-level modules) the imports form no circle,
+  nor between its modules: an import under `TYPE_CHECKING` or inside a function counts too (a
+  circle held together by either is still one module that cannot be read without the other).
 """
 
 from __future__ import annotations
@@ -94,6 +96,20 @@ def part_graph(package: Path) -> dict[str, set[str]]:
     return graph
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Which of the package's modules each module imports (a package's `__init__` is not counted:
+    every one of them is empty)."""
+    modules = {".".join(p.relative_to(package.parent).with_suffix("").parts): p for p in package.rglob("*.py")
+               if p.name != "__init__.py"}
+
+    def module(name: str) -> str | None:  # `from pdserve.a import b`: the module b, or a if b is a name in it
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {name: {module(m) for m in imports(path)} - {None, name} for name, path in modules.items()}
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Each circle as the path that closes it, found by depth-first search."""
     found, state = [], {}  # state: 1 on the current path, 2 done
@@ -115,6 +131,19 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_circle():
     assert circles(part_graph(PACKAGE)) == []
+
+
+def test_no_module_imports_itself_through_others():
+    assert circles(module_graph(PACKAGE)) == []
+
+
+def test_a_circle_through_type_checking_is_found(tmp_path):
+    package = tmp_path / "pdserve"
+    (package / "router").mkdir(parents=True)
+    (package / "router" / "app.py").write_text("from pdserve.router.rounds import reap\n")
+    (package / "router" / "rounds.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pdserve.router.app import Router\n")
+    assert circles(module_graph(package)) == [["pdserve.router.app", "pdserve.router.rounds", "pdserve.router.app"]]
 
 
 def test_a_circle_is_found():

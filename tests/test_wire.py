@@ -77,14 +77,24 @@ def test_a_stream_line_is_an_output_or_an_error():
         wire.decode_line(b'{"outputs": [{"index": 0, "token_ids": [1], "text": "hi"}]}')  # text never crosses
 
 
+SETTINGS = dict(n=2, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1, seed=5, max_tokens=9, min_tokens=2,
+                stop_token_ids=[4], ignore_eos=True)
+
+
 def test_sampling_crosses_as_the_engine_takes_it():
-    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1, seed=5, max_tokens=9,
-                            min_tokens=2, stop_token_ids=[4], ignore_eos=True)
-    back = wire.Sampling.of(params).params()
-    assert not back.detokenize and back.stop == []
-    assert back.clone(detokenize=True) == params
+    sampling = wire.decode(wire.encode(wire.Sampling(**SETTINGS)), wire.Sampling)
+    params = sampling.params()
+    assert not params.detokenize and params.stop == []
+    assert params.clone(detokenize=True) == SamplingParams(**SETTINGS)
     with pytest.raises(ValueError, match="min_tokens"):
         wire.Sampling(min_tokens=5, max_tokens=2).params()
+
+
+def test_a_prefill_worker_samples_only_the_next_token_with_the_same_sampler():
+    sampling = wire.Sampling(**{**SETTINGS, "n": 1})
+    params, whole = sampling.first_token_params(resumed=3), sampling.params()
+    assert (params.n, params.max_tokens, params.min_tokens, params.stop_token_ids) == (1, 4, 0, [])
+    assert params == whole.clone(max_tokens=4, min_tokens=0, stop_token_ids=[])
 
 
 def test_stop_strings_need_text():

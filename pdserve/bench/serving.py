@@ -195,19 +195,6 @@ def sweep(url: str, model: str, spec: WorkloadSpec, points: list[dict], args: ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compare"]:
-        from pdserve.bench.compare import main as compare_main
-        return compare_main(argv[1:])
-    if argv[:1] == ["shift"]:
-        from pdserve.bench.shift import main as shift_main
-        return shift_main(argv[1:])
-    if argv[:1] == ["chaos"]:
-        from pdserve.bench.chaos.run import main as chaos_main
-        return chaos_main(argv[1:])
-    if argv[:1] == ["soak"]:
-        from pdserve.bench.soak.run import main as soak_main
-        return soak_main(argv[1:])
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="an OpenAI-compatible server")

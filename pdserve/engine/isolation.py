@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step import SchedulerOutput
 
 log = logging.getLogger("pdserve.engine")
 

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step import SchedulerOutput
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
 from pdserve.layers.sampler import Sampler, SamplingBatch

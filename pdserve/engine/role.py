@@ -7,12 +7,10 @@ leases reserved blocks to a prefill worker and admits the request once its KV la
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from pdserve.engine.request import Request
-
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step import SchedulerOutput
 
 
 class RoleHooks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,9 +22,7 @@ from fastapi import FastAPI, Request
 from pdserve import wire
 from pdserve.http_errors import APIError, message_body
 from pdserve.router.registry import WorkerEntry
-
-if TYPE_CHECKING:
-    from pdserve.router.app import Router
+from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
 

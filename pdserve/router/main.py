@@ -124,9 +124,10 @@ def router_secrets(args: argparse.Namespace) -> tuple[str, str, str | None]:
 
 def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     from pdserve.models.arch_config import ArchConfig, model_fingerprint
-    from pdserve.models.model_info import load_model_info
+    from pdserve.models.describe import load_model_info
     from pdserve.models.registry import resolve_model
-    from pdserve.router.app import Router, RouterConfig
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.router import Router
     from pdserve.router.policy import DecodeWeights
     path = resolve_model(args.model)
     info = load_model_info(path)  # no tensors: the router computes nothing with the model

@@ -9,7 +9,6 @@ lease by heartbeat (its stats are the load the policies route by), deregister on
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -17,9 +16,7 @@ from fastapi.responses import Response
 from pdserve import wire
 from pdserve.errors import OtherModel, RegistrationError
 from pdserve.http_errors import APIError, message_body, require_bearer
-
-if TYPE_CHECKING:
-    from pdserve.router.app import Router
+from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
 

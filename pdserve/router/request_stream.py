@@ -28,17 +28,15 @@ import itertools
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 
 from pdserve import wire
 from pdserve.http_errors import APIError
+from pdserve.router.router import Router
 from pdserve.router.streams import LiveStream, WorkerLost, WorkerSilent, worker_lines
 from pdserve.router.waiting_line import Admitted, Hold
-
-if TYPE_CHECKING:
-    from pdserve.router.app import Router
 
 log = logging.getLogger("pdserve.router")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -16,16 +16,16 @@ from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
 from pdserve.router.metrics import RequestClock
+from pdserve.router.prompts import prepare
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from pdserve.router.request_stream import RequestStream
+from pdserve.router.router import Router
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire import CompletionDelta, OutputLine
 
 OUTBOX_ITEMS = 64  # output lines a streamed response holds for its client before the worker waits
-
-if TYPE_CHECKING:
-    from pdserve.router.app import Router
 
 
 class Detokenizers:
@@ -82,7 +82,8 @@ class Detokenizers:
 
 
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
-    ids, sampling = await asyncio.to_thread(router.prepare, req)  # tokenizing: off the event loop
+    ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer,
+                                            router.vocab_size)  # tokenizing: off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
@@ -96,7 +97,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     except APIError:  # no worker, or still no room at the queue timeout: 503 before any byte
         router.admission.release(request_id)
         raise
-    stream = router.worker_stream(request_id, ids, sampling, req.priority, admitted)
+    stream = RequestStream(router, request_id, ids, sampling, req.priority, admitted).lines()
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
                          lambda index: router.stop_completion(request_id, index))
     clock = RequestClock(router.metrics, len(ids))

@@ -9,91 +9,99 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
 from pdserve import wire
 from pdserve.router.policy import WorkerLoad, choose_migrations
-from pdserve.router.rebalance import PoolMember, decide, new_role, pool_signals, to_move
+from pdserve.router.rebalance import ControllerState, PoolMember, decide, new_role, pool_signals, to_move
 from pdserve.router.registry import Registry, WorkerEntry
-
-if TYPE_CHECKING:
-    from pdserve.router.app import Router
+from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
 
 
-async def reap(router: Router) -> None:
-    while True:
-        await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
-        router.drop_expired_workers()
-        for name, round_ in (("hot-spot relief", relieve_hot_spots), ("rebalance", rebalance)):
-            try:
-                await round_(router)
-            except Exception:  # a round that fails must not end the reaper
-                log.exception("%s round failed", name)
+class Rounds:
+    """The periodic work, with the state only it keeps: when relief last moved a request off or
+    onto each worker, and the P:D controller's memory of its moves and what it last said."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.relieved_at: dict[str, int] = {}  # worker id -> its heartbeat count at its last move
+        self.controller = ControllerState()
+        self.controller_said: tuple[str, str | None] | None = None  # the last (stage, wanted) it logged
+
+    async def run(self) -> None:
+        router = self.router
+        while True:
+            await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
+            router.drop_expired_workers()
+            for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance)):
+                try:
+                    await round_()
+                except Exception:  # a round that fails must not end the reaper
+                    log.exception("%s round failed", name)
+
+    async def rebalance(self) -> None:
+        """One round of the P:D controller: move one worker between the pools if the rule says so
+        (logged with its reason, counted in /metrics), by asking it to change its role."""
+        router = self.router
+        policy = router.config.rebalance
+        if policy is None:
+            return
+        members = pool_members(router.registry)
+        signals = pool_signals(members, router.metrics.recent_ttft.p90(time.perf_counter()))
+        decision = decide(signals, policy, self.controller, time.monotonic())
+        if (decision.stage, decision.wanted) != self.controller_said:  # each change of mind, not every round
+            self.controller_said = (decision.stage, decision.wanted)
+            if decision.move is None:
+                log.info("rebalance: %s", decision.reason)
+        if decision.move is None:
+            return
+        member, new = to_move(members, decision.move), new_role(decision.move)
+        worker = router.registry.get(member.worker_id)
+        if worker is None:
+            return
+        log.info("rebalance: %s %s -> %s: %s", worker.worker_id, worker.role, new, decision.reason)
+        router.metrics.rebalances.labels(decision.move).inc()
+        try:
+            await router.http.post(worker.url + "/v1/role", content=wire.encode(wire.RoleChange(role=new)),
+                                   headers=router.worker_headers, timeout=10.0)
+        except httpx.HTTPError as e:
+            log.warning("rebalance: %s did not take its new role: %s", worker.worker_id, e)
+
+    async def relieve_hot_spots(self) -> None:
+        """Move requests off decode workers whose KV use is past the hot threshold, at most one per
+        worker per heartbeat it sent (its load is only known again then)."""
+        router = self.router
+        if not router.config.migrate_hot_spots:
+            return
+        # a worker's load is known afresh only after a heartbeat since it last gave or took a request
+        decodes = {w.worker_id: w for w in router.registry.workers("decode")
+                   if w.heartbeats > self.relieved_at.get(w.worker_id, 0)}
+        streams = [s.running() for s in router.live.values()
+                   if s.movable and s.worker_id in decodes]
+        loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
+        moves = choose_migrations(loads, streams, router.config.decode_weights, router.config.relief)
+        for stream_id, target in moves:
+            live = router.live.get(stream_id)
+            if live is None:
+                continue
+            hot = decodes[live.worker_id]
+            for entry in (hot, decodes[target]):
+                self.relieved_at[entry.worker_id] = entry.heartbeats
+            live.ask_to_move(decodes[target])
+            try:  # the hot worker stops it; its last line ends the call, and the stream moves on
+                await router.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
+                    request_id=live.worker_request_id)), headers=router.worker_headers, timeout=5.0)
+            except httpx.HTTPError:
+                live.cancel_move()  # the worker is failing: the failure path takes over
 
 
 def pool_members(registry: Registry) -> list[PoolMember]:
     """The workers the P:D controller counts and may move."""
     return [PoolMember(w.worker_id, w.role, w.load) for w in registry.workers()
             if w.role in ("prefill", "decode") and not w.stats.draining]
-
-
-async def rebalance(router: Router) -> None:
-    """One round of the P:D controller: move one worker between the pools if the rule says so
-    (logged with its reason, counted in /metrics), by asking it to change its role."""
-    policy = router.config.rebalance
-    if policy is None:
-        return
-    members = pool_members(router.registry)
-    signals = pool_signals(members, router.metrics.recent_ttft.p90(time.perf_counter()))
-    decision = decide(signals, policy, router.controller, time.monotonic())
-    if (decision.stage, decision.wanted) != router.controller_said:  # each change of mind, not every round
-        router.controller_said = (decision.stage, decision.wanted)
-        if decision.move is None:
-            log.info("rebalance: %s", decision.reason)
-    if decision.move is None:
-        return
-    member, new = to_move(members, decision.move), new_role(decision.move)
-    worker = router.registry.get(member.worker_id)
-    if worker is None:
-        return
-    log.info("rebalance: %s %s -> %s: %s", worker.worker_id, worker.role, new, decision.reason)
-    router.metrics.rebalances.labels(decision.move).inc()
-    try:
-        await router.http.post(worker.url + "/v1/role", content=wire.encode(wire.RoleChange(role=new)),
-                               headers=router.worker_headers, timeout=10.0)
-    except httpx.HTTPError as e:
-        log.warning("rebalance: %s did not take its new role: %s", worker.worker_id, e)
-
-
-async def relieve_hot_spots(router: Router) -> None:
-    """Move requests off decode workers whose KV use is past the hot threshold, at most one per
-    worker per heartbeat it sent (its load is only known again then)."""
-    if not router.config.migrate_hot_spots:
-        return
-    # a worker's load is known afresh only after a heartbeat since it last gave or took a request
-    decodes = {w.worker_id: w for w in router.registry.workers("decode")
-               if w.heartbeats > router.relieved_at.get(w.worker_id, 0)}
-    streams = [s.running() for s in router.live.values()
-               if s.movable and s.worker_id in decodes]
-    loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
-    moves = choose_migrations(loads, streams, router.config.decode_weights, router.config.relief)
-    for stream_id, target in moves:
-        live = router.live.get(stream_id)
-        if live is None:
-            continue
-        hot = decodes[live.worker_id]
-        for entry in (hot, decodes[target]):
-            router.relieved_at[entry.worker_id] = entry.heartbeats
-        live.ask_to_move(decodes[target])
-        try:  # the hot worker stops it; its last line ends the call, and the stream moves on
-            await router.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
-                request_id=live.worker_request_id)), headers=router.worker_headers, timeout=5.0)
-        except httpx.HTTPError:
-            live.cancel_move()  # the worker is failing: the failure path takes over
 
 
 def _as_relief_sees(worker: WorkerEntry) -> WorkerLoad:

@@ -25,7 +25,8 @@ from pdserve.workload.metrics import RequestRecord
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import SchedulerOutput
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, PrefixIndex, WorkerLoad
 from pdserve.router.rebalance import (
     ControllerState, PoolMember, RebalancePolicy, RecentTTFT, decide, new_role, pool_signals, to_move,

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--percentile must be in (0, 100]")
         if args.trace:
             from pdserve.sim.plan_trace import run_trace
-            return run_trace(args)
+            return run_trace(args, lambda traffic: planner_from_args(args, traffic))
         planner = planner_from_args(args)
     except (OSError, ValueError, KeyError) as e:
         p.error(str(e))

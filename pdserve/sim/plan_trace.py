@@ -25,6 +25,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from pdserve.workload.loadgen import LengthDist
 from pdserve.workload.results import write_json
@@ -66,16 +67,16 @@ def _durations(windows: list[Window]) -> list[float]:
     return gaps + [gaps[-1] if gaps else 3600.0]
 
 
-def run_trace(args: argparse.Namespace) -> int:
-    from pdserve.sim.plan_cli import planner_from_args
-
+def run_trace(args: argparse.Namespace, planner_for: Callable[[Traffic], Planner]) -> int:
+    """The P:D plan of each window of `args.trace`; `planner_for(traffic)` is the planner the
+    command's flags make for one traffic shape."""
     windows = read_trace(args.trace, LengthDist.parse(args.isl), LengthDist.parse(args.osl))
     planners: dict[tuple, Planner] = {}
     for w in windows:
         key = (w.isl, w.osl)
         if key not in planners:
             peak = max(x.qps for x in windows if (x.isl, x.osl) == key)
-            planners[key] = planner_from_args(args, Traffic(w.isl, w.osl, max(peak, 1e-3)))
+            planners[key] = planner_for(Traffic(w.isl, w.osl, max(peak, 1e-3)))
     busiest = max(windows, key=lambda w: w.qps)
     top = planners[(busiest.isl, busiest.osl)]
     print(f"[plan] prefill and decode capacities for ISL {busiest.isl}, OSL {busiest.osl} (the busiest window)",

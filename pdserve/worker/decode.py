@@ -55,7 +55,8 @@ class DecodeRole(RoleHooks):
         self.engine: LLMEngine | None = None
         self.receiver: KVReceiver | None = None
         self.offers: dict[str, dict] = {}  # backend -> how a prefill worker reaches this one
-        self.targets: dict[str, str] = {}  # request id -> prefill worker URL, until its lease is open
+        # request id -> (prefill worker URL, the request's sampling as it came), until its lease is open
+        self.targets: dict[str, tuple[str, wire.Sampling]] = {}
         self.leases: dict[str, Lease] = {}  # live leases by request id
         self._prefill_urls: dict[int, str] = {}  # fence -> the prefill worker filling it
         self._fences: set[int] = set()  # of live leases and of lease holders not yet released
@@ -75,7 +76,7 @@ class DecodeRole(RoleHooks):
     # -- scheduler hooks (engine thread) -------------------------------------------------------
 
     def on_reserved(self, request: Request) -> None:
-        url = self.targets.pop(request.request_id)
+        url, sampling = self.targets.pop(request.request_id)
         lease = Lease(
             request.request_id, self._new_fence(), list(self.engine.block_manager.block_table(request.request_id)),
             self.engine.block_manager.block_size, request.num_computed_tokens, request.num_tokens,
@@ -88,7 +89,7 @@ class DecodeRole(RoleHooks):
             fence=lease.fence,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,  # a resumed request's tokens so far
-            sampling=wire.Sampling.of(request.params),
+            sampling=sampling,
             start=lease.start,
             block_table=lease.block_table,
             block_size=lease.block_size,

@@ -33,7 +33,7 @@ from pdserve.wire import PrefillLease
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.engine.step import SchedulerOutput
 
 log = logging.getLogger("pdserve.worker.prefill")
 
@@ -79,7 +79,7 @@ class PrefillRole(RoleHooks):
         resumed = body.output_token_ids  # a migrated request's tokens so far
         lease = lease_of(body, len(tokens) + len(resumed))
         start = lease.start
-        params = body.sampling.params().clone(n=1, max_tokens=len(resumed) + 1, min_tokens=0, stop_token_ids=[])
+        params = body.sampling.first_token_params(len(resumed))
         sender, backend = self._sender_for(body.decode.as_dicts(), body.kv_transfer_dtype)
         sender.check(lease)  # an in-place writer: every block inside the decode worker's pool
         engine_id = f"{lease.request_id}@{lease.fence}"

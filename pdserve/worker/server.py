@@ -64,8 +64,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         request_id = body.request_id or f"gen-{next(_ids)}"
         stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
-            params = body.sampling.params()
-            await worker.generate(request_id, body.prompt_token_ids, params, stream.sink, body.priority,
+            await worker.generate(request_id, body.prompt_token_ids, body.sampling, stream.sink, body.priority,
                                   body.prefill_url, body.output_token_ids)
         except ValueError as e:
             return error(400, str(e))

@@ -33,7 +33,6 @@ from pdserve.kv_transfer.base import KV_TRANSFER_DTYPES, KVLayout
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
 from pdserve.kv_transfer.shm import SharedKVPool, shm_available
-from pdserve.sampling_params import SamplingParams
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
@@ -166,7 +165,7 @@ class Worker:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        sampling: wire.Sampling,
         sink: OutputSink,
         priority: int = 0,
         prefill_url: str | None = None,
@@ -176,12 +175,14 @@ class Worker:
         for a bad request, QueueFullError when the queue is at its bound, EngineBusyError when the
         engine does not take it within ADMIT_TIMEOUT_S. No thread waits meanwhile: a burst of
         requests queues on the engine thread, not on a thread pool, and each is taken between
-        two steps."""
+        two steps. A request whose KV a prefill worker computes hands that worker `sampling` as it
+        came: each engine converts it once (`wire.Sampling.params`)."""
         if self.draining:
             raise DrainingError("the worker is draining; send the request elsewhere")
         if prefill_url and self.role == "prefill":
             raise RoleNotServedError("a prefill worker does not take KV from a prefill worker")
 
+        params = sampling.params()
         received = time.monotonic()  # queueing starts now, not when the engine thread is free
 
         def add() -> None:
@@ -191,7 +192,7 @@ class Worker:
                 raise QueueFullError(f"the worker holds its maximum of {self.capacity} sequences, running and queued")
             remote = bool(prefill_url) and params.n == 1
             if remote:
-                self.decode.targets[request_id] = prefill_url
+                self.decode.targets[request_id] = (prefill_url, sampling)
             try:
                 self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote,
                                         output_token_ids, received)

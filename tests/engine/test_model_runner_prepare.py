@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step import SchedulerOutput
 from tests.factories import make_request
 
 BLOCK = 4

@@ -25,7 +25,7 @@ from pdserve.models import gguf_reader, gguf_tokenizer
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint
 from pdserve.models.gguf_reader import load_gguf
-from pdserve.models.model_info import load_model_info
+from pdserve.models.describe import load_model_info
 
 transformers = pytest.importorskip("transformers")
 

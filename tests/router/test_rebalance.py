@@ -176,4 +176,4 @@ def test_the_router_moves_a_worker_as_the_rule_says(tiny_llama):
         wait_for(lambda: d2.worker.role == "prefill", 30, "the less busy decode worker to become a prefill worker")
         assert d1.worker.role == "decode" and p.worker.role == "prefill"
         assert rs.router.metrics.rebalances.labels("to_prefill")._value.get() == 1
-        assert rs.router.controller.moves == {"to_prefill": 1, "to_decode": 0}
+        assert rs.rounds.controller.moves == {"to_prefill": 1, "to_decode": 0}

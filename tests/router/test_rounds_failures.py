@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve import wire
-from pdserve.router import rounds
+from pdserve.router.rounds import Rounds
 from pdserve.router.streams import LiveStream
 from pdserve.worker.registration import RouterMembership
 from tests.router_server import RouterServer, make_router
@@ -22,18 +22,19 @@ def test_a_round_that_raises_does_not_end_the_reaper(tiny_llama, monkeypatch):
     router = make_router(tiny_llama, lease_s=0.04)  # the reaper turns every lease_s / 4
     calls = {"relief": 0, "rebalance": 0}
 
-    async def broken_relief(r) -> None:
+    async def broken_relief() -> None:
         calls["relief"] += 1
         raise RuntimeError("relief broke")
 
-    async def rebalance(r) -> None:
+    async def rebalance() -> None:
         calls["rebalance"] += 1
 
-    monkeypatch.setattr(rounds, "relieve_hot_spots", broken_relief)
-    monkeypatch.setattr(rounds, "rebalance", rebalance)
+    periodic = Rounds(router)
+    monkeypatch.setattr(periodic, "relieve_hot_spots", broken_relief)
+    monkeypatch.setattr(periodic, "rebalance", rebalance)
 
     async def scenario() -> None:
-        reaper = asyncio.create_task(rounds.reap(router))
+        reaper = asyncio.create_task(periodic.run())
         try:
             while calls["rebalance"] < 3:  # each round after the failing one, three turns in a row
                 assert not reaper.done(), reaper
@@ -69,10 +70,12 @@ def test_relief_moves_a_request_only_when_the_hot_worker_took_the_abort(tiny_lla
             raise httpx.ConnectError("connection refused", request=request)
         return httpx.Response(200, content=wire.encode(wire.Aborted(request_id="s-0")))
 
+    periodic = Rounds(router)
+
     async def scenario() -> None:
         router.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         try:
-            await rounds.relieve_hot_spots(router)
+            await periodic.relieve_hot_spots()
         finally:
             await router.http.aclose()
     asyncio.run(scenario())
@@ -80,7 +83,7 @@ def test_relief_moves_a_request_only_when_the_hot_worker_took_the_abort(tiny_lla
     assert aborts == [("hot.invalid", "s-0")]  # relief asked the hot worker to stop it
     assert live.moving_to is (cool if hot_worker == "answers" else None)
     # either way both workers wait for their next heartbeat before relief looks at them again
-    assert router.relieved_at == {hot.worker_id: 1, cool.worker_id: 1}
+    assert periodic.relieved_at == {hot.worker_id: 1, cool.worker_id: 1}
 
 
 def test_a_worker_the_router_forgot_registers_again(tiny_llama):

@@ -7,7 +7,9 @@ from fastapi.testclient import TestClient
 
 from pdserve.prefix_hash import block_hashes
 from pdserve.router import routing
-from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.router import Router
 from pdserve.router.policy import DisaggregationPolicy, PrefixIndex, WorkerLoad
 from pdserve.router.routing import Candidate, NoRoom, NoWorker, route
 from pdserve.router.streams import NoRoom as RouterNoRoom

@@ -1,0 +1,47 @@
+"""A request's prompt as token ids and its sampling settings, checked against the model the router
+serves: the model's name, the context length, token ids within the vocabulary. Every refusal is
+a 4xx naming the field, before anything is admitted."""
+
+from __future__ import annotations
+
+from pdserve.http_errors import APIError
+from pdserve.router.config import RouterConfig
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.tokenizer import Tokenizer
+from pdserve.wire import Sampling
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig, tokenizer: Tokenizer,
+            vocab_size: int) -> tuple[list[int], Sampling]:
+    """(prompt token ids, sampling settings) of `req`; a chat goes through the model's template."""
+    if req.model != config.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                            f"{config.model_name!r}", "not_found_error", "model")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    if isinstance(req, CompletionRequest) and req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        if isinstance(req.prompt, str):
+            ids = tokenizer.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    limit = config.max_model_len
+    if max_tokens is None:  # never the whole context by default: n of those would hold the pool for minutes
+        max_tokens = max(1, min(config.max_tokens_default, limit - len(ids)))
+    if max_tokens < 1 or len(ids) + max_tokens > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                            f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
+    return ids, req.sampling(max_tokens)

@@ -1,0 +1,132 @@
+"""The router's state and its decisions, without HTTP: the registered workers, the prefix index,
+admission bounds, the requests streaming now and those waiting in line; which workers take a
+request (`route`, `admit`), and forgetting a worker that failed or missed its lease. The HTTP
+app (`app.py`), a request's owner (`request_stream.py`) and the background rounds (`rounds.py`)
+each act through it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+
+from pdserve.http_errors import APIError
+from pdserve.router import routing
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import Admission, PrefixIndex
+from pdserve.router.registry import Registry, WorkerEntry
+from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
+from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
+from pdserve.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.router")
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_hash: str, vocab_size: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.registry = Registry(model_hash, config.worker_token, config.lease_s)
+        self.index = PrefixIndex()
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        self.http: httpx.AsyncClient | None = None
+        self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
+        self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
+
+    # -- choosing workers -----------------------------------------------------------------------
+
+    def require_workers(self) -> None:
+        """503 now (not an error inside a 200 stream) when no worker could take a request."""
+        if not self.registry.workers():
+            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1
+              ) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
+        `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
+        NoRoom when every decode worker holds as many sequences from here as it said it can."""
+        entries = {w.worker_id: w for w in self.registry.workers() if not w.stats.draining}
+        workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size)
+                   for k, w in entries.items()]
+        try:
+            decision = routing.route(workers, prompt_ids, self.index, self.config.decode_weights,
+                                     self.config.disaggregation, exclude)
+        except routing.NoWorker:
+            raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"}) from None
+        except routing.NoRoom:
+            raise NoRoom() from None
+        d = entries[decision.decode_id]
+        p = entries[decision.prefill_id] if decision.prefill_id is not None else None
+        if p is not None:
+            self.registry.note_routed(p.worker_id, decision.prefill_uncached)
+            self.metrics.disaggregated.inc()
+        self.registry.note_routed(d.worker_id, 0 if p else decision.decode_uncached, remote=p is not None)
+        for r in decision.records:
+            self.index.record(r.worker_id, r.block_size, r.hashes)
+        d.in_flight += sequences
+        return d, p
+
+    # -- a request ------------------------------------------------------------------------------
+
+    async def admit(self, prompt_ids: list[int], sequences: int) -> Admitted:
+        """A decode worker (and prefill worker, if any) with room for the request, held for it: at
+        once, or after waiting in line (first come, first served). At `queue_timeout_s` without
+        room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        chosen = self.route_or_none(prompt_ids, frozenset(), sequences)
+        if chosen is None:
+            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline)
+        return Admitted(*chosen, deadline, Hold(self.line, chosen[0], sequences))
+
+    def stop_completion(self, request_id: str, index: int) -> None:
+        """The router found completion `index`'s stop string: its worker stops computing it."""
+        live = self.live.get(request_id)
+        worker = self.registry.get(live.worker_id) if live is not None else None
+        if worker is not None:
+            abort_on_worker(self.http, worker.url, live.worker_request_id, self.worker_headers, index)
+
+    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
+                       ) -> tuple[WorkerEntry, WorkerEntry | None] | None:
+        try:
+            return self.route(prompt_ids, exclude, sequences)
+        except NoRoom:
+            return None
+
+    async def route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
+                               deadline: float) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """Wait in line until a decode worker has room; 503 at `deadline`."""
+        self.metrics.requeued.inc()
+        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
+
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.config.worker_token:
+            headers["Authorization"] = f"Bearer {self.config.worker_token}"
+        return headers
+
+    # -- workers that leave ---------------------------------------------------------------------
+
+    def drop_expired_workers(self) -> None:
+        """Workers whose lease lapsed leave the registry; streams waiting on them fail now."""
+        for entry in self.registry.expire():
+            self._forget_worker(entry, "it missed its lease")
+
+    def drop_worker(self, worker_id: str, reason: str) -> None:
+        """Take a failing worker out of the registry: every stream still waiting on it fails now
+        (and retries or migrates as its own rules say), not when its lease would have lapsed."""
+        entry = self.registry.remove(worker_id)
+        if entry is not None:
+            self._forget_worker(entry, reason)
+
+    def _forget_worker(self, entry: WorkerEntry, reason: str) -> None:
+        log.warning("worker %s (%s, %s) dropped: %s", entry.worker_id, entry.role, entry.url, reason)
+        self.metrics.workers_dropped.inc()
+        self.index.forget(entry.worker_id)
+        for live in self.live.values():
+            if live.worker_id == entry.worker_id:
+                live.worker_lost(f"worker {entry.url} was dropped: {reason}")
