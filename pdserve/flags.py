@@ -2,8 +2,8 @@
 
 A field made with `flag(...)` carries its flag's name, help and choices. From those fields come
 the argparse group (`add_flags`), the config's keyword arguments from parsed args (`flag_kwargs`)
-and the argv that gives a child process the same config (`flag_argv`): a new option is one field,
-with no list elsewhere to keep in step. Standard library only: config modules import it.
+and the argv that gives a child process the same config (`flag_argv` from parsed args,
+`config_argv` from a config): a new option is one field, with no list elsewhere to keep in step. Standard library only: config modules import it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 _METADATA_KEY = "flag"
 
@@ -23,6 +23,7 @@ class _Declared:
     name: str | None  # '--threads'; None: '--' and the field's name with dashes
     help: str | None
     choices: tuple | None
+    parse: Callable[[str], Any] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class Option:
     type: type  # what a given value is converted to; bool: a switch that takes no value
     help: str | None
     choices: tuple | None
+    parse: Callable[[str], Any] | None  # reads (and checks) a given value instead of `type`
 
     @property
     def parsed_default(self) -> Any:
@@ -44,14 +46,15 @@ class Option:
 
 
 def flag(default: Any = dataclasses.MISSING, help: str | None = None, *, name: str | None = None,
-         choices: tuple | None = None) -> Any:
+         choices: tuple | None = None, parse: Callable[[str], Any] | None = None) -> Any:
     """A dataclass field that is also the command-line flag `name` (default: `--field-name`).
 
     A bool is a switch: one that defaults to False is turned on by its flag; one that defaults to
     True needs a `--no-...` name, and that flag turns it off. A field without a default is a flag
-    that parses to None when not given (e.g. a model the caller then resolves).
+    that parses to None when not given (e.g. a model the caller then resolves). `parse` reads a
+    given value (a ValueError refuses it, with its message, as argparse refuses a bad flag).
     """
-    return dataclasses.field(default=default, metadata={_METADATA_KEY: _Declared(name, help, choices)})
+    return dataclasses.field(default=default, metadata={_METADATA_KEY: _Declared(name, help, choices, parse)})
 
 
 def options(cls: type) -> list[Option]:
@@ -67,7 +70,7 @@ def options(cls: type) -> list[Option]:
         if hints[f.name] is bool and default and not name.startswith("--no-"):
             raise TypeError(f"{cls.__name__}.{f.name} defaults to True: its flag must be a --no-... that turns it off")
         found.append(Option(f.name, name, name.removeprefix("--").replace("-", "_"), default,
-                            _value_type(hints[f.name]), declared.help, declared.choices))
+                            _value_type(hints[f.name]), declared.help, declared.choices, declared.parse))
     return found
 
 
@@ -87,7 +90,18 @@ def add_flags(p: argparse.ArgumentParser, cls: type, title: str) -> None:
         if o.type is bool:
             group.add_argument(o.name, dest=o.dest, action="store_true", help=o.help)
         else:
-            group.add_argument(o.name, dest=o.dest, type=o.type, default=o.default, choices=o.choices, help=o.help)
+            kind = _refusing(o.parse) if o.parse is not None else o.type
+            group.add_argument(o.name, dest=o.dest, type=kind, default=o.default, choices=o.choices, help=o.help)
+
+
+def _refusing(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as argparse's `type`: its ValueError's message is what the user reads."""
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return read
 
 
 def flag_kwargs(cls: type, args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -110,4 +124,16 @@ def flag_argv(cls: type, args: argparse.Namespace, skip: frozenset[str] = frozen
         if o.field in skip or value == o.parsed_default:
             continue
         argv.append(o.name if o.type is bool else f"{o.name}={value}")  # '=': a value may start with '-'
+    return argv
+
+
+def config_argv(config: Any) -> list[str]:
+    """The flags of the dataclass instance `config` that differ from their defaults, as argv for a
+    process that declares the same flags: it parses them into an equal config."""
+    argv = []
+    for o in options(type(config)):
+        value = getattr(config, o.field)
+        if value == o.default:
+            continue
+        argv.append(o.name if o.type is bool else f"{o.name}={value}")  # a switch differs: it is given
     return argv

@@ -31,9 +31,11 @@ import httpx
 
 from pdserve import layout
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.flags import config_argv
 from pdserve.layout import Layout
 from pdserve.router.main import add_controller_args, controller_argv
 from pdserve.supervisor import RestartPolicy, Supervisor
+from pdserve.worker.config import WorkerConfig
 
 STOP_GRACE_S = 15.0
 
@@ -85,12 +87,12 @@ def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
 def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, index: int, router_url: str,
                 host: str, threads: int) -> list[str]:
     """`pdserve worker` number `index` as `pdserve serve` (local or on Ray) starts it."""
-    argv = ["worker", *_model(args), "--role", role, "--host", host, "--port", "0", "--router", router_url,
-            "--transfer", args.transfer, "--threads", str(threads), *engine_argv,
-            *(["--fault-injection"] if args.fault_injection else [])]
-    if args.record_steps:  # the worker makes the folder, on its own node
-        argv += ["--record-steps", str(Path(args.record_steps) / f"{role}-{index}.jsonl")]
-    return argv
+    steps = str(Path(args.record_steps) / f"{role}-{index}.jsonl") if args.record_steps else None
+    settings = WorkerConfig(port=0, router=router_url, transfer=args.transfer, record_steps=steps,
+                            fault_injection=args.fault_injection)  # the worker makes the steps' folder, on its node
+    # the host apart: on Ray it is a placeholder the actor fills in with its node's address
+    return ["worker", *_model(args), "--role", role, "--host", host, *config_argv(settings), "--threads", str(threads),
+            *engine_argv]
 
 
 def _model(args: argparse.Namespace) -> list[str]:

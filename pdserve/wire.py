@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -49,6 +49,8 @@ ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
 NODE_NAME = r"^[A-Za-z0-9_.:@\-]{0,128}\Z"  # a host name, a Ray node id
 NodeName = Annotated[str, Meta(max_length=128, pattern=NODE_NAME)]
+KVTransferDtype = Literal["auto", "int8", "fp8"]  # how KV crosses: as computed, or quantized
+KV_TRANSFER_DTYPES: tuple[str, ...] = get_args(KVTransferDtype)
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 
 
@@ -275,7 +277,7 @@ class PrefillLease(Message, kw_only=True):
     block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]], Meta(max_length=MAX_SEQUENCE_TOKENS)]
     block_size: BlockSize
     model_hash: ModelHash
-    kv_transfer_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    kv_transfer_dtype: KVTransferDtype = "auto"
     decode: DecodeOffers
 
 

@@ -57,9 +57,7 @@ class RouterServer:
         """`w` registers in its own role, with the router's worker token; returns once the router has
         its first heartbeat (its load is known, so the policy can route to it)."""
         worker = w.worker
-        member = RouterMembership(self.url, w.url, worker.config.role, worker.layout.model_hash, worker.stats,
-                                  self.router.config.worker_token, worker.config.block_size).start()
-        worker.membership = member  # as a worker process does: a role change registers again
+        member = worker.join(self.url, w.url, self.router.config.worker_token)  # as a worker process does
         self.members.append(member)
         wait_for(lambda: any(e.url == w.url and e.heartbeats for e in self.router.registry.workers()), 20,
                  f"the {worker.config.role} worker at {w.url} to register", state=lambda: member.status)

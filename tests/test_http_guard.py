@@ -15,6 +15,7 @@ from pdserve.http_guard import BearerRule, BodyLimits, HTTPGuard
 from pdserve.net import ServerLimits
 from pdserve.worker.server import ServerThread
 from pdserve.worker.server import create_app as worker_app
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.worker import Worker
 from tests.factories import engine_config
 from tests.http_raw import closed_by_server, connect, head, read_response, trickle
@@ -33,7 +34,7 @@ def router(tiny_llama):
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    w = Worker(engine_config(tiny_llama, "both"), ["tcp"], token=TOKEN)
+    w = Worker(engine_config(tiny_llama, "both"), WorkerConfig(transfer="tcp"), TOKEN)
     w.start()
     http = ServerThread(worker_app(w, TOKEN, body_limits=SLOW_BODY)).start()
     yield http.url

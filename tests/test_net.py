@@ -15,6 +15,7 @@ from pdserve.net import ServerLimits, tcp_listener
 from pdserve.router.app import create_app as router_app
 from pdserve.worker.server import ServerThread
 from pdserve.worker.server import create_app as worker_app
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.worker import Worker
 from tests.factories import engine_config
 from tests.http_raw import closed_by_server, connect, head, read_response, trickle
@@ -55,7 +56,7 @@ def app(request, tiny_llama):
     if request.param == "router":
         yield router_app(make_router(tiny_llama, max_model_len=64)), "/v1/models"
         return
-    worker = Worker(engine_config(tiny_llama, "both"), ["tcp"])
+    worker = Worker(engine_config(tiny_llama, "both"), WorkerConfig(transfer="tcp"))
     worker.start()
     yield worker_app(worker), "/stats"
     worker.stop()

@@ -22,11 +22,12 @@ class _Pair:
     def __init__(self, model: str, dtype: str, backend: str, kv_transfer_dtype: str = "auto", **engine: Any) -> None:
         from pdserve.config import EngineConfig
         from pdserve.worker.server import ServerThread, create_app
+        from pdserve.worker.config import WorkerConfig
         from pdserve.worker.worker import Worker
 
         def worker(role: str, **extra: Any) -> tuple[Worker, ServerThread]:
             cfg = EngineConfig(model=model, role=role, dtype=dtype, enable_prefix_caching=False, **engine)
-            w = Worker(cfg, [backend], **extra)
+            w = Worker(cfg, WorkerConfig(transfer=backend, **extra))
             w.start()
             return w, ServerThread(create_app(w)).start()
 

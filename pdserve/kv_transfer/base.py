@@ -29,8 +29,6 @@ class TransferStatus(enum.IntEnum):
     DONE = 4  # all writes and the notify left this side
 
 
-KV_TRANSFER_DTYPES = ("auto", "int8", "fp8")
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:

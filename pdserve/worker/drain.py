@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import uvicorn
 
-    from pdserve.worker.registration import RouterMembership
     from pdserve.worker.worker import Worker
 
 log = logging.getLogger("pdserve.worker.drain")
@@ -28,7 +27,6 @@ log = logging.getLogger("pdserve.worker.drain")
 class Drain:
     def __init__(self, worker: Worker, server: uvicorn.Server, timeout_s: float) -> None:
         self.worker, self.server, self.timeout_s = worker, server, timeout_s
-        self.membership: RouterMembership | None = worker.membership
         self.started = threading.Event()
         self._lock = threading.Lock()
         self._force = type(server).handle_exit
@@ -53,16 +51,17 @@ class Drain:
         log.info("draining: taking no new requests, finishing the %s held (at most %.0fs)",
                  self._held(), self.timeout_s)
         self.worker.drain()
-        if self.membership is not None:
-            self.membership.beat_now()
+        membership = self.worker.membership
+        if membership is not None:
+            membership.beat_now()
         while not self.worker.idle() and time.monotonic() - t0 < self.timeout_s:
             time.sleep(0.1)
         if self.worker.idle():
             log.info("drained in %.1fs", time.monotonic() - t0)
         else:
             log.warning("drain timed out after %.0fs with %s still held; stopping anyway", self.timeout_s, self._held())
-        if self.membership is not None:
-            self.membership.leave()
+        if membership is not None:
+            membership.leave()
         self.server.should_exit = True
 
     def _held(self) -> str:

@@ -111,7 +111,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
 
     @app.post("/v1/drain", dependencies=guarded)
     async def drain():
-        worker.begin_drain()
+        worker.drain_requested()
         return {"draining": True}
 
     @app.post("/v1/role", dependencies=guarded)

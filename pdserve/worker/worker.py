@@ -29,10 +29,11 @@ from pdserve import wire
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
-from pdserve.kv_transfer.base import KV_TRANSFER_DTYPES, KVLayout
+from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
 from pdserve.kv_transfer.shm import SharedKVPool, shm_available
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
@@ -84,33 +85,22 @@ class _BothRoles(RoleHooks):
 
 
 class Worker:
-    def __init__(
-        self,
-        config: EngineConfig,
-        transfer: list[str] = ("shm", "tcp"),
-        token: str = "",
-        host: str = "127.0.0.1",
-        kv_port: int = 0,
-        lease_timeout_s: float = 30.0,
-        kv_transfer_dtype: str = "auto",
-        max_queued: int = 256,
-        name: str = "worker",
-        record_steps: str | None = None,  # a JSONL file: every step's shape and time (see EngineLoop)
-        advertise_host: str | None = None,  # the KV address offered to peers (default: `host`, as bound)
-    ) -> None:
+    def __init__(self, config: EngineConfig, settings: WorkerConfig = WorkerConfig(), token: str = "",
+                 name: str = "worker") -> None:
+        """An engine built from `config` in its role, served as `settings` say (addresses, KV
+        transfer, queue bound, step log); `token` guards its KV connections."""
+        transfer = settings.backends
         bad = [t for t in transfer if t not in BACKENDS]
-        if bad or not transfer:
-            raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {list(transfer)}")
-        if kv_transfer_dtype not in KV_TRANSFER_DTYPES:
-            raise ValueError(f"kv_transfer_dtype must be one of {', '.join(KV_TRANSFER_DTYPES)}")
-        self.config = config
-        self.transfer = list(transfer)
-        self.max_queued = max_queued
+        if bad:
+            raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {transfer}")
+        self.config, self.settings = config, settings
+        self.transfer = transfer
+        self.max_queued = settings.max_queued
         # Every worker has both sides of a transfer, whatever its role: decode workers ship KV out
         # too (for the requests hot-spot relief moves away), and a role is state, not identity
         # (`change_role`): any worker can become a decode worker without restarting.
         self.role = config.role
-        self.decode = DecodeRole(lease_timeout_s, token, kv_transfer_dtype)
+        self.decode = DecodeRole(settings.kv_lease_timeout, token, settings.kv_transfer_dtype)
         self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
         self._pool: SharedKVPool | None = None
 
@@ -126,30 +116,53 @@ class Worker:
 
         self.engine = _built_on_own_thread(build)
         self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
+        record_steps = settings.record_steps  # a JSONL file: every step's shape and time (see EngineLoop)
         if record_steps:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
         self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
         self.loop = EngineLoop(self.engine, self.decode.poll, self._step_log)
-        self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, host, kv_port)
+        self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, settings.host,
+                                   settings.kv_port)
         side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
                           self._pool.path if self._pool is not None else None)
         # frames go here; a listener bound to 0.0.0.0 (a pod) must offer an address peers can reach
-        addr = {"host": advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
+        addr = {"host": settings.advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
         self.offers: dict[str, dict] = offers(self.transfer, side, addr)
         self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
         self.started_at = time.time()
         self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
         self.draining = False
-        # POST /v1/drain: drain in place; a worker process replaces it with draining, then exiting
-        self.begin_drain: Callable[[], None] = self.drain
-        self.membership: RouterMembership | None = None  # set when the worker registers with a router
+        self._token = token
+        self._drain_request: Callable[[], None] = self.drain  # POST /v1/drain (`on_drain_request`)
+        self.membership: RouterMembership | None = None  # with a router: `join`
         self._role_change = threading.Lock()
 
     def start(self) -> None:
         self.loop.start()
 
+    def join(self, router_url: str, own_url: str, token: str | None = None) -> RouterMembership:
+        """Register with the router at `router_url` as the worker at `own_url`, and renew the lease
+        by heartbeats of `stats` from now on; a role change or a drain is told to it at once.
+        `token`: the router's worker token (by default this worker's own, as in a cluster)."""
+        from pdserve.worker.registration import RouterMembership
+
+        self.membership = RouterMembership(router_url, own_url, self.role, self.layout.model_hash, self.stats,
+                                           self._token if token is None else token, self.config.block_size,
+                                           self.settings.node).start()
+        return self.membership
+
+    def on_drain_request(self, begin: Callable[[], None]) -> None:
+        """What POST /v1/drain starts: by default draining in place (no new request; its next
+        heartbeat tells the router); a worker process drains, then exits (`drain.Drain.begin`)."""
+        self._drain_request = begin
+
+    def drain_requested(self) -> None:
+        self._drain_request()
+
     def stop(self) -> None:
+        if self.membership is not None:
+            self.membership.stop()
         self.loop.stop()
         for part in (self.prefill, self.decode, self.receiver):
             part.close()

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import httpx
 
 from pdserve.worker.server import ServerThread, create_app
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.worker import Worker
 from tests.backends import TRANSFER, cases, usable
 from tests.factories import engine_config
@@ -31,7 +32,8 @@ class WorkerServer:
 
     def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None,
                  fault_injection: bool = False, **engine):
-        self.worker = Worker(engine_config(model, role, **engine), transfer, token=token, **(worker_args or {}))
+        settings = WorkerConfig(transfer=",".join(transfer), **(worker_args or {}))
+        self.worker = Worker(engine_config(model, role, **engine), settings, token)
         self.worker.start()
         self.server = ServerThread(create_app(self.worker, token, fault_injection=fault_injection)).start()
         self.url = self.server.url

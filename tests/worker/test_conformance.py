@@ -158,7 +158,7 @@ def test_decode_lost_mid_transfer_prefill_frees(tiny_llama, colocated, backend):
 
 def test_lease_timeout_falls_back_to_recompute(tiny_llama, colocated):
     tokens = prompt(50, seed=9)
-    with Cluster(tiny_llama, "memory", decode_worker={"lease_timeout_s": 0.5}) as c:
+    with Cluster(tiny_llama, "memory", decode_worker={"kv_lease_timeout": 0.5}) as c:
         hold = threading.Event()
         c.p.worker.loop.call(lambda: hold.wait(20))  # prefill never gets to it in time
         got, _ = c.generate(tokens)

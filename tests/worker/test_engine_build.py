@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from pdserve.worker import worker as worker_module
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.worker import Worker
 from tests.worker.cluster import engine_config
 
@@ -21,7 +22,7 @@ def test_the_engine_is_built_on_a_thread_that_ends_with_the_build(tiny_llama, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(worker_module, "LLMEngine", recording)
-    w = Worker(engine_config(tiny_llama, "both"), ["tcp"])
+    w = Worker(engine_config(tiny_llama, "both"), WorkerConfig(transfer="tcp"))
     try:
         assert built_on and built_on[0] is not threading.current_thread()
         assert not built_on[0].is_alive()
@@ -35,4 +36,4 @@ def test_a_build_that_fails_raises_in_the_caller(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(worker_module, "LLMEngine", failing)
     with pytest.raises(MemoryError, match="no room"):
-        Worker(engine_config(tiny_llama, "both"), ["tcp"])
+        Worker(engine_config(tiny_llama, "both"), WorkerConfig(transfer="tcp"))

@@ -1,0 +1,93 @@
+"""A worker's own settings (its engine's are `EngineConfig`): where it listens and what it tells
+peers, how KV reaches it, how much it queues, whom it registers with, how long it drains. Each
+field is also its `pdserve worker` flag (`flags.py`): the command line, `Worker`, and the argv
+`pdserve serve` starts a worker with all read this one declaration. The worker's token is not
+here: a secret never travels on a command line (`credentials.py`)."""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+
+from pdserve.flags import flag
+from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME
+
+
+def host_name(text: str) -> str:
+    """A host name or an IPv4/IPv6 address, as it goes into a URL: nothing that could add a path,
+    a user or a port."""
+    if not text or len(text) > 253 or not all(c.isalnum() or c in ".-:" for c in text):
+        raise ValueError(f"expected a host name or an IP address, got {text!r}")
+    return text
+
+
+def node_name(text: str) -> str:
+    if not re.fullmatch(NODE_NAME, text):
+        raise ValueError(f"expected up to 128 letters, digits and _.:@-, got {text!r}")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    host: str = flag("127.0.0.1", "address of the control endpoint and KV port", parse=host_name)
+    advertise_host: str | None = flag(
+        None, "address the router and peers are told to reach this worker at (default: --host); with --host "
+              "0.0.0.0 in Kubernetes, the pod's IP (the downward API's status.podIP)", parse=host_name)
+    node_name: str | None = flag(
+        None, "the machine this worker runs on, as the router's /admin/workers shows it (default: the host name; "
+              "on Ray, the Ray node)", parse=node_name)
+    port: int = flag(8100, "control endpoint port (0: any free one)")
+    kv_port: int = flag(0, "decode: KV transfer port (0: any free one)")
+    transfer: str = flag("shm,tcp", "KV transfer backends in order of preference: nixl, tcp, shm (comma-separated)")
+    kv_transfer_dtype: str = flag("auto", "decode: ask prefill workers to send KV quantized (tcp, nixl)",
+                                  choices=KV_TRANSFER_DTYPES)
+    kv_lease_timeout: float = flag(30.0, "decode: seconds to wait for a prompt's KV before computing it here")
+    max_queued: int = flag(256, "sequences waiting beyond a full batch (--max-num-seqs) before new requests are "
+                                "refused (503)")
+    record_steps: str | None = flag(None, "append every engine step's shape and time to this JSONL file (for "
+                                          "`pdserve profile --from-steps`)")
+    router: str | None = flag(None, "register with this router and renew the lease by heartbeat")
+    drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway")
+    fault_injection: bool = flag(False, "serve POST /v1/faults/cut-kv-links (with the token): a testing aid that "
+                                        "closes every KV connection of this worker at once; off by default")
+
+    def __post_init__(self) -> None:
+        for name, check in (("host", host_name), ("advertise_host", host_name), ("node_name", node_name)):
+            if getattr(self, name) is not None:
+                try:
+                    check(getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        for name in ("port", "kv_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if not self.backends:
+            raise ValueError(f"transfer names no backend: {self.transfer!r}")
+        if self.kv_transfer_dtype not in KV_TRANSFER_DTYPES:
+            raise ValueError(f"kv_transfer_dtype must be one of {', '.join(KV_TRANSFER_DTYPES)}")
+        for name in ("kv_lease_timeout", "drain_timeout"):
+            if not 0 < getattr(self, name) <= 86400:
+                raise ValueError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+
+    @property
+    def backends(self) -> list[str]:
+        """`transfer` as a list, in order of preference."""
+        return [t.strip() for t in self.transfer.split(",") if t.strip()]
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
+
+    @property
+    def node(self) -> str:
+        """The node name the router shows: given, or this machine's host name as a node name can
+        hold it (any other character becomes '-')."""
+        return self.node_name if self.node_name is not None else this_host()
+
+
+def this_host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.:@\-]", "-", socket.gethostname())[:128]
+
