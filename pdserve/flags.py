@@ -137,3 +137,35 @@ def config_argv(config: Any) -> list[str]:
             continue
         argv.append(o.name if o.type is bool else f"{o.name}={value}")  # a switch differs: it is given
     return argv
+
+
+def check_flags(config: Any) -> None:
+    """Each flag field of `config` read again by its flag's `parse`: a library caller's value is
+    refused for the same reason as a command line's (a ValueError that names the field)."""
+    for o in options(type(config)):
+        value = getattr(config, o.field)
+        if o.parse is not None and value is not None:
+            try:
+                o.parse(value if isinstance(value, str) else str(value))
+            except ValueError as e:
+                raise ValueError(f"{o.field}: {e}") from None
+
+
+# -- readers for `flag(parse=...)`: each takes the text given, and refuses with a reason -----------
+
+
+def _bounded(kind: type, low: float, high: float, unit: str, low_open: bool = True) -> Callable[[str], Any]:
+    def read(text: str) -> Any:
+        value = kind(text)
+        if not ((low < value) if low_open else (low <= value)) or not value <= high:
+            bounds = ", ".join(str(int(b)) if float(b).is_integer() else str(b) for b in (low, high))
+            raise ValueError(f"must be in {'(' if low_open else '['}{bounds}]{unit}, got {text}")
+        return value
+    return read
+
+
+seconds = _bounded(float, 0.0, 86400.0, " seconds")
+milliseconds = _bounded(float, 0.0, 86_400_000.0, " milliseconds")
+fraction = _bounded(float, 0.0, 1.0, "")
+count = _bounded(int, 1, 1 << 20, "", low_open=False)
+port_number = _bounded(int, 0, 65535, "", low_open=False)

@@ -31,9 +31,9 @@ import httpx
 
 from pdserve import layout
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
-from pdserve.flags import config_argv
+from pdserve.flags import add_flags, config_argv, flag_argv
 from pdserve.layout import Layout
-from pdserve.router.main import add_controller_args, controller_argv
+from pdserve.router.config import RouterConfig
 from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.worker.config import WorkerConfig
 
@@ -55,17 +55,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(g, "admin-key", ADMIN_KEY_ENV, "the router's admin API key (none: no admin API)")
     add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared worker token (none: a fresh one for this cluster)")
-    g.add_argument("--max-tokens-default", type=int, default=1024,
-                   help="max_tokens of a chat request that sets none (within the context the prompt leaves)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests the router holds at once; past it clients get 429")
-    g.add_argument("--queue-timeout", type=float, default=300.0,
-                   help="seconds an admitted request waits for a worker with room before a 503")
     g.add_argument("--pin-cpus", action="store_true", help="give each worker its own cores")
-    add_controller_args(g)
-    g.add_argument("--migrate-on-failure", action="store_true",
-                   help="a decode worker lost mid-stream: its requests continue on another, which recomputes prompt "
-                        "and output so far (the router's flag)")
     g.add_argument("--record-steps", default=None, metavar="DIR",
                    help="each worker logs its steps to DIR/<role>-<n>.jsonl (for `pdserve profile --from-steps`)")
     g.add_argument("--ready-timeout", type=float, default=600.0)
@@ -74,14 +64,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-injection", action="store_true",
                    help="workers serve their fault-injection route (`pdserve worker --fault-injection`): a testing "
                         "aid for `pdserve bench chaos`; off by default")
+    add_flags(p, RouterConfig, "router (handed to the cluster's router)")
 
 
 def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
-    """`pdserve router` as `pdserve serve` (local or on Ray) starts it."""
-    return ["router", *_model(args), "--host", host, "--port", str(port),
-            "--max-tokens-default", str(args.max_tokens_default),
-            "--max-queued-requests", str(args.max_queued_requests), "--queue-timeout", str(args.queue_timeout),
-            *controller_argv(args), *(["--migrate-on-failure"] if args.migrate_on_failure else [])]
+    """`pdserve router` as `pdserve serve` (local or on Ray) starts it: its router flags as given."""
+    return ["router", *_model(args), "--host", host, "--port", str(port), *flag_argv(RouterConfig, args)]
 
 
 def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, index: int, router_url: str,

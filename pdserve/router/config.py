@@ -1,12 +1,18 @@
-"""The router's settings, in one place: what `pdserve router` (and `pdserve serve`) set from their
-flags, and what a library user passes to `Router`."""
+"""The router's settings, declared once. A field made with `flag` is also a flag of `pdserve router`
+and of `pdserve serve`, which hands it to the router it starts (`flags.py`: the argparse group, the
+config from parsed args, the router's argv, all from these fields). The rest are for library
+users and tests; the model's name and context length come from the model, the keys from files or
+the environment (`credentials.py`: never a command line)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.flags import check_flags, count, flag, fraction, milliseconds, seconds
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, HotSpotRelief
 from pdserve.router.rebalance import RebalancePolicy
+
+_POLICY = RebalancePolicy()
 
 
 @dataclass
@@ -16,20 +22,57 @@ class RouterConfig:
     api_key: str = ""
     worker_token: str = ""
     admin_key: str = ""  # the admin API's Bearer key; none: no admin API
-    lease_s: float = 10.0
-    decode_weights: DecodeWeights = field(default_factory=DecodeWeights)
+
+    # -- flags -----------------------------------------------------------------------------------
+    max_tokens_default: int = flag(1024, "max_tokens of a chat request that sets none (within the context the "
+                                         "prompt leaves)", parse=count)
+    lease_s: float = flag(10.0, "seconds a worker stays registered without a heartbeat", name="--lease",
+                          parse=seconds)
+    max_queued_requests: int = flag(1024, "requests the router holds at once; past it clients get 429", parse=count)
+    queue_timeout_s: float = flag(300.0, "seconds an admitted request waits for a worker with room in its queue "
+                                         "before a 503", name="--queue-timeout", parse=seconds)
+    migrate_on_failure: bool = flag(False, "a decode worker lost mid-stream: continue on another by recomputing "
+                                           "prompt + output")
+    migrate_hot_spots: bool = flag(True, "keep running requests where they are, however hot their decode worker",
+                                   name="--no-hot-spot-migration")
+    hot_kv_usage: float = flag(0.85, "KV use past which a decode worker gets no new work and running requests "
+                                     "move off it", parse=fraction)
+    controller: bool = flag(False, "the P:D controller: move workers between the prefill and decode pools as their "
+                                   "pressure against the TTFT and TPOT targets says (off by default)",
+                            name="--rebalance")
+    rebalance_confirm_s: float = flag(_POLICY.confirm_s, "seconds a pool's need must hold before the controller "
+                                                         "moves a worker", parse=seconds)
+    rebalance_dwell_s: float = flag(_POLICY.dwell_s, "seconds after a move before the controller considers another",
+                                    parse=seconds)
+    slo_ttft_ms: float = flag(_POLICY.ttft_target_s * 1e3, "TTFT target: SLA attainment metrics, and the "
+                                                           "controller's prefill pressure", parse=milliseconds)
+    slo_tpot_ms: float = flag(_POLICY.tpot_target_s * 1e3, "TPOT target: SLA attainment metrics, and the "
+                                                           "controller's decode pressure", parse=milliseconds)
+
+    # -- for library users and tests -------------------------------------------------------------
     disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)
-    max_queued_requests: int = 1024
+    relief: HotSpotRelief = field(default_factory=HotSpotRelief)
     max_queued_tokens: int = 1 << 20
-    ttft_slo_s: float = 2.0
-    tpot_slo_s: float = 0.1
     max_body_bytes: int = 8 << 20
     keepalive_s: float = 5.0  # SSE comment after this long without a token
-    max_tokens_default: int = 1024  # max_tokens of a chat request that sets none (within the context left)
     worker_silence_s: float = 60.0  # a worker stream with no line (workers send keep-alives) for this long is lost
-    queue_timeout_s: float = 300.0  # a request admitted here waits at most this long for a worker with room
     client_stall_s: float = 30.0  # a client that reads nothing for this long, with output waiting, is dropped
-    migrate_on_failure: bool = False  # a decode worker lost mid-stream: continue on another
-    migrate_hot_spots: bool = True  # move running requests off decode workers past the hot KV use
-    relief: HotSpotRelief = field(default_factory=HotSpotRelief)
-    rebalance: RebalancePolicy | None = None  # the P:D controller moves workers between pools; None: off
+
+    # -- derived from the flags --------------------------------------------------------------------
+    decode_weights: DecodeWeights = field(init=False)
+    rebalance: RebalancePolicy | None = field(init=False)  # the P:D controller's policy; None: off
+
+    def __post_init__(self) -> None:
+        check_flags(self)
+        self.decode_weights = DecodeWeights(hot_kv_usage=self.hot_kv_usage)
+        self.rebalance = RebalancePolicy(self.ttft_slo_s, self.tpot_slo_s, self.hot_kv_usage,
+                                         confirm_s=self.rebalance_confirm_s,
+                                         dwell_s=self.rebalance_dwell_s) if self.controller else None
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.slo_ttft_ms / 1e3
+
+    @property
+    def tpot_slo_s(self) -> float:
+        return self.slo_tpot_ms / 1e3

@@ -10,7 +10,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from pdserve.flags import flag
+from pdserve.flags import check_flags, flag, port_number, seconds
 from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME
 
 
@@ -37,38 +37,29 @@ class WorkerConfig:
     node_name: str | None = flag(
         None, "the machine this worker runs on, as the router's /admin/workers shows it (default: the host name; "
               "on Ray, the Ray node)", parse=node_name)
-    port: int = flag(8100, "control endpoint port (0: any free one)")
-    kv_port: int = flag(0, "decode: KV transfer port (0: any free one)")
+    port: int = flag(8100, "control endpoint port (0: any free one)", parse=port_number)
+    kv_port: int = flag(0, "decode: KV transfer port (0: any free one)", parse=port_number)
     transfer: str = flag("shm,tcp", "KV transfer backends in order of preference: nixl, tcp, shm (comma-separated)")
     kv_transfer_dtype: str = flag("auto", "decode: ask prefill workers to send KV quantized (tcp, nixl)",
                                   choices=KV_TRANSFER_DTYPES)
-    kv_lease_timeout: float = flag(30.0, "decode: seconds to wait for a prompt's KV before computing it here")
+    kv_lease_timeout: float = flag(30.0, "decode: seconds to wait for a prompt's KV before computing it here",
+                                   parse=seconds)
     max_queued: int = flag(256, "sequences waiting beyond a full batch (--max-num-seqs) before new requests are "
                                 "refused (503)")
     record_steps: str | None = flag(None, "append every engine step's shape and time to this JSONL file (for "
                                           "`pdserve profile --from-steps`)")
     router: str | None = flag(None, "register with this router and renew the lease by heartbeat")
-    drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway")
+    drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway",
+                                parse=seconds)
     fault_injection: bool = flag(False, "serve POST /v1/faults/cut-kv-links (with the token): a testing aid that "
                                         "closes every KV connection of this worker at once; off by default")
 
     def __post_init__(self) -> None:
-        for name, check in (("host", host_name), ("advertise_host", host_name), ("node_name", node_name)):
-            if getattr(self, name) is not None:
-                try:
-                    check(getattr(self, name))
-                except ValueError as e:
-                    raise ValueError(f"{name}: {e}") from None
-        for name in ("port", "kv_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        check_flags(self)
         if not self.backends:
             raise ValueError(f"transfer names no backend: {self.transfer!r}")
         if self.kv_transfer_dtype not in KV_TRANSFER_DTYPES:
             raise ValueError(f"kv_transfer_dtype must be one of {', '.join(KV_TRANSFER_DTYPES)}")
-        for name in ("kv_lease_timeout", "drain_timeout"):
-            if not 0 < getattr(self, name) <= 86400:
-                raise ValueError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.router.main import build_router, controller_argv
+from pdserve.launcher import router_argv
+from pdserve.router.main import build_router
 from pdserve.router.rebalance import RebalancePolicy
 
 FLAGS = ["--rebalance", "--rebalance-confirm-s", "2.5", "--rebalance-dwell-s", "7", "--slo-ttft-ms", "4000",
@@ -15,7 +16,7 @@ FLAGS = ["--rebalance", "--rebalance-confirm-s", "2.5", "--rebalance-dwell-s", "
 
 def test_serve_hands_the_controller_flags_to_a_router_that_builds_its_policy_from_them(tiny_llama):
     serve = build_parser().parse_args(["serve", *FLAGS])
-    router_args = build_parser().parse_args(["router", "--model", str(tiny_llama), *controller_argv(serve)])
+    router_args = build_parser().parse_args([*router_argv(serve, "127.0.0.1", 0), "--model", str(tiny_llama)])
     policy = build_router(router_args).config.rebalance
     assert policy == RebalancePolicy(ttft_target_s=4.0, tpot_target_s=0.08, confirm_s=2.5, dwell_s=7.0)
     assert build_router(build_parser().parse_args(["router", "--model", str(tiny_llama)])).config.rebalance is None
@@ -33,3 +34,31 @@ def test_a_time_that_is_not_positive_is_an_argparse_error(command, flag, value, 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([command, flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+# A value other than the default for each router flag, as the config holds it.
+CHANGED = {"max_tokens_default": 64, "lease_s": 2.5, "max_queued_requests": 8, "queue_timeout_s": 12.0,
+           "migrate_on_failure": True, "migrate_hot_spots": False, "hot_kv_usage": 0.5, "controller": True,
+           "rebalance_confirm_s": 2.5, "rebalance_dwell_s": 7.0, "slo_ttft_ms": 4000.0, "slo_tpot_ms": 80.0}
+
+
+def test_every_router_flag_reaches_the_router_serve_starts(tiny_llama):
+    from pdserve.flags import config_argv, options
+    from pdserve.router.config import RouterConfig
+
+    assert {o.field for o in options(RouterConfig)} == set(CHANGED)
+    given = RouterConfig("m", 64, **CHANGED)
+    serve = build_parser().parse_args(["serve", *config_argv(given)])
+    config = build_router(build_parser().parse_args([*router_argv(serve, "127.0.0.1", 0), "--model", str(tiny_llama)])
+                          ).config
+    assert {k: getattr(config, k) for k in CHANGED} == CHANGED
+    assert (config.decode_weights.hot_kv_usage, config.rebalance.hot_kv_usage) == (0.5, 0.5)
+
+
+@pytest.mark.parametrize("field, value", [("lease_s", 0.0), ("hot_kv_usage", 1.5), ("max_queued_requests", 0),
+                                          ("slo_ttft_ms", -1.0)])
+def test_a_library_caller_is_refused_what_the_flag_refuses(field, value):
+    from pdserve.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match=field):
+        RouterConfig("m", 64, **{field: value})

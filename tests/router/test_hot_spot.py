@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.router.policy import DecodeWeights, HotSpotRelief
+from pdserve.router.policy import HotSpotRelief
 from tests.factories import make_llm, offline_text
 from tests.router_server import RouterServer
 from tests.wait import wait_for
@@ -25,7 +25,7 @@ MAX_TOKENS = 300
 def two_decoders(tiny_llama):
     with (WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, kv_cache_memory="1MiB") as hot,
           WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as cool,
-          RouterServer(tiny_llama, lease_s=1.5, decode_weights=DecodeWeights(hot_kv_usage=0.25),
+          RouterServer(tiny_llama, lease_s=1.5, hot_kv_usage=0.25,
                        relief=HotSpotRelief(target_max_kv_usage=0.2, min_remaining_tokens=16)) as rs):
         yield rs.router, rs.url, hot, cool, rs.join
 
