@@ -34,6 +34,7 @@ from pdserve.bench.model_arithmetic import (
 from pdserve.bench.runners import (
     hf_generate, llamacpp_decoder, load_transformers, ours_decode, ours_offline, ours_prefill, torch_dtype,
 )
+from pdserve.bench.turns import best_in_turns
 from pdserve.bench.workload import FULL, QUICK, Sizes, Workload, make_workload
 from pdserve.models.arch_config import ArchConfig
 
@@ -172,16 +173,8 @@ def _time_configurations(model_path: Path, dtype: str, sizes: Sizes, workload: W
 
 
 def _turn_about(label: str, inputs: list, contenders: dict[str, Callable[[Any], float]]) -> dict[str, float]:
-    """Warms each contender up on inputs[0], then times them in turn on every later input; the best
-    of each. Taking turns, a neighbour's burst of load hits both sides alike, not one whole side."""
     _log(label)
-    for run_once in contenders.values():
-        run_once(inputs[0])
-    best = dict.fromkeys(contenders, float("inf"))
-    for x in inputs[1:]:
-        for name, run_once in contenders.items():
-            best[name] = min(best[name], run_once(x))
-    return best
+    return best_in_turns(inputs, contenders)
 
 
 def _compare(row: dict[str, Any], key: str) -> dict[str, Any]:

@@ -24,12 +24,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pdserve.bench.first_token import greedy_agreement, logit_error, ttft_comparison
 from pdserve.bench.machine import environment
+from pdserve.bench.turns import best_in_turns
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.shm import SharedKVPool
 from pdserve.kv_transfer.timed_link import Link
@@ -105,15 +106,11 @@ class Loopback:
 # -- 2. transfer only: `Link` (kv_transfer/timed_link.py) -------------------------------------------
 
 def take_turns(contenders: dict[str, Any], reps: int) -> dict[str, float]:
-    """Best seconds of each contender's `once()`, run in turns so that all see the same moments."""
-    best = {name: float("inf") for name in contenders}
-    for c in contenders.values():
-        c.once()  # warm up: page faults, connections, claims
-    for _ in range(reps):
-        for name, c in contenders.items():
-            seconds = c.once() if isinstance(c, Link) else _timed(c.once)
-            best[name] = min(best[name], seconds)
-    return best
+    """Best seconds of each contender's `once()`, run in turns so that all see the same moments
+    (a link times itself: its seconds leave out setting each round up)."""
+    def timer(c: Any) -> Callable[[Any], float]:
+        return (lambda _: c.once()) if isinstance(c, Link) else (lambda _: _timed(c.once))
+    return best_in_turns([None] * (reps + 1), {name: timer(c) for name, c in contenders.items()})
 
 
 # -- the command ------------------------------------------------------------------------------
