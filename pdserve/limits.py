@@ -27,6 +27,10 @@ MAX_CLIENT_STOP_STRINGS = 4  # stop strings per request from a client, as OpenAI
 MAX_STOP_STRINGS = 16  # ... on the wire and in the library
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty are in [-2, 2], as OpenAI's
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, 10]; 1 changes nothing
+MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one logit_bias may name, as OpenAI allows
+MAX_ABS_LOGIT_BIAS = 100.0  # each bias is in [-100, 100], as OpenAI's
 
 # -- sizes ---------------------------------------------------------------------------------------
 TOKEN_ID_LIMIT = 1 << 31  # token ids are in [0, 2^31); the vocabulary is the real limit

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.limits import (
-    MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
-    SEED_LIMIT,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT,
 )
 
 _GREEDY_EPS = 1e-5
@@ -31,6 +31,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # penalties and biases on the logits before sampling (`layers/penalties.py`), greedy rows too
+    presence_penalty: float = 0.0  # less this once a token is in the output
+    frequency_penalty: float = 0.0  # less this times the token's count in the output
+    repetition_penalty: float = 1.0  # a token in the prompt or output: its logit / this (x this if negative)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (workers: the router makes the text)
@@ -69,6 +74,18 @@ class SamplingParams:
                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        _check_float("presence_penalty", self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        _check_float("frequency_penalty", self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
+        _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
+        self.logit_bias = dict(self.logit_bias)
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+               f"logit_bias names at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(self.logit_bias)}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+               "logit_bias keys must be non-negative token ids")
+        for value in self.logit_bias.values():
+            _check_float("a logit_bias value", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                            ("include_stop_str_in_output", self.include_stop_str_in_output),
                            ("detokenize", self.detokenize)):
@@ -79,11 +96,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def penalized(self) -> bool:
+        """Some penalty or bias changes the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         values["stop"] = list(values["stop"])
         values["stop_token_ids"] = list(values["stop_token_ids"])
+        values["logit_bias"] = dict(values["logit_bias"])
         return SamplingParams(**values)
 
     def child_seed(self, index: int) -> int | None:

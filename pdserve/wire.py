@@ -28,8 +28,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pdserve.limits import (
-    MAX_BLOCK_SIZE, MAX_FENCE, MAX_N, MAX_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT,
-    MAX_TOP_K, MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_BLOCK_SIZE, MAX_FENCE, MAX_LOGIT_BIAS_ENTRIES, MAX_N,
+    MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
+    MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
 from pdserve.sampling_params import SamplingParams
 # Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
@@ -116,6 +117,11 @@ class Sampling(Message):
     min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, Meta(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
+                          Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] = {}
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
@@ -129,7 +135,9 @@ class Sampling(Message):
 
 
 def _copied(source: object, fields: tuple[str, ...]) -> dict:
-    return {f: list(v) if isinstance(v := getattr(source, f), list) else v for f in fields}
+    def copy(v: object) -> object:
+        return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+    return {f: copy(getattr(source, f)) for f in fields}
 
 
 class GenerateRequest(Message, kw_only=True):

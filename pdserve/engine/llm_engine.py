@@ -184,6 +184,9 @@ class LLMEngine:
         bad_stop = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad_stop is not None:
             raise ValueError(f"stop token id {bad_stop} is outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias names token id {bad_bias}, outside the vocabulary [0, {vocab})")
 
     def _validate_resumed(self, token_ids: list[int], output_ids: list[int], params: SamplingParams) -> None:
         if not output_ids:

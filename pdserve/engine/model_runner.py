@@ -11,6 +11,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.step import SchedulerOutput
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
+from pdserve.layers.penalties import RowPenalties, apply_penalties
 from pdserve.layers.sampler import Sampler, SamplingBatch
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -81,7 +82,11 @@ class ModelRunner:
         return sampled
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """One token for each request, from its row of `logits` ([rows, vocab] float32)."""
+        """One token for each request, from its row of `logits` ([rows, vocab] float32), after its
+        penalties and biases (`layers/penalties.py`)."""
+        if any(r.params.penalized for r in requests):
+            logits = apply_penalties(logits, [RowPenalties(r.params, r.prompt_token_ids, r.output_token_ids)
+                                              if r.params.penalized else None for r in requests])
         return self.sampler(logits, sampling_batch(requests, self.device))
 
     def _prepare(self, step: SchedulerOutput):

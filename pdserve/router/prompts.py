@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdserve.http_errors import APIError
 from pdserve.router.config import RouterConfig
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.protocol import NOT_SERVED, ChatCompletionRequest, CompletionRequest
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire import Sampling
 
@@ -17,10 +17,10 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
     if req.model != config.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                             f"{config.model_name!r}", "not_found_error", "model")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    for name, neutral in NOT_SERVED.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            raise APIError(400, f"{name} is not supported", param=name)
     if isinstance(req, ChatCompletionRequest):
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -38,6 +38,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
+    for field, named in req.token_ids_named().items():
+        if any(t >= vocab_size for t in named):
+            raise APIError(400, f"{field} names token ids outside the vocabulary [0, {vocab_size})", param=field)
     limit = config.max_model_len
     if max_tokens is None:  # never the whole context by default: n of those would hold the pool for minutes
         max_tokens = max(1, min(config.max_tokens_default, limit - len(ids)))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve.limits import (
-    MAX_CLIENT_N, MAX_CLIENT_PRIORITY, MAX_CLIENT_STOP_STRINGS, MAX_MESSAGES, MAX_SEQUENCE_TOKENS,
-    MAX_STOP_STRING_CHARS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CLIENT_N, MAX_CLIENT_PRIORITY, MAX_CLIENT_STOP_STRINGS,
+    MAX_LOGIT_BIAS_ENTRIES, MAX_MESSAGES, MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS,
+    MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
 from pdserve.wire import Sampling
 
@@ -26,6 +27,20 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_encodable)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]
+TokenIdField = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]  # a JSON object's key "50256" reads as 50256
+
+
+# Fields of OpenAI's (and vLLM's) API that pdserve does not serve yet, with the values that ask for
+# nothing: any other value is refused with a 400 naming the field. Fields clients send that change
+# nothing here (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...) are ignored.
+NOT_SERVED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -47,14 +62,40 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Finite = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    logit_bias: Annotated[dict[TokenIdField, Annotated[Finite, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     priority: StrictInt = Field(default=0, ge=0, le=MAX_CLIENT_PRIORITY)
-    logprobs: bool | StrictInt | None = None  # not served: refused unless absent, false or 0
+    # Not served yet: read so that a request asking for them is refused with a 400 that names the
+    # field (`NOT_SERVED`), not answered as if it had not asked.
+    logprobs: bool | StrictInt | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    structured_outputs: Any = None  # vLLM's
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def sampling(self, max_tokens: int) -> Sampling:
         """What the workers sample by; stop strings stay here (`stop_strings`): the router makes the text."""
         return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                        min_tokens=self.min_tokens)
+                        min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}))
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """The token ids the request names outside its prompt, by field (each must be in the vocabulary)."""
+        return {"logit_bias": list(self.logit_bias or {}), "stop_token_ids": list(self.stop_token_ids or [])}
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,7 +104,9 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Text | Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
                              Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
-    echo: bool = False
+    echo: bool = False  # not served yet, as suffix and best_of: see NOT_SERVED
+    suffix: Any = None
+    best_of: Any = None
 
 
 class TextPart(BaseModel):

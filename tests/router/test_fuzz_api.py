@@ -226,7 +226,14 @@ SAMPLING_FIELDS = {
     "priority": (st.integers(0, 9), hostile),
     "logprobs": (st.sampled_from([None, False, 0]), hostile),
     "user": (small_text, hostile),  # fields other clients send, ignored here
-    "frequency_penalty": (st.floats(-2, 2), hostile),
+    "frequency_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
+    "presence_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
+    "repetition_penalty": (st.floats(0.1, 10), st.one_of(st.floats(max_value=0), st.floats(min_value=10.01), hostile)),
+    "logit_bias": (st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100), max_size=4),
+                   st.one_of(st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 10**7).map(str)),
+                                             st.one_of(st.floats(), hostile), max_size=4), hostile)),
+    "stop_token_ids": (st.lists(st.integers(0, 511), max_size=4),
+                       st.one_of(st.lists(st.one_of(st.integers(), hostile), max_size=70), hostile)),
 }
 small_max_tokens = st.integers(1, 8)
 hostile_max_tokens = st.one_of(st.sampled_from(EDGE_INTS + [64, 1000]), st.floats(), st.booleans(), hostile)

@@ -90,6 +90,27 @@ def test_a_stop_string_ends_only_its_own_completion(client, offline):
     assert texts == [c.text for c in got] and reasons == [["stop"], ["length"]]
 
 
+def test_penalties_and_logit_bias_reach_the_model(client, offline, router_cluster):
+    """Through the router and a prefill worker (first token) to the decode worker (the rest), as
+    the offline engine computes them; a bias of -100 bans a token, +100 all but forces one."""
+    tok = offline.get_tokenizer()
+    prompt = "a prompt no other test sends, so no worker holds its KV yet: " * 2
+    plain = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    settings = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={plain[0]: -100.0})
+    landed = router_cluster["d"].worker.stats().kv_landed
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  frequency_penalty=1.5, presence_penalty=0.5,
+                                  logit_bias={str(plain[0]): -100}, extra_body={"repetition_penalty": 1.2})
+    sp = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.2, **settings)
+    expected = offline.generate(prompt, sp)[0].outputs[0]
+    assert r.choices[0].text == expected.text and expected.token_ids[0] != plain[0]
+    assert router_cluster["d"].worker.stats().kv_landed > landed  # the first token came from the prefill worker
+    forced = tok.encode(" banana")[-1]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert tok.decode([forced] * 3) == chat.choices[0].message.content
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -129,6 +150,14 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "stop": "s" * 257}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "logprobs": {"top": 5}}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {str(10**6): 1}}, 400, "logit_bias names token ids outside"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids names token ids outside"),
     ({"model": MODEL * 100, "prompt": "x"}, 400, "model"),
     ([1, 2, 3], 400, "body"),
     ("just a string", 400, "body"),
@@ -325,3 +354,30 @@ def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
     r = httpx.post(router_cluster["url"] + "/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "suffix", "the end"),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "guided_json", {"type": "object"}),
+])
+def test_a_field_not_served_yet_is_refused_by_name_not_ignored(router_cluster, path, field, value):
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = httpx.post(router_cluster["url"] + path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("neutral", [{"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"},
+                                     {"logprobs": False}, {"top_logprobs": 0}, {"user": "u-1", "store": False,
+                                     "metadata": {"k": "v"}, "service_tier": "auto", "parallel_tool_calls": True}])
+def test_fields_clients_send_by_default_are_served_or_ignored(client, neutral):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body=neutral)
+    assert r.choices[0].finish_reason in ("length", "stop")

@@ -78,6 +78,21 @@ def test_seeded_sampling_matches_colocated(tiny_llama, colocated):
         c.wait_idle()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "memory"])
+def test_penalties_and_biases_match_colocated(tiny_llama, colocated, backend):
+    """The prefill worker samples the first token, the decode worker the rest: both apply the same
+    penalties from the same counts, so the output is the colocated one."""
+    prompts = [prompt(n, seed=n) for n in (7, 30, 61)]
+    for sampling in (dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={3: 4.0, 9: -100.0}),
+                     dict(temperature=0.8, seed=99, repetition_penalty=1.4, presence_penalty=-0.3)):
+        expected = reference(colocated, prompts, max_tokens=10, **sampling)
+        assert expected != reference(colocated, prompts, max_tokens=10)  # the penalties change the answers
+        with Cluster(tiny_llama, backend) as c:
+            assert [c.generate(p, max_tokens=10, **sampling)[0] for p in prompts] == expected
+            assert c.d.worker.stats().kv_landed == len(prompts)
+            c.wait_idle()
+
+
 def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[::2])]
     expected = reference(colocated, prompts)

@@ -13,7 +13,10 @@ from pdserve import SamplingParams
 from tests.factories import make_llm
 from tests.worker.cluster import Cluster, WorkerServer, prompt
 
-SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77}}
+SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77},
+             # counted from every token so far, those generated before the resume included
+             "penalized": {"temperature": 0.8, "seed": 5, "frequency_penalty": 1.1, "presence_penalty": 0.4,
+                           "repetition_penalty": 1.3, "logit_bias": {7: 3.0, 11: -100.0}}}
 
 
 @pytest.fixture(scope="module")
