@@ -31,6 +31,7 @@ MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty are in [-2, 2], 
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, 10]; 1 changes nothing
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one logit_bias may name, as OpenAI allows
 MAX_ABS_LOGIT_BIAS = 100.0  # each bias is in [-100, 100], as OpenAI's
+MAX_LOGPROBS = 20  # most likely tokens reported with each token's log-probability, as OpenAI allows
 
 # -- sizes ---------------------------------------------------------------------------------------
 TOKEN_ID_LIMIT = 1 << 31  # token ids are in [0, 2^31); the vocabulary is the real limit

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (before penalties and sampling
+    settings), and the most likely tokens' there, most likely first (`SamplingParams.logprobs` of them)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # the whole text, in the request's final output ("" before: streams read delta_text)
@@ -14,6 +24,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""  # text new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)  # tokens new since the previous output
+    # with `SamplingParams.logprobs`: one for each token generated here, as the tokens are sent
+    logprobs: list[TokenLogprobs] | None = None  # the whole completion's, in the final output
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.limits import (
-    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT,
 )
 
@@ -36,6 +36,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # less this times the token's count in the output
     repetition_penalty: float = 1.0  # a token in the prompt or output: its logit / this (x this if negative)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # each sampled token's log-probability and this many most likely tokens' (None: none), from the
+    # model's distribution as it is, before penalties and sampling settings
+    logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (workers: the router makes the text)
@@ -86,6 +89,8 @@ class SamplingParams:
                "logit_bias keys must be non-negative token ids")
         for value in self.logit_bias.values():
             _check_float("a logit_bias value", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                            ("include_stop_str_in_output", self.include_stop_str_in_output),
                            ("detokenize", self.detokenize)):

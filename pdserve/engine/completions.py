@@ -24,6 +24,7 @@ class Completion:
     detokenizer: IncrementalDetokenizer | None  # None: token ids only (a worker's; its router makes the text)
     index: int  # which of the request's n completions
     num_tokens_sent: int = 0
+    num_logprobs_sent: int = 0
 
 
 @dataclass(slots=True)
@@ -52,6 +53,9 @@ class Completions:
                 text = detok.text[: detok.released] if whole else ""
             delta_ids = req.output_token_ids[seq.num_tokens_sent :]
             seq.num_tokens_sent = len(req.output_token_ids)
+            delta_logprobs = req.output_logprobs[seq.num_logprobs_sent :]
+            seq.num_logprobs_sent = len(req.output_logprobs)
+            wants_logprobs = req.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=text,
@@ -60,6 +64,8 @@ class Completions:
                 stop_reason=req.stop_reason,
                 delta_text=delta_text,
                 delta_token_ids=delta_ids,
+                logprobs=list(req.output_logprobs) if whole and wants_logprobs else None,
+                delta_logprobs=delta_logprobs,
             ))
         finished = self.finished
         return RequestOutput(

@@ -12,7 +12,7 @@ from pdserve.engine.step import SchedulerOutput
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
 from pdserve.layers.penalties import RowPenalties, apply_penalties
-from pdserve.layers.sampler import Sampler, SamplingBatch
+from pdserve.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from pdserve.models.llama import LlamaForCausalLM
 
 
@@ -84,10 +84,17 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token for each request, from its row of `logits` ([rows, vocab] float32), after its
         penalties and biases (`layers/penalties.py`)."""
+        raw = logits
         if any(r.params.penalized for r in requests):
             logits = apply_penalties(logits, [RowPenalties(r.params, r.prompt_token_ids, r.output_token_ids)
                                               if r.params.penalized else None for r in requests])
-        return self.sampler(logits, sampling_batch(requests, self.device))
+        tokens = self.sampler(logits, sampling_batch(requests, self.device))
+        asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if asked:
+            for i, entry in zip(asked, token_logprobs(raw[asked], [tokens[i] for i in asked],
+                                                       [requests[i].params.logprobs for i in asked])):
+                requests[i].pending_logprobs = entry  # the scheduler keeps it with the token
+        return tokens
 
     def _prepare(self, step: SchedulerOutput):
         bs = self.block_size

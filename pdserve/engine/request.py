@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Request:
         "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
-        "remote_queue_s", "remote_compute_s",
+        "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs",
     )
 
     def __init__(
@@ -66,6 +67,11 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         # tokens generated so far: empty, or what another worker generated before this one resumes
         self.output_token_ids: list[int] = list(output_token_ids)
+        # with params.logprobs: one entry per token sampled here (a resumed request's earlier tokens
+        # have theirs where they were sampled); the runner leaves a step's in `pending_logprobs`,
+        # and the scheduler moves it here with the token
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.pending_logprobs: TokenLogprobs | None = None
         self.params = params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

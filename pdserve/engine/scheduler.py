@@ -237,6 +237,9 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             assert token is not None
             req.output_token_ids.append(token)
+            if req.pending_logprobs is not None:
+                req.output_logprobs.append(req.pending_logprobs)
+                req.pending_logprobs = None
             if req.first_token_time is None:
                 req.first_token_time = self.clock()
             advanced.append(req)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.outputs import TokenLogprobs
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -50,6 +52,19 @@ class Sampler:
         noise = _exponential_noise(probs.shape, batch.generators, self.generator).to(logits.device)
         sampled = _argmax(probs / noise)
         return torch.where(batch.greedy, greedy, sampled).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """Each row's chosen token's log-probability under the row's distribution ([rows, vocab]
+    logits as the model gave them), with its `tops[i]` most likely tokens', most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k = max(tops)
+    best = logprobs.topk(k, dim=-1) if k else None
+    out = []
+    for i, token in enumerate(tokens):
+        top = list(zip(best.indices[i, : tops[i]].tolist(), best.values[i, : tops[i]].tolist())) if k else []
+        out.append(TokenLogprobs(token, float(logprobs[i, token]), top))
+    return out
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
