@@ -28,7 +28,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pdserve.limits import (
-    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_BLOCK_SIZE, MAX_FENCE, MAX_LOGIT_BIAS_ENTRIES, MAX_N,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_BLOCK_SIZE, MAX_FENCE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N,
     MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
     MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
@@ -122,6 +122,7 @@ class Sampling(Message):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
     logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
                           Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] = {}
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
@@ -169,10 +170,23 @@ class Aborted(Message):
 # -- worker -> router: the output stream --------------------------------------------------------
 
 
+LogProb = Annotated[float, Meta(ge=-1e30, le=0.0)]  # finite: JSON has no infinity
+
+
+class TokenLogprob(Message, array_like=True):
+    """A generated token's log-probability, and the most likely tokens' ([id, log-probability])."""
+
+    token_id: TokenId
+    logprob: LogProb
+    top: Annotated[list[tuple[TokenId, LogProb]], Meta(max_length=MAX_LOGPROBS)] = []
+
+
 class CompletionDelta(Message):
     index: Annotated[int, Meta(ge=0, lt=MAX_N)]
     token_ids: TokenIds
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    # one per token of `token_ids`, where the request asked for log-probabilities
+    logprobs: Annotated[list[TokenLogprob], Meta(max_length=MAX_SEQUENCE_TOKENS)] | None = None
 
 
 class ErrorInfo(Message):

@@ -27,7 +27,7 @@ from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import RequestOutput, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.engine")
@@ -237,10 +237,12 @@ class LLMEngine:
             self._aborted.append(parent.output(changed=set()))
             self._forget(parent)
 
-    def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0)) -> bool:
-        """A prefill worker filled the request's reserved blocks and sampled `first_token`.
+    def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0),
+                  first_logprobs: TokenLogprobs | None = None) -> bool:
+        """A prefill worker filled the request's reserved blocks and sampled `first_token` (with
+        its log-probabilities, where the request asks for them; ValueError if they are missing).
         Its output comes from the next step(). False if the request is no longer waiting for it."""
-        req = self.scheduler.kv_landed(request_id, first_token, prefill_times)
+        req = self.scheduler.kv_landed(request_id, first_token, prefill_times, first_logprobs)
         if req is None:
             return False
         self._skip_draws(req, 1)  # the prefill worker drew the new token's noise from the same seed

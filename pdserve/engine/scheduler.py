@@ -27,6 +27,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.step import SchedulerOutput
+from pdserve.outputs import TokenLogprobs
 
 
 class Scheduler:
@@ -174,15 +175,19 @@ class Scheduler:
         self.hooks.on_reserved(req)
         return True
 
-    def kv_landed(self, request_id: str, first_token: int,
-                  prefill_times: tuple[float, float] = (0.0, 0.0)) -> Request | None:
-        """The prompt's KV is in the reserved blocks and the first token was sampled elsewhere.
+    def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0),
+                  first_logprobs: TokenLogprobs | None = None) -> Request | None:
+        """The prompt's KV is in the reserved blocks and the first token was sampled elsewhere
+        (with its log-probabilities, where the request asks for them: ValueError if they are missing).
 
         Returns the request, now RUNNING (or finished, if that token ends it); None if it is gone.
         """
-        req = self.waiting_for_kv.pop(request_id, None)
+        req = self.waiting_for_kv.get(request_id)
         if req is None:
             return None
+        if req.params.logprobs is not None and first_logprobs is None:
+            raise ValueError("the first token came without the log-probabilities the request asks for")
+        del self.waiting_for_kv[request_id]
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
         req.num_computed_tokens = req.num_tokens  # prompt and any resumed output
@@ -190,6 +195,8 @@ class Scheduler:
         bisect.insort(self.running, req, key=Request.sort_key)
         self.blocks.cache_full_blocks(req)
         req.output_token_ids.append(first_token)
+        if req.params.logprobs is not None:
+            req.output_logprobs.append(first_logprobs)
         req.kv_landed_time = req.first_token_time = self.clock()
         req.remote_queue_s, req.remote_compute_s = prefill_times
         status = self._stop_status(req, first_token)

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 import torch
 
 from pdserve.kv_transfer.base import KVLayout, Lease, TransferStatus
+from pdserve.outputs import TokenLogprobs
 
 # (request id, fence): the decode worker ended that lease; fence None: every lease of the request
 # on this sender failed with the link.
@@ -41,8 +42,10 @@ class KVSender(Protocol):
         """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs."""
         ...
 
-    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0)) -> None:
-        """After the lease's writes: the first token, and (queue, compute) seconds spent here."""
+    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
+               logprobs: TokenLogprobs | None = None) -> None:
+        """After the lease's writes: the first token (with its log-probabilities, where the request
+        asked for them), and (queue, compute) seconds spent here."""
         ...
 
     def abort(self, lease: Lease, reason: str) -> None: ...

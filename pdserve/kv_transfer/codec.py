@@ -27,6 +27,9 @@ from typing import Callable
 
 import msgspec
 
+from pdserve.limits import MAX_LOGPROBS
+from pdserve.outputs import TokenLogprobs
+
 MAGIC = b"PDKV"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
@@ -83,6 +86,27 @@ class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_prompt_tokens: int
     prefill_queue_s: float = 0.0  # how long the request waited on the prefill worker
     prefill_compute_s: float = 0.0  # and how long computing it took there
+    # where the request asked for log-probabilities: the first token's, and the most likely tokens'
+    logprob: float | None = None
+    top: list[tuple[int, float]] = []
+
+    @classmethod
+    def of(cls, lease, first_token: int, times: tuple[float, float], logprobs: TokenLogprobs | None
+           ) -> NotifyHeader:
+        extra = {} if logprobs is None else {"logprob": logprobs.logprob, "top": logprobs.top}
+        return cls(lease.request_id, lease.fence, first_token, lease.end, *times, **extra)
+
+    def logprobs(self) -> TokenLogprobs | None:
+        """The first token's log-probabilities as sent; ValueError for values no model gives."""
+        if self.logprob is None:
+            if self.top:
+                raise ValueError("top log-probabilities without the token's own")
+            return None
+        values = [self.logprob, *(lp for _, lp in self.top)]
+        if len(self.top) > MAX_LOGPROBS or not all(math.isfinite(v) and v <= 0.0 for v in values) or any(
+                t < 0 for t, _ in self.top):
+            raise ValueError("log-probabilities out of range")
+        return TokenLogprobs(self.first_token, self.logprob, [(int(t), float(lp)) for t, lp in self.top])
 
 
 class AbortHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.kv_transfer.base import Lease
+from pdserve.outputs import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class NotifyJob:
     lease: Lease
     first_token: int
     times: tuple[float, float]  # (queue, compute) seconds the prefill spent here
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(slots=True)

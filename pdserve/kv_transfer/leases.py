@@ -32,6 +32,7 @@ from typing import Protocol
 
 from pdserve.kv_transfer.base import Lease
 from pdserve.kv_transfer.codec import AbortHeader, FrameError, Header, NotifyHeader, StaleWrite, WriteHeader
+from pdserve.outputs import TokenLogprobs
 
 
 class EventKind(enum.IntEnum):
@@ -48,6 +49,7 @@ class ReceiverEvent:
     first_token: int = -1
     reason: str = ""
     prefill_times: tuple[float, float] = (0.0, 0.0)  # LANDED: queue and compute seconds on the prefill worker
+    first_logprobs: TokenLogprobs | None = None  # LANDED, where the request asked for log-probabilities
 
 
 class Peer(Protocol):
@@ -193,7 +195,11 @@ class LeaseTable:
             elif h.num_prompt_tokens != lease.end or h.first_token < 0:
                 reason = f"bad notify: token {h.first_token} after {h.num_prompt_tokens} tokens, lease holds {lease.end}"
             else:
-                reason = ""
+                try:
+                    first_logprobs = h.logprobs()
+                    reason = ""
+                except ValueError as e:
+                    reason = f"bad notify: {e}"
             state.closed_at = time.monotonic()
             if not reason:
                 state.released = True  # the blocks stay with the request
@@ -201,7 +207,7 @@ class LeaseTable:
         if not reason:
             times = tuple(t if math.isfinite(t) and t >= 0 else 0.0 for t in (h.prefill_queue_s, h.prefill_compute_s))
             self.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token,
-                                          prefill_times=times))
+                                          prefill_times=times, first_logprobs=first_logprobs))
         else:
             self.events.put(ReceiverEvent(EventKind.FAILED, h.request_id, h.fence, reason=reason))
             self._unbind(state)

@@ -26,6 +26,7 @@ from pdserve.kv_transfer.base import KVLayout, LayoutMismatch, Lease, TransferEr
 from pdserve.kv_transfer.codec import AbortHeader, FrameError, Header, NotifyHeader, StaleWrite, WriteHeader
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.quant import dequantize_into, encoded_size, gather_slots, quantize
+from pdserve.outputs import TokenLogprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -138,10 +139,11 @@ class MemorySender:
         self.bytes_sent += landed
         self.leases.end_write(state, range(layer, layer + 1), end, landed)
 
-    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0)) -> None:
+    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
+               logprobs: TokenLogprobs | None = None) -> None:
         if not self._usable(lease, TransferStatus.FAILED):
             return
-        self.leases.notify(NotifyHeader(lease.request_id, lease.fence, first_token, lease.end, *times), self)
+        self.leases.notify(NotifyHeader.of(lease, first_token, times, logprobs), self)
         with self._lock:
             self._status[lease.request_id] = TransferStatus.DONE
 

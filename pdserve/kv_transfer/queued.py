@@ -28,6 +28,7 @@ from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameL
 from pdserve.kv_transfer.control import ControlLink
 from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, WriteJob
 from pdserve.layers.kernels.native import serial_torch_on_this_thread
+from pdserve.outputs import TokenLogprobs
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -112,9 +113,11 @@ class QueuedSender:
     def prepare(self, lease: Lease) -> None:
         """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
 
-    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0)) -> None:
-        """After the lease's writes: the first token, and (queue, compute) seconds spent here."""
-        self._push(NotifyJob(lease, first_token, times))
+    def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
+               logprobs: TokenLogprobs | None = None) -> None:
+        """After the lease's writes: the first token (with its log-probabilities, where the request
+        asked for them), and (queue, compute) seconds spent here."""
+        self._push(NotifyJob(lease, first_token, times, logprobs))
 
     def abort(self, lease: Lease, reason: str) -> None:
         self._push(AbortJob(lease, reason))
@@ -208,7 +211,7 @@ class QueuedSender:
         elif isinstance(job, ClaimJob):
             self._claim(lease)
         elif isinstance(job, NotifyJob):
-            self.link.send(NotifyHeader(lease.request_id, lease.fence, job.first_token, lease.end, *job.times))
+            self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs))
             self._status[lease.request_id] = TransferStatus.DONE
         elif isinstance(job, AbortJob):
             self._aborted_fences.add(lease.fence)

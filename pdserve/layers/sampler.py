@@ -54,6 +54,9 @@ class Sampler:
         return torch.where(batch.greedy, greedy, sampled).tolist()
 
 
+LEAST_LOGPROB = -9999.0  # what a token the model rules out (-inf) is reported as: JSON has no infinity
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
     """Each row's chosen token's log-probability under the row's distribution ([rows, vocab]
     logits as the model gave them), with its `tops[i]` most likely tokens', most likely first."""
@@ -62,8 +65,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
     best = logprobs.topk(k, dim=-1) if k else None
     out = []
     for i, token in enumerate(tokens):
-        top = list(zip(best.indices[i, : tops[i]].tolist(), best.values[i, : tops[i]].tolist())) if k else []
-        out.append(TokenLogprobs(token, float(logprobs[i, token]), top))
+        top = [(t, max(lp, LEAST_LOGPROB)) for t, lp in zip(best.indices[i, : tops[i]].tolist(),
+                                                               best.values[i, : tops[i]].tolist())] if k else []
+        out.append(TokenLogprobs(token, max(float(logprobs[i, token]), LEAST_LOGPROB), top))
     return out
 
 

@@ -15,7 +15,7 @@ import asyncio
 from typing import AsyncIterator, Callable
 
 from pdserve.outputs import RequestOutput
-from pdserve.wire import CompletionDelta, OutputLine, encode, error_line
+from pdserve.wire import CompletionDelta, OutputLine, TokenLogprob, encode, error_line
 
 MAX_PENDING_OUTPUTS = 1024
 KEEPALIVE_S = 5.0
@@ -25,7 +25,9 @@ def output_line(out: RequestOutput) -> bytes:
     """Token ids only: the router makes the text."""
     return encode(OutputLine(
         request_id=out.request_id,
-        outputs=[CompletionDelta(index=c.index, token_ids=c.delta_token_ids, finish_reason=c.finish_reason)
+        outputs=[CompletionDelta(index=c.index, token_ids=c.delta_token_ids, finish_reason=c.finish_reason,
+                                 logprobs=[TokenLogprob(e.token_id, e.logprob, e.top) for e in c.delta_logprobs]
+                                 if c.delta_logprobs else None)
                  for c in out.outputs],
         finished=out.finished,
         num_prompt_tokens=len(out.prompt_token_ids),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import msgspec
 import pytest
 
 from pdserve.kv_transfer.codec import (
@@ -130,3 +131,35 @@ def test_wire_code_imports_no_pickle():
         "assert 'pickle' not in sys.modules, 'pickle imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_notify_carries_the_first_tokens_logprobs_and_refuses_values_no_model_gives():
+    from pdserve.outputs import TokenLogprobs
+
+    lease = type("L", (), {"request_id": "r1", "fence": 1, "end": 17})()
+    header = NotifyHeader.of(lease, 42, (0.1, 0.2), TokenLogprobs(42, -0.25, [(42, -0.25), (7, -1.5)]))
+    raw = encode_frame(header)[0]
+    back = msgspec.msgpack.decode(raw[PREFIX.size:], type=NotifyHeader)
+    assert back.logprobs() == TokenLogprobs(42, -0.25, [(42, -0.25), (7, -1.5)])
+    assert NotifyHeader.of(lease, 42, (0.0, 0.0), None).logprobs() is None
+    for bad in (dict(logprob=0.5), dict(logprob=float("nan")), dict(logprob=-1.0, top=[(-3, -1.0)]),
+                dict(logprob=-1.0, top=[(1, -1.0)] * 21), dict(top=[(1, -1.0)])):
+        with pytest.raises(ValueError):
+            NotifyHeader("r1", 1, 42, 17, **bad).logprobs()
+
+
+def test_a_first_token_without_the_logprobs_its_request_asks_for_is_not_taken(tiny_llama):
+    from pdserve import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from tests.factories import engine_config
+
+    engine = LLMEngine(engine_config(tiny_llama, "decode"))
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, logprobs=1),
+                       remote_prefill=True)
+    engine.step()  # its blocks are reserved: it waits for its KV
+    with pytest.raises(ValueError, match="log-probabilities"):
+        engine.kv_landed("r", 5, (0.0, 0.0), None)
+    engine.kv_failed("r")  # what the decode worker does then: the prompt is computed here
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert len(outs[-1].outputs[0].logprobs) == 2

@@ -93,6 +93,34 @@ def test_penalties_and_biases_match_colocated(tiny_llama, colocated, backend):
             c.wait_idle()
 
 
+def streamed_logprobs(c: Cluster, tokens: list[int], **sampling) -> tuple[list[int], list]:
+    out, entries = [], []
+    for line in c.stream(tokens, **sampling):
+        for delta in line["outputs"]:
+            out += delta["token_ids"]
+            entries += delta["logprobs"] or []
+    return out, entries
+
+
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
+def test_logprobs_match_colocated(tiny_llama, colocated, backend):
+    """The prefill worker computes the first token's log-probabilities, and they travel with it
+    to the decode worker; nothing is computed twice, and every token has its entry."""
+    prompts = [prompt(n, seed=n) for n in (7, 30)]
+    for sampling in (dict(logprobs=3), dict(temperature=0.8, seed=7, logprobs=0)):
+        sp = SamplingParams(**{"temperature": 0, "max_tokens": 6, "ignore_eos": True, **sampling})
+        expected = [o.outputs[0] for o in colocated.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        with Cluster(tiny_llama, backend) as c:
+            for p, want in zip(prompts, expected):
+                tokens, entries = streamed_logprobs(c, p, max_tokens=6, **sampling)
+                assert tokens == want.token_ids and [e[0] for e in entries] == tokens
+                for (token, logprob, top), ref in zip(entries, want.logprobs):
+                    assert logprob == pytest.approx(ref.logprob, abs=1e-4)
+                    assert [t for t, _ in top] == [t for t, _ in ref.top]
+            assert c.d.worker.stats().kv_landed == len(prompts) and c.d.worker.stats().kv_recomputed == 0
+            c.wait_idle()
+
+
 def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[::2])]
     expected = reference(colocated, prompts)
