@@ -6,11 +6,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.limits import (
     MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CLIENT_N, MAX_CLIENT_PRIORITY, MAX_CLIENT_STOP_STRINGS,
-    MAX_LOGIT_BIAS_ENTRIES, MAX_MESSAGES, MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_MESSAGES, MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS,
     MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
 from pdserve.wire import Sampling
@@ -35,7 +35,7 @@ TokenIdField = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]  # a JSON object's
 # nothing: any other value is refused with a 400 naming the field. Fields clients send that change
 # nothing here (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...) are ignored.
 NOT_SERVED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -72,8 +72,6 @@ class _Sampling(BaseModel):
     priority: StrictInt = Field(default=0, ge=0, le=MAX_CLIENT_PRIORITY)
     # Not served yet: read so that a request asking for them is refused with a 400 that names the
     # field (`NOT_SERVED`), not answered as if it had not asked.
-    logprobs: bool | StrictInt | None = None
-    top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -91,7 +89,12 @@ class _Sampling(BaseModel):
                         min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                         min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                        repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}))
+                        repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
+                        logprobs=self.logprobs_asked())
+
+    def logprobs_asked(self) -> int | None:
+        """How many most likely tokens to report with each token's log-probability; None: none."""
+        raise NotImplementedError
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids the request names outside its prompt, by field (each must be in the vocabulary)."""
@@ -104,9 +107,14 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Text | Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
                              Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+    # each token's log-probability and this many most likely tokens' (OpenAI's completions shape)
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | Literal[False] | None = None
     echo: bool = False  # not served yet, as suffix and best_of: see NOT_SERVED
     suffix: Any = None
     best_of: Any = None
+
+    def logprobs_asked(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
 
 class TextPart(BaseModel):
@@ -129,6 +137,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False  # each token's log-probability, and `top_logprobs` most likely tokens' (0-20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def new_id(prefix: str) -> str:

@@ -16,6 +16,7 @@ from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
 from pdserve.router.metrics import RequestClock
+from pdserve.router.logprobs import LogprobsFormat, joined
 from pdserve.router.prompts import prepare
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from pdserve.router.request_stream import RequestStream
@@ -23,7 +24,7 @@ from pdserve.router.router import Router
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
-from pdserve.wire import CompletionDelta, OutputLine
+from pdserve.wire import CompletionDelta, OutputLine, TokenLogprob
 
 OUTBOX_ITEMS = 64  # output lines a streamed response holds for its client before the worker waits
 
@@ -43,17 +44,20 @@ class Detokenizers:
         self.num_tokens = 0  # completion tokens taken, over all completions
         self.stopped: list[int] = []  # completions whose stop string was found here, not yet told
 
-    def delta(self, out: CompletionDelta) -> tuple[str, str | None]:
-        """(new text, finish reason) of one completion's output line."""
+    def delta(self, out: CompletionDelta) -> tuple[str, str | None, list[TokenLogprob]]:
+        """(new text, finish reason, the taken tokens' log-probabilities, where asked for) of one
+        completion's output line."""
         d = self.by_index.get(out.index)
         if d is None:
             d = self.by_index[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params)
         elif d.stop_string is not None:
-            return "", None  # ended here already
+            return "", None, []  # ended here already
         reason = out.finish_reason
+        taken = 0
         for token in out.token_ids:
             d.add(token)
             self.num_tokens += 1
+            taken += 1
             if d.stop_string is not None:
                 reason = "stop"
                 if out.finish_reason is None:
@@ -61,12 +65,13 @@ class Detokenizers:
                 break
         if reason is not None:
             d.flush()
-        return d.take_delta(reason is not None), reason
+        return d.take_delta(reason is not None), reason, (out.logprobs or [])[:taken]
 
-    def line(self, item: OutputLine, clock: RequestClock) -> list[tuple[int, str, str | None]]:
-        """(index, new text, finish reason) of each completion in a worker's line; the tokens
-        taken reach the request's clock, and a completion stopped here while others go on is
-        stopped on the worker (`stop_on_worker(index)`; once all are, the stream itself ends)."""
+    def line(self, item: OutputLine, clock: RequestClock) -> list[tuple[int, str, str | None, list[TokenLogprob]]]:
+        """(index, new text, finish reason, log-probabilities) of each completion in a worker's
+        line; the tokens taken reach the request's clock, and a completion stopped here while
+        others go on is stopped on the worker (`stop_on_worker(index)`; once all are, the stream
+        itself ends)."""
         before = self.num_tokens
         deltas = [(out.index, *self.delta(out)) for out in item.outputs]
         clock.output_line(self.num_tokens - before, item.phase_times)
@@ -108,19 +113,24 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
             admitted.release()
             router.admission.release(request_id)
         return StallGuardedStreamingResponse(
-            _sse(router, request_id, req, stream, clock, detok, chat, include_usage),
+            _sse(router, request_id, req, stream, clock, detok, chat, include_usage,
+                 LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None),
             stall_s=router.config.client_stall_s, on_close=never_streamed, media_type="text/event-stream")
     outcome = "error"
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
+    logprobs: dict[int, list[dict]] = {}
+    shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
 
     async def collect() -> None:
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
-                for index, text, reason in detok.line(item, clock):
+                for index, text, reason, entries in detok.line(item, clock):
                     if reason is not None or index not in reasons:  # a stopped completion stays stopped
                         reasons[index] = reason
                     texts.setdefault(index, []).append(text)
+                    if shapes is not None:
+                        logprobs.setdefault(index, []).append(shapes.shape(index, entries))
                 if detok.finished:
                     break
     try:
@@ -137,7 +147,8 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     choices = []
     for i in sorted(texts):
         text = "".join(texts[i])
-        choice = {"index": i, "finish_reason": reasons[i], "logprobs": None}
+        choice = {"index": i, "finish_reason": reasons[i],
+                  "logprobs": joined(logprobs[i]) if shapes is not None else None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
@@ -146,7 +157,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
 
 
 async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, detok: Detokenizers, chat: bool,
-               include_usage: bool):
+               include_usage: bool, shapes: LogprobsFormat | None):
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = now()
     outcome = "cancelled"
@@ -165,10 +176,11 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                     yield b": keep-alive\n\n"
                     continue
                 choices = []
-                for index, text, reason in detok.line(item, clock):
-                    if not text and reason is None:
+                for index, text, reason, entries in detok.line(item, clock):
+                    if not text and reason is None and not entries:
                         continue
-                    body = {"delta": {"content": text}} if chat else {"text": text, "logprobs": None}
+                    body = {"delta": {"content": text}} if chat else {"text": text}
+                    body["logprobs"] = shapes.shape(index, entries) if shapes is not None else None
                     choices.append({"index": index, **body, "finish_reason": reason})
                 if choices:
                     yield event(choices)

@@ -111,6 +111,34 @@ def test_penalties_and_logit_bias_reach_the_model(client, offline, router_cluste
     assert tok.decode([forced] * 3) == chat.choices[0].message.content
 
 
+def test_logprobs_through_the_router_are_the_engines(client, offline, router_cluster):
+    """Chat and completions, streamed and not, through a prefill worker (the first token's entry
+    travels with its KV) and the decode worker; the engine's own are checked against transformers."""
+    tok = offline.get_tokenizer()
+    messages = [{"role": "user", "content": "list four prime numbers, please, separated by commas"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    want = offline.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].logprobs
+    landed = router_cluster["d"].worker.stats().kv_landed
+    asked = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                 extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**asked).choices[0].logprobs.content
+    streamed = [c for chunk in client.chat.completions.create(**asked, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert router_cluster["d"].worker.stats().kv_landed > landed  # the first token came from the prefill worker
+    for got in (whole, streamed):
+        assert [c.token for c in got] == [tok.decode([e.token_id]) for e in want]
+        assert [c.logprob for c in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+        assert [[t.token for t in c.top_logprobs] for c in got] == [[tok.decode([t]) for t, _ in e.top] for e in want]
+        assert all(c.bytes == list(c.token.encode()) for c in got)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    # the two most likely and the chosen one (fewer where tokens read alike: the keys are texts)
+    assert lp.text_offset[0] == 0 and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert all(lp.token_logprobs[i] == top[token] for i, (token, top) in enumerate(zip(lp.tokens, lp.top_logprobs)))
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -135,7 +163,8 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "seed": "abc"}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "stop": 7}, 400, "stop"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "include_usage"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": MODEL, "prompt": [-1]}, 400, "prompt.0"),
@@ -360,8 +389,6 @@ def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/completions", "best_of", 3),
