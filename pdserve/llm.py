@@ -72,8 +72,14 @@ class LLM:
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         wanted = set(ids)
         finals: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list] = {}  # sent once, with a request's first token
         while len(finals) < len(wanted):
             for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
+                if out.request_id not in wanted:
+                    continue
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
+                if out.finished:
+                    out.prompt_logprobs = prompt_logprobs.get(out.request_id)
                     finals[out.request_id] = out
         return [finals[i] for i in ids]

@@ -42,3 +42,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     phase_times: dict[str, float] | None = None  # once finished: queue_s, prefill_s, transfer_s, decode_s
+    # with SamplingParams.prompt_logprobs: one per prompt token (None for the first), in the first
+    # output that carries a token (and, from `LLM.generate`, in the final one)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -39,6 +39,9 @@ class SamplingParams:
     # each sampled token's log-probability and this many most likely tokens' (None: none), from the
     # model's distribution as it is, before penalties and sampling settings
     logprobs: int | None = None
+    # each prompt token's log-probability given the tokens before it (the first has none) and this
+    # many most likely tokens' there; such a prompt is computed whole, never taken from the cache
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (workers: the router makes the text)
@@ -91,6 +94,8 @@ class SamplingParams:
             _check_float("a logit_bias value", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                            ("include_stop_str_in_output", self.include_stop_str_in_output),
                            ("detokenize", self.detokenize)):

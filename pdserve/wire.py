@@ -123,6 +123,7 @@ class Sampling(Message):
     logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
                           Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] = {}
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
@@ -214,6 +215,8 @@ class OutputLine(Message):
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0
     phase_times: Annotated[dict[Annotated[str, Meta(max_length=32)], float], Meta(max_length=16)] | None = None
+    # with Sampling.prompt_logprobs, in the first line with a token: one per prompt token (the first null)
+    prompt_logprobs: Annotated[list[TokenLogprob | None], Meta(max_length=MAX_SEQUENCE_TOKENS)] | None = None
 
 
 def error_line(message: str, code: int = 500, kind: str = "server_error") -> bytes:

@@ -58,8 +58,8 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding a prefix of this request's tokens (at least one token is left
         to compute, since the model must produce logits for the next token)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # a prompt whose log-probabilities are asked for is computed, every position
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
         hits: list[int] = []

@@ -33,6 +33,7 @@ class Completions:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[Completion]
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -68,6 +69,12 @@ class Completions:
                 delta_logprobs=delta_logprobs,
             ))
         finished = self.finished
+        prompt_logprobs = self.sequences[0].request.prompt_logprobs
+        if prompt_logprobs is not None and not self.prompt_logprobs_sent and any(
+                c.delta_token_ids for c in completions):
+            self.prompt_logprobs_sent = True  # the prompt is computed once a token came: sent once
+        else:
+            prompt_logprobs = None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -76,6 +83,7 @@ class Completions:
             finished=finished,
             num_cached_tokens=min(s.request.num_cached_tokens for s in self.sequences),
             phase_times=self.sequences[0].request.phase_times() if finished else None,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 
 

@@ -15,6 +15,8 @@ from pdserve.layers.penalties import RowPenalties, apply_penalties
 from pdserve.layers.sampler import Sampler, SamplingBatch, token_logprobs
 from pdserve.models.llama import LlamaForCausalLM
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 x a 50k vocabulary is 50 MB
+
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.cfg
@@ -67,6 +69,8 @@ class ModelRunner:
             if logits is not None:
                 return logits, sample_rows
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
+        if any(r.prompt_logprobs is not None for r in step.requests[step.num_decodes :]):
+            self._prompt_logprobs(step, hidden)
         if not sample_rows:
             return None, sample_rows
         return self.model.compute_logits(hidden[logits_index]), sample_rows
@@ -95,6 +99,24 @@ class ModelRunner:
                                                        [requests[i].params.logprobs for i in asked])):
                 requests[i].pending_logprobs = entry  # the scheduler keeps it with the token
         return tokens
+
+    def _prompt_logprobs(self, step: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Each asking request's prompt log-probabilities at the positions this step computed: row
+        p's logits give token p + 1's. Rows go through the head a slice at a time, so a long
+        chunk never holds all its logits at once; each entry lands at its own position (a step
+        run again writes the same values)."""
+        offset = 0
+        for req, n in zip(step.requests, step.num_new_tokens):
+            start, prompt = req.num_computed_tokens, req.prompt_token_ids
+            last = min(start + n, len(prompt) - 1)  # the prompt's last row predicts the first output
+            if req.prompt_logprobs is not None and start < last:
+                top = req.params.prompt_logprobs
+                for lo in range(start, last, PROMPT_LOGPROB_ROWS):
+                    hi = min(lo + PROMPT_LOGPROB_ROWS, last)
+                    logits = self.model.compute_logits(hidden[offset + lo - start : offset + hi - start])
+                    entries = token_logprobs(logits, prompt[lo + 1 : hi + 1], [top] * (hi - lo))
+                    req.prompt_logprobs[lo + 1 : hi + 1] = entries
+            offset += n
 
     def _prepare(self, step: SchedulerOutput):
         bs = self.block_size

@@ -49,7 +49,7 @@ class Request:
         "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
-        "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs",
+        "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
     )
 
     def __init__(
@@ -72,6 +72,9 @@ class Request:
         # and the scheduler moves it here with the token
         self.output_logprobs: list[TokenLogprobs] = []
         self.pending_logprobs: TokenLogprobs | None = None
+        # with params.prompt_logprobs: position i's entry once the runner computed the prompt there
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.params = params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -33,15 +33,23 @@ class LogprobsFormat:
         """The `logprobs` of completion `index` for these tokens (a chunk's, or the whole answer's)."""
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
-        tokens = [self.text(e.token_id) for e in entries]
+        return self._completions(index, [e.token_id for e in entries], entries)
+
+    def prompt(self, index: int, prompt_ids: list[int], entries: list[TokenLogprob | None] | None) -> dict:
+        """Completion `index`'s `logprobs` for its echoed prompt (completions' shape): the first
+        token has none, having nothing before it."""
+        return self._completions(index, prompt_ids, entries or [None] * len(prompt_ids))
+
+    def _completions(self, index: int, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
+        tokens = [self.text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(self.offsets.get(index, 0))
             self.offsets[index] = offsets[-1] + len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                # the chosen token last: where two tokens read alike, its own value is the one shown
-                "top_logprobs": [{self.text(t): lp for t, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries],
-                "text_offset": offsets}
+        # the chosen token last: where two tokens read alike, its own value is the one shown
+        top = [{self.text(t): lp for t, lp in [*e.top, (e.token_id, e.logprob)]} if e else None for e in entries]
+        return {"tokens": tokens, "token_logprobs": [e.logprob if e else None for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
 
     def _chat_entry(self, e: TokenLogprob) -> dict:
         return {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}

@@ -35,7 +35,7 @@ TokenIdField = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]  # a JSON object's
 # nothing: any other value is refused with a 400 naming the field. Fields clients send that change
 # nothing here (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...) are ignored.
 NOT_SERVED: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""),
+    "suffix": (None, ""),
     "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -90,11 +90,19 @@ class _Sampling(BaseModel):
                         min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
-                        logprobs=self.logprobs_asked())
+                        logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked())
 
     def logprobs_asked(self) -> int | None:
         """How many most likely tokens to report with each token's log-probability; None: none."""
         raise NotImplementedError
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The same for the prompt's tokens (completions with `echo`); None: none."""
+        return None
+
+    def echoed(self) -> bool:
+        """The answer begins with the prompt (completions' `echo`)."""
+        return False
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids the request names outside its prompt, by field (each must be in the vocabulary)."""
@@ -109,12 +117,18 @@ class CompletionRequest(_Sampling):
                              Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
     # each token's log-probability and this many most likely tokens' (OpenAI's completions shape)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | Literal[False] | None = None
-    echo: bool = False  # not served yet, as suffix and best_of: see NOT_SERVED
-    suffix: Any = None
+    echo: bool = False  # the answer begins with the prompt (with its tokens' log-probabilities, if asked)
+    suffix: Any = None  # not served yet, as best_of: see NOT_SERVED
     best_of: Any = None
 
     def logprobs_asked(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs_asked() if self.echo else None
+
+    def echoed(self) -> bool:
+        return self.echo
 
 
 class TextPart(BaseModel):

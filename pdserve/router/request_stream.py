@@ -31,6 +31,7 @@ import time
 from typing import AsyncIterator
 
 import httpx
+import msgspec
 
 from pdserve import wire
 from pdserve.http_errors import APIError
@@ -67,7 +68,7 @@ class RequestStream:
             for attempt in itertools.count():
                 if self.decode is None:
                     self.decode, self.prefill = await router.route_when_room(
-                        self._context(), frozenset(self.tried), self.live.n, self.deadline)
+                        self._context(), frozenset(self.tried), self.live.n, self.deadline, self._remote_prefill)
                 hold = self.admitted.hold if attempt == 0 else Hold(router.line, self.decode, self.live.n)
                 try:
                     async for item in self._call(attempt):
@@ -101,6 +102,8 @@ class RequestStream:
                 self.generated += out.token_ids
                 live.tokens_arrived(len(out.token_ids))
             self.started = True
+            if item.prompt_logprobs is not None:  # the client has them: a later call does not ask again
+                self.sampling = msgspec.structs.replace(self.sampling, prompt_logprobs=None)
             yield item
 
     def _move(self) -> None:
@@ -139,8 +142,14 @@ class RequestStream:
 
     def _route_again(self) -> None:
         """Workers with room now (held), or none: the next attempt waits in line."""
-        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n)
-                                     or (None, None))
+        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n,
+                                                               self._remote_prefill) or (None, None))
 
     def _context(self) -> list[int]:
         return self.prompt_ids + self.generated
+
+    @property
+    def _remote_prefill(self) -> bool:
+        """A prompt whose log-probabilities are asked for is computed by its decode worker, which
+        sends them with the first token."""
+        return self.sampling.prompt_logprobs is None

@@ -86,6 +86,21 @@ class Detokenizers:
         return bool(self.by_index) and all(d.stop_string is not None for d in self.by_index.values())
 
 
+class Echo:
+    """Completions' `echo`: each completion's answer begins with the prompt, and its logprobs with
+    the prompt's (the first token's none), which come with the first token's line."""
+
+    def __init__(self, text: str, prompt_ids: list[int], n: int, shapes: LogprobsFormat | None) -> None:
+        self.text, self.prompt_ids, self.n, self.shapes = text, prompt_ids, n, shapes
+        self.done = False
+
+    def choices(self, entries: list[TokenLogprob | None] | None) -> list[tuple[int, str, dict | None]]:
+        """(index, the prompt's text, its logprobs) of each completion, once."""
+        self.done = True
+        return [(i, self.text, self.shapes.prompt(i, self.prompt_ids, entries) if self.shapes else None)
+                for i in range(self.n)]
+
+
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer,
                                             router.vocab_size)  # tokenizing: off the event loop
@@ -95,7 +110,8 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
                        headers={"Retry-After": "1"})
     try:
         router.require_workers()
-        admitted = await unless_disconnected(request, router.admit(ids, sampling.n))  # may wait in line
+        admitted = await unless_disconnected(request, router.admit(  # may wait in line
+            ids, sampling.n, remote_prefill=sampling.prompt_logprobs is None))
     except ClientGone:
         router.admission.release(request_id)
         return Response(status_code=499)  # nobody reads it
@@ -106,6 +122,9 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
                          lambda index: router.stop_completion(request_id, index))
     clock = RequestClock(router.metrics, len(ids))
+    shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
+    echo = Echo(req.prompt if isinstance(req.prompt, str) else router.tokenizer.decode(ids), ids, req.n, shapes
+                ) if req.echoed() else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -113,18 +132,20 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
             admitted.release()
             router.admission.release(request_id)
         return StallGuardedStreamingResponse(
-            _sse(router, request_id, req, stream, clock, detok, chat, include_usage,
-                 LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None),
+            _sse(router, request_id, req, stream, clock, detok, chat, include_usage, shapes, echo),
             stall_s=router.config.client_stall_s, on_close=never_streamed, media_type="text/event-stream")
     outcome = "error"
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, list[dict]] = {}
-    shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
 
     async def collect() -> None:
         async with contextlib.aclosing(stream) as items:  # leaving early closes the worker's stream
             async for item in items:
+                if echo is not None and not echo.done:
+                    for index, text, shape in echo.choices(item.prompt_logprobs):
+                        texts.setdefault(index, []).append(text)
+                        logprobs.setdefault(index, []).append(shape)
                 for index, text, reason, entries in detok.line(item, clock):
                     if reason is not None or index not in reasons:  # a stopped completion stays stopped
                         reasons[index] = reason
@@ -148,7 +169,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     for i in sorted(texts):
         text = "".join(texts[i])
         choice = {"index": i, "finish_reason": reasons[i],
-                  "logprobs": joined(logprobs[i]) if shapes is not None else None}
+                  "logprobs": joined([p for p in logprobs[i] if p is not None]) if shapes is not None else None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
@@ -157,7 +178,7 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
 
 
 async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, detok: Detokenizers, chat: bool,
-               include_usage: bool, shapes: LogprobsFormat | None):
+               include_usage: bool, shapes: LogprobsFormat | None, echo: Echo | None):
     kind = "chat.completion.chunk" if chat else "text_completion"
     created = now()
     outcome = "cancelled"
@@ -175,6 +196,9 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                 if item is None:  # nothing for a while (queued, prefilling): tell the client we are here
                     yield b": keep-alive\n\n"
                     continue
+                if echo is not None and not echo.done:  # a chunk of its own, before the first token's
+                    yield event([{"index": index, "text": text, "logprobs": shape, "finish_reason": None}
+                                 for index, text, shape in echo.choices(item.prompt_logprobs)])
                 choices = []
                 for index, text, reason, entries in detok.line(item, clock):
                     if not text and reason is None and not entries:

@@ -33,6 +33,8 @@ def output_line(out: RequestOutput) -> bytes:
         num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens,
         phase_times=out.phase_times or None,
+        prompt_logprobs=[e and TokenLogprob(e.token_id, e.logprob, e.top) for e in out.prompt_logprobs]
+        if out.prompt_logprobs is not None else None,
     )) + b"\n"
 
 

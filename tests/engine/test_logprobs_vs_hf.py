@@ -67,3 +67,21 @@ def test_no_logprobs_unless_asked(llm):
 def test_a_count_out_of_bounds_is_refused(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+@pytest.mark.parametrize("chunk", [7, 256])
+def test_prompt_logprobs_are_the_models_in_every_chunk_and_never_from_the_cache(tiny_llama, hf_models, chunk):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=chunk)
+    prompt = [5, 17, 99, 3, 42, 8, 250, 11, 5, 17, 99, 3, 9, 10, 77, 1, 2]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_models["llama"](torch.tensor([prompt])).logits[0].float(), dim=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):  # the second time its blocks are cached, and still computed for their values
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert entry.token_id == prompt[i]
+            assert entry.logprob == pytest.approx(float(reference[i - 1, prompt[i]]), abs=TOLERANCE)
+            assert [t for t, _ in entry.top] == reference[i - 1].topk(2).indices.tolist()
+        assert out.num_cached_tokens == 0
+    assert_engine_idle(llm)

@@ -178,7 +178,6 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "stop": "s" * 257}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "logprobs": {"top": 5}}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -389,7 +388,6 @@ def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "guided_json", {"type": "object"}),
@@ -408,3 +406,28 @@ def test_fields_clients_send_by_default_are_served_or_ignored(client, neutral):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body=neutral)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, offline, router_cluster):
+    """What lm-evaluation-harness asks to score a continuation: the prompt's tokens' log-probabilities
+    (the first has none), computed by the decode worker (they come with the first token)."""
+    tok = offline.get_tokenizer()
+    prompt = "scored as a whole: the context, then the continuation to score"
+    ids = tok.encode(prompt)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1)
+    want = offline.generate({"prompt_token_ids": ids}, sp)[0]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                      stream=stream)
+        if stream:
+            chunks = [c.choices[0] for c in r if c.choices]
+            text = "".join(c.text for c in chunks)
+            lp = {k: [v for c in chunks for v in getattr(c.logprobs, k)] for k in ("tokens", "token_logprobs")}
+        else:
+            text, lp = r.choices[0].text, {k: getattr(r.choices[0].logprobs, k) for k in ("tokens", "token_logprobs")}
+        assert text == prompt + want.outputs[0].text
+        assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+        expected = [e.logprob for e in want.prompt_logprobs[1:]] + [want.outputs[0].logprobs[0].logprob]
+        assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None

@@ -121,6 +121,19 @@ def test_logprobs_match_colocated(tiny_llama, colocated, backend):
             c.wait_idle()
 
 
+def test_prompt_logprobs_are_computed_where_they_are_sent_from(tiny_llama, colocated):
+    tokens = prompt(20, seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    want = colocated.generate({"prompt_token_ids": tokens}, sp)[0].prompt_logprobs
+    with Cluster(tiny_llama, "tcp") as c:
+        lines = list(c.stream(tokens, max_tokens=3, prompt_logprobs=1))  # asks for the prefill worker
+        sent = [line["prompt_logprobs"] for line in lines if line.get("prompt_logprobs")]
+        assert len(sent) == 1 and sent[0][0] is None and len(sent[0]) == len(tokens)
+        assert [e[1] for e in sent[0][1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-4)
+        assert c.d.worker.stats().kv_landed == 0  # the decode worker computed the prompt itself
+        c.wait_idle()
+
+
 def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[::2])]
     expected = reference(colocated, prompts)
