@@ -134,6 +134,18 @@ def test_prompt_logprobs_are_computed_where_they_are_sent_from(tiny_llama, coloc
         c.wait_idle()
 
 
+def test_a_first_token_that_ends_its_request_lands(tiny_llama, colocated):
+    """max_tokens=1: the prefill worker's token is the whole answer, and landing it finishes it."""
+    prompts = [prompt(n, seed=n) for n in (9, 33)]
+    with Cluster(tiny_llama, "tcp") as c:
+        for logprobs in (None, 2):
+            got = [c.generate(p, max_tokens=1, logprobs=logprobs)[0] for p in prompts]
+            assert got == reference(colocated, prompts, max_tokens=1)
+        stats = c.d.worker.stats()
+        assert stats.kv_landed == 2 * len(prompts) and stats.kv_recomputed == 0 and stats.engine_failures == 0
+        c.wait_idle()
+
+
 def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[::2])]
     expected = reference(colocated, prompts)
