@@ -32,6 +32,10 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, 10]; 1 changes not
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one logit_bias may name, as OpenAI allows
 MAX_ABS_LOGIT_BIAS = 100.0  # each bias is in [-100, 100], as OpenAI's
 MAX_LOGPROBS = 20  # most likely tokens reported with each token's log-probability, as OpenAI allows
+MAX_STRUCTURE_CHARS = 64 << 10  # a structured output's JSON schema, regular expression or grammar, as text
+MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a JSON schema
+MAX_CHOICES = 256  # options of a `choice` structured output
+MAX_CHOICE_CHARS = 1024  # ... each
 
 # -- sizes ---------------------------------------------------------------------------------------
 TOKEN_ID_LIMIT = 1 << 31  # token ids are in [0, 2^31); the vocabulary is the real limit

@@ -11,11 +11,29 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.limits import (
-    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_STRUCTURE_CHARS, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT,
 )
 
 _GREEDY_EPS = 1e-5
+
+
+STRUCTURE_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """Output that must match a structure: `json` (a JSON schema, as text), `regex`, `choice` (a
+    JSON list of strings: one of them, exactly) or `grammar` (Lark syntax). Checked against its
+    bounds here, and compiled by the worker that samples (`engine/structured.py`)."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURE_KINDS, f"a structure is one of {', '.join(STRUCTURE_KINDS)}, got {self.kind!r}")
+        _check(isinstance(self.spec, str) and 0 < len(self.spec) <= MAX_STRUCTURE_CHARS,
+               f"a {self.kind} structure is 1 to {MAX_STRUCTURE_CHARS} characters")
 
 
 @dataclass(slots=True)
@@ -42,6 +60,7 @@ class SamplingParams:
     # each prompt token's log-probability given the tokens before it (the first has none) and this
     # many most likely tokens' there; such a prompt is computed whole, never taken from the cache
     prompt_logprobs: int | None = None
+    structure: Structure | None = None  # the output matches it (masked at every token, the first too)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (workers: the router makes the text)
@@ -96,6 +115,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _check(self.structure is None or isinstance(self.structure, Structure), "structure must be a Structure")
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                            ("include_stop_str_in_output", self.include_stop_str_in_output),
                            ("detokenize", self.detokenize)):

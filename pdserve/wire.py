@@ -29,10 +29,10 @@ from msgspec import Meta, Struct
 
 from pdserve.limits import (
     MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_BLOCK_SIZE, MAX_FENCE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N,
-    MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
+    MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STRUCTURE_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
     MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, Structure
 # Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
 # Every pattern ends in \Z, not $: `$` also matches before a trailing newline, which would pass.
 REQUEST_ID = r"^[A-Za-z0-9_.:\-]{1,200}\Z"
@@ -103,6 +103,13 @@ def encode(message: Struct) -> bytes:
 # -- router -> worker: a request ---------------------------------------------------------------
 
 
+class StructureSpec(Message):
+    """A structured output (`sampling_params.Structure`): the kind, and its spec as text."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: Annotated[str, Meta(min_length=1, max_length=MAX_STRUCTURE_CHARS)]
+
+
 class Sampling(Message):
     """How a worker samples a request: the engine's `SamplingParams` without the text-side ones
     (stop strings, special tokens in the text), which the router applies."""
@@ -124,6 +131,7 @@ class Sampling(Message):
                           Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] = {}
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    structure: StructureSpec | None = None
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
@@ -138,6 +146,8 @@ class Sampling(Message):
 
 def _copied(source: object, fields: tuple[str, ...]) -> dict:
     def copy(v: object) -> object:
+        if isinstance(v, StructureSpec):
+            return Structure(v.kind, v.spec)
         return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
     return {f: copy(getattr(source, f)) for f in fields}
 

@@ -2,8 +2,9 @@
 
 - `engine/` computes: it imports no network code and nothing of the processes built on it.
 - `models/` and `layers/` are the model: nothing of the engine or above.
-- `router/` and the modules it shares with workers (wire, errors, prefix hashing, detokenizer) need
-  no torch: the router's process never loads it (checked in a real process, not only by reading).
+- `router/` and the modules it shares with workers (wire, errors, prefix hashing, detokenizer,
+  structures) need no torch: the router's process never loads it (checked in a real process, not
+  only by reading).
 - `on_ray/` places processes: it starts workers by their command line and imports none of them.
 - `wire.py` is the vocabulary between processes: it depends on nothing of theirs.
 - `limits.py` is every bound a request may carry, for every tier: it imports nothing of pdserve.
@@ -52,6 +53,7 @@ RULES = {
     "cache.py": ("torch", "pdserve.engine", "pdserve.models", "pdserve.layers", "pdserve.worker", "pdserve.router"),
     "errors.py": ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),
     "prefix_hash.py": ("torch", "pdserve.engine"),
+    "structure.py": ("torch", "numpy", "pdserve.engine", "pdserve.models", "pdserve.layers"),
     "detokenizer.py": ("torch", "pdserve.engine"),
 }
 

@@ -22,6 +22,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step import SchedulerOutput
+from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
@@ -77,6 +78,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode)
+        self.structures = Structures(self.tokenizer, self.model_config.vocab_size, 
+                                     tuple(sorted(self.scheduler.eos_token_ids)))
         self._parents: dict[str, Completions] = {}
         self._sequences: dict[str, tuple[Completions, Completion]] = {}  # by engine request id
         self._aborted: list[RequestOutput] = []
@@ -142,6 +145,8 @@ class LLMEngine:
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
                           priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
                           output_token_ids=output_token_ids)
+            if child_params.structure is not None:
+                req.matcher = self.structures.matcher(child_params.structure, output_token_ids)
             detokenizer = make_detokenizer(self.tokenizer, token_ids, output_token_ids, child_params)
             self._skip_draws(req, len(output_token_ids))
             parent.sequences.append(Completion(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))

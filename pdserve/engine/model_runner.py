@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
 from pdserve.engine.step import SchedulerOutput
+from pdserve.engine.structured import mask_logits
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
 from pdserve.layers.penalties import RowPenalties, apply_penalties
@@ -92,6 +93,8 @@ class ModelRunner:
         if any(r.params.penalized for r in requests):
             logits = apply_penalties(logits, [RowPenalties(r.params, r.prompt_token_ids, r.output_token_ids)
                                               if r.params.penalized else None for r in requests])
+        if any(r.matcher is not None for r in requests):
+            logits = mask_logits(logits, [r.matcher for r in requests])
         tokens = self.sampler(logits, sampling_batch(requests, self.device))
         asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if asked:

@@ -12,6 +12,8 @@ from pdserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.structured import Matcher
+
 
 class RequestStatus(enum.IntEnum):
     # Live states first; every finished state compares greater than RUNNING.
@@ -50,6 +52,7 @@ class Request:
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -73,6 +76,7 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.pending_logprobs: TokenLogprobs | None = None
         # with params.prompt_logprobs: position i's entry once the runner computed the prompt there
+        self.matcher: Matcher | None = None  # with params.structure: where its output is in it
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.params = params

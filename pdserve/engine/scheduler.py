@@ -187,6 +187,8 @@ class Scheduler:
             return None
         if req.params.logprobs is not None and first_logprobs is None:
             raise ValueError("the first token came without the log-probabilities the request asks for")
+        if req.matcher is not None and not req.matcher.allows(first_token):
+            raise ValueError(f"the first token ({first_token}) is outside the request's structure")
         del self.waiting_for_kv[request_id]
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
@@ -197,6 +199,8 @@ class Scheduler:
         req.output_token_ids.append(first_token)
         if req.params.logprobs is not None:
             req.output_logprobs.append(first_logprobs)
+        if req.matcher is not None:
+            req.matcher.consume(first_token)
         req.kv_landed_time = req.first_token_time = self.clock()
         req.remote_queue_s, req.remote_compute_s = prefill_times
         status = self._stop_status(req, first_token)
@@ -247,6 +251,8 @@ class Scheduler:
             if req.pending_logprobs is not None:
                 req.output_logprobs.append(req.pending_logprobs)
                 req.pending_logprobs = None
+            if req.matcher is not None:
+                req.matcher.consume(token)
             if req.first_token_time is None:
                 req.first_token_time = self.clock()
             advanced.append(req)
@@ -257,6 +263,8 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
+        if req.matcher is not None and req.matcher.done:  # the structure is complete: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:

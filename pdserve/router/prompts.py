@@ -7,12 +7,14 @@ from __future__ import annotations
 from pdserve.http_errors import APIError
 from pdserve.router.config import RouterConfig
 from pdserve.router.protocol import NOT_SERVED, ChatCompletionRequest, CompletionRequest
+from pdserve.sampling_params import Structure
+from pdserve.structure import Grammars
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire import Sampling
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig, tokenizer: Tokenizer,
-            vocab_size: int) -> tuple[list[int], Sampling]:
+            vocab_size: int, grammars: Grammars | None = None) -> tuple[list[int], Sampling]:
     """(prompt token ids, sampling settings) of `req`; a chat goes through the model's template."""
     if req.model != config.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
@@ -47,4 +49,10 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
     if max_tokens < 1 or len(ids) + max_tokens > limit:
         raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                             f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
-    return ids, req.sampling(max_tokens)
+    sampling = req.sampling(max_tokens)
+    if sampling.structure is not None and grammars is not None:  # built here too: refused before admission
+        try:
+            grammars.matcher(Structure(sampling.structure.kind, sampling.structure.spec))
+        except ValueError as e:
+            raise APIError(400, str(e), param=req.structure_field()) from None
+    return ids, sampling

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -9,11 +10,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.limits import (
-    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CLIENT_N, MAX_CLIENT_PRIORITY, MAX_CLIENT_STOP_STRINGS,
-    MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_MESSAGES, MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS,
-    MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CLIENT_N, MAX_CLIENT_PRIORITY,
+    MAX_CLIENT_STOP_STRINGS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_MESSAGES, MAX_REPETITION_PENALTY,
+    MAX_SCHEMA_DEPTH, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURE_CHARS,
+    MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
-from pdserve.wire import Sampling
+from pdserve.wire import Sampling, StructureSpec
 
 
 def _encodable(text: str) -> str:
@@ -35,12 +37,57 @@ TokenIdField = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]  # a JSON object's
 # nothing: any other value is refused with a 400 naming the field. Fields clients send that change
 # nothing here (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...) are ignored.
 NOT_SERVED: dict[str, tuple] = {
-    "suffix": (None, ""),
-    "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,),
+    "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
 }
+
+
+def _bounded_json(value: object) -> str:
+    """A JSON schema as text, within the structure bounds (size and nesting)."""
+    def depth(v: object) -> int:
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return 1 + max((depth(c) for c in children), default=0) if isinstance(v, (dict, list)) else 0
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > MAX_STRUCTURE_CHARS:
+        raise ValueError(f"a JSON schema is at most {MAX_STRUCTURE_CHARS} characters")
+    try:
+        parsed = json.loads(text) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError("the JSON schema is not JSON") from None
+    if not isinstance(parsed, (dict, bool)):
+        raise ValueError("a JSON schema is an object")
+    if depth(parsed) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"a JSON schema nests at most {MAX_SCHEMA_DEPTH} objects and arrays")
+    return text
+
+
+SchemaText = Annotated[dict | str, AfterValidator(_bounded_json)]
+StructureText = Annotated[str, Field(min_length=1, max_length=MAX_STRUCTURE_CHARS)]
+Choices = Annotated[list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(default="schema", max_length=64)
+    schema_: SchemaText | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always matches: as if true
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: text, any JSON object, or JSON matching a schema."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (one of them)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: SchemaText | None = Field(default=None, alias="json")
+    regex: StructureText | None = None
+    choice: Choices | None = None
+    grammar: StructureText | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -70,18 +117,53 @@ class _Sampling(BaseModel):
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     priority: StrictInt = Field(default=0, ge=0, le=MAX_CLIENT_PRIORITY)
+    # structured outputs: OpenAI's `response_format`, or vLLM's `structured_outputs` (and its older
+    # `guided_*` fields); at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SchemaText | None = None
+    guided_regex: StructureText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: StructureText | None = None
     # Not served yet: read so that a request asking for them is refused with a 400 that names the
     # field (`NOT_SERVED`), not answered as if it had not asked.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    structured_outputs: Any = None  # vLLM's
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> _Sampling:
+        self.structure()
+        return self
+
+    def structure_field(self) -> str:
+        """The field that asked for the structure."""
+        return next(name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                      "guided_choice", "guided_grammar")
+                    if getattr(self, name) is not None and (name != "response_format"
+                                                            or self.response_format.type != "text"))
+
+    def structure(self) -> StructureSpec | None:
+        """The structure the output must match, from whichever field asks for one."""
+        asked: list[tuple[str, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("json", '{"type": "object"}'))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            asked.append(("json", rf.json_schema.schema_))
+        so = self.structured_outputs
+        for kind, value in ([("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                             ("json", '{"type": "object"}' if so.json_object else None)] if so else []) + [
+                ("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar)]:
+            if value is not None:
+                asked.append((kind, json.dumps(value) if kind == "choice" else value))
+        if len(asked) > 1:
+            raise ValueError("ask for one structured output: response_format, structured_outputs or one guided_* field")
+        return StructureSpec(kind=asked[0][0], spec=asked[0][1]) if asked else None
 
     def sampling(self, max_tokens: int) -> Sampling:
         """What the workers sample by; stop strings stay here (`stop_strings`): the router makes the text."""
@@ -90,7 +172,8 @@ class _Sampling(BaseModel):
                         min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
-                        logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked())
+                        logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
+                        structure=self.structure())
 
     def logprobs_asked(self) -> int | None:
         """How many most likely tokens to report with each token's log-probability; None: none."""

@@ -102,8 +102,8 @@ class Echo:
 
 
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
-    ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer,
-                                            router.vocab_size)  # tokenizing: off the event loop
+    ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
+                                            router.grammars)  # tokenizing (and grammars): off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",

@@ -19,6 +19,7 @@ from pdserve.router.policy import Admission, PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
 from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
+from pdserve.structure import Grammars
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -29,6 +30,8 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        eos = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+        self.grammars = Grammars(tokenizer, vocab_size, eos)  # structured outputs, checked before admission
         self.registry = Registry(model_hash, config.worker_token, config.lease_s)
         self.index = PrefixIndex()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)

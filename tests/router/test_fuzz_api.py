@@ -234,6 +234,13 @@ SAMPLING_FIELDS = {
                                              st.one_of(st.floats(), hostile), max_size=4), hostile)),
     "stop_token_ids": (st.lists(st.integers(0, 511), max_size=4),
                        st.one_of(st.lists(st.one_of(st.integers(), hostile), max_size=70), hostile)),
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                        st.one_of(st.fixed_dictionaries({"type": st.one_of(small_text, hostile)}),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": junk}),
+                                  hostile)),
+    "structured_outputs": (st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]{1,3}"}]),
+                           st.one_of(st.fixed_dictionaries({"regex": st.one_of(small_text, hostile)}),
+                                     st.fixed_dictionaries({"grammar": st.one_of(small_text, hostile)}), hostile)),
 }
 small_max_tokens = st.integers(1, 8)
 hostile_max_tokens = st.one_of(st.sampled_from(EDGE_INTS + [64, 1000]), st.floats(), st.booleans(), hostile)

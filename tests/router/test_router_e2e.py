@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -385,12 +386,10 @@ def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "guided_json", {"type": "object"}),
 ])
 def test_a_field_not_served_yet_is_refused_by_name_not_ignored(router_cluster, path, field, value):
     body = {"model": MODEL, "max_tokens": 2, field: value}
@@ -431,3 +430,48 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, offline
         assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
+def test_structured_outputs_with_the_openai_client(client, offline, router_cluster):
+    """`parse` with a pydantic model returns the parsed object; vLLM's `structured_outputs` and
+    `guided_*` fields are served too, each answer inside its structure (the long prompt goes
+    through the prefill worker, whose first token obeys it)."""
+    import re
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        level: Literal["low", "high"]
+
+    messages = [{"role": "user", "content": "answer as JSON, please, with ok and level"}]
+    parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Answer, max_tokens=40,
+                                           temperature=0).choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+    for extra, check in ((dict(structured_outputs={"choice": ["red", "green", "blue"]}), lambda t: t in ("red", "green", "blue")),
+                         (dict(guided_regex=r"[0-9]{2}:[0-9]{2}"), lambda t: re.fullmatch(r"[0-9]{2}:[0-9]{2}", t)),
+                         (dict(response_format={"type": "json_object"}), lambda t: isinstance(json.loads(t), dict))):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, extra_body=extra)
+        assert check(r.choices[0].text), (extra, r.choices[0].text)
+
+
+DEEP: list = [1]
+for _ in range(40):
+    DEEP = [DEEP]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                          "properties": 5}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ({"guided_json": {"a": DEEP}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, None),
+])
+def test_a_structure_that_cannot_be_built_is_a_400_before_admission(router_cluster, body, param):
+    r = httpx.post(router_cluster["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"], r.text

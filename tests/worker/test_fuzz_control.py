@@ -250,6 +250,9 @@ SAMPLING_FIELDS = {
     "logit_bias": (st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100), max_size=4),
                    st.one_of(st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 2**40).map(str)),
                                              st.one_of(st.floats(), hostile), max_size=4), hostile)),
+    "structure": (st.sampled_from([{"kind": "regex", "spec": "[a-z]{1,3}"}, {"kind": "choice", "spec": '["a", "bc"]'}]),
+                  st.one_of(st.fixed_dictionaries({"kind": st.sampled_from(["json", "regex", "choice", "grammar", "x"]),
+                                                   "spec": st.text(max_size=40)}), hostile)),
 }
 
 
