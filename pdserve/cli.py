@@ -140,6 +140,11 @@ def _bench_transfer(argv: list[str]) -> int:
     return command(argv)
 
 
+def _bench_structured(argv: list[str]) -> int:
+    from pdserve.bench.structured import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -161,7 +166,7 @@ def _plan(argv: list[str]) -> int:
 
 
 OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
-               "bench-transfer": _bench_transfer, "profile": _profile, "simulate": _simulate,
+               "bench-transfer": _bench_transfer, "bench-structured": _bench_structured, "profile": _profile, "simulate": _simulate,
                "simulate-trace": _simulate_trace, "plan": _plan}
 
 
@@ -232,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-router", help="latency the router adds and requests it routes per second",
                    add_help=False)
     sub.add_parser("bench-transfer", help="KV transfer speed per backend against raw limits; TTFT added",
+                   add_help=False)
+    sub.add_parser("bench-structured", help="what structured outputs cost: mask per token, throughput with a schema",
                    add_help=False)
     return parser
 
