@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pdserve.router.policy import DisaggregationPolicy
 from tests.openai_shape import assert_openai_error, bearer, note
+from tests.penalty_strategies import penalty_fields
 from tests.router_server import MODEL, RouterServer
 from tests.wait import wait_for
 from tests.worker.cluster import Cluster
@@ -226,12 +227,7 @@ SAMPLING_FIELDS = {
     "priority": (st.integers(0, 9), hostile),
     "logprobs": (st.sampled_from([None, False, 0]), hostile),
     "user": (small_text, hostile),  # fields other clients send, ignored here
-    "frequency_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
-    "presence_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
-    "repetition_penalty": (st.floats(0.1, 10), st.one_of(st.floats(max_value=0), st.floats(min_value=10.01), hostile)),
-    "logit_bias": (st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100), max_size=4),
-                   st.one_of(st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 10**7).map(str)),
-                                             st.one_of(st.floats(), hostile), max_size=4), hostile)),
+    **penalty_fields(hostile),
     "stop_token_ids": (st.lists(st.integers(0, 511), max_size=4),
                        st.one_of(st.lists(st.one_of(st.integers(), hostile), max_size=70), hostile)),
     "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.openai_shape import assert_openai_error, bearer, note
+from tests.penalty_strategies import penalty_fields
 from tests.wait import wait_for
 from tests.worker.cluster import Cluster, WorkerServer, prompt
 
@@ -244,12 +245,7 @@ SAMPLING_FIELDS = {
     "ignore_eos": (st.booleans(), hostile),
     "include_stop_str_in_output": (st.booleans(), hostile),
     "skip_special_tokens": (st.booleans(), hostile),
-    "presence_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
-    "frequency_penalty": (st.floats(-2, 2), st.one_of(st.floats(), hostile)),
-    "repetition_penalty": (st.floats(0.1, 10), st.one_of(st.floats(max_value=0), st.floats(min_value=10.01), hostile)),
-    "logit_bias": (st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100), max_size=4),
-                   st.one_of(st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 2**40).map(str)),
-                                             st.one_of(st.floats(), hostile), max_size=4), hostile)),
+    **penalty_fields(hostile),
     "structure": (st.sampled_from([{"kind": "regex", "spec": "[a-z]{1,3}"}, {"kind": "choice", "spec": '["a", "bc"]'}]),
                   st.one_of(st.fixed_dictionaries({"kind": st.sampled_from(["json", "regex", "choice", "grammar", "x"]),
                                                    "spec": st.text(max_size=40)}), hostile)),
