@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdserve.http_errors import APIError
 from pdserve.router.config import RouterConfig
-from pdserve.router.protocol import NOT_SERVED, ChatCompletionRequest, CompletionRequest
+from pdserve.router.protocol import COMPLETIONS_REFUSE, NOT_SERVED, ChatCompletionRequest, CompletionRequest
 from pdserve.sampling_params import Structure
 from pdserve.structure import Grammars
 from pdserve.tokenizer import Tokenizer
@@ -19,14 +19,16 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
     if req.model != config.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                             f"{config.model_name!r}", "not_found_error", "model")
-    for name, neutral in NOT_SERVED.items():
+    refused = NOT_SERVED | (COMPLETIONS_REFUSE if isinstance(req, CompletionRequest) else {})
+    for name, neutral in refused.items():
         value = getattr(req, name, None)
         if not any(value == v and type(value) is type(v) for v in neutral):
             raise APIError(400, f"{name} is not supported", param=name)
     if isinstance(req, ChatCompletionRequest):
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            messages = [m.for_template() for m in req.messages]
+            tools = {"tools": [t.for_template() for t in req.tools]} if req.tools else {}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens

@@ -13,8 +13,9 @@ from pdserve.limits import (
     MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CLIENT_N, MAX_CLIENT_PRIORITY,
     MAX_CLIENT_STOP_STRINGS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_MESSAGES, MAX_REPETITION_PENALTY,
     MAX_SCHEMA_DEPTH, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURE_CHARS,
-    MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
+from pdserve.router.tool_calls import forced_call
 from pdserve.wire import Sampling, StructureSpec
 
 
@@ -37,9 +38,9 @@ TokenIdField = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]  # a JSON object's
 # nothing: any other value is refused with a 400 naming the field. Fields clients send that change
 # nothing here (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...) are ignored.
 NOT_SERVED: dict[str, tuple] = {
-    "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
 }
+COMPLETIONS_REFUSE: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none", "auto")}
 
 
 def _bounded_json(value: object) -> str:
@@ -127,9 +128,7 @@ class _Sampling(BaseModel):
     guided_grammar: StructureText | None = None
     # Not served yet: read so that a request asking for them is refused with a 400 that names the
     # field (`NOT_SERVED`), not answered as if it had not asked.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
+    functions: Any = None  # OpenAI's older names for tools
     function_call: Any = None
 
     @model_validator(mode="after")
@@ -137,16 +136,19 @@ class _Sampling(BaseModel):
         self.structure()
         return self
 
+    def _forced_tool_call(self) -> list[tuple[str, str]]:
+        return []
+
     def structure_field(self) -> str:
         """The field that asked for the structure."""
-        return next(name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                      "guided_choice", "guided_grammar")
+        return next(name for name in ("tool_choice", "response_format", "structured_outputs", "guided_json",
+                                      "guided_regex", "guided_choice", "guided_grammar")
                     if getattr(self, name) is not None and (name != "response_format"
                                                             or self.response_format.type != "text"))
 
     def structure(self) -> StructureSpec | None:
         """The structure the output must match, from whichever field asks for one."""
-        asked: list[tuple[str, str]] = []
+        asked: list[tuple[str, str]] = self._forced_tool_call()
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             asked.append(("json", '{"type": "object"}'))
@@ -162,7 +164,8 @@ class _Sampling(BaseModel):
             if value is not None:
                 asked.append((kind, json.dumps(value) if kind == "choice" else value))
         if len(asked) > 1:
-            raise ValueError("ask for one structured output: response_format, structured_outputs or one guided_* field")
+            raise ValueError("ask for one structured output: response_format, structured_outputs, one guided_* "
+                             "field, or a tool_choice that forces a call")
         return StructureSpec(kind=asked[0][0], spec=asked[0][1]) if asked else None
 
     def sampling(self, max_tokens: int) -> Sampling:
@@ -203,6 +206,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # the answer begins with the prompt (with its tokens' log-probabilities, if asked)
     suffix: Any = None  # not served yet, as best_of: see NOT_SERVED
     best_of: Any = None
+    tools: Any = None  # tools are chat's: refused here (COMPLETIONS_REFUSE)
+    tool_choice: Any = None
 
     def logprobs_asked(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else self.logprobs
@@ -220,15 +225,78 @@ class TextPart(BaseModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    description: Annotated[Text, Field(max_length=8192)] | None = None
+    parameters: SchemaText | None = None  # a JSON schema, as text once checked
+    strict: bool | None = None  # the arguments always match: as if true
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+    def for_template(self) -> dict:
+        f = self.function
+        return {"type": "function", "function": {"name": f.name, "description": f.description or "",
+                                                 "parameters": json.loads(f.parameters or '{"type": "object"}')}}
+
+
+class ChosenFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    arguments: Annotated[Text, Field(max_length=MAX_STRUCTURE_CHARS)] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Annotated[str, Field(max_length=128)] = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Annotated[str, Field(max_length=128)] | None = None  # a tool's answer to that call
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text ones are served here
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (a call's arguments as an object, as in transformers)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Sampling):
@@ -236,6 +304,30 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False  # each token's log-probability, and `top_logprobs` most likely tokens' (0-20)
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice required needs tools")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """The answer may hold tool calls, to be parsed out of its text."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def _forced_tool_call(self) -> list[tuple[str, str]]:
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        tools = [{"name": t.function.name, "parameters": json.loads(t.function.parameters)
+                  if t.function.parameters else None} for t in self.tools]
+        return [("grammar", forced_call(tools, name))]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

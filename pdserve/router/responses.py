@@ -21,6 +21,7 @@ from pdserve.router.prompts import prepare
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from pdserve.router.request_stream import RequestStream
 from pdserve.router.router import Router
+from pdserve.router import tool_calls
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -170,7 +171,13 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
         text = "".join(texts[i])
         choice = {"index": i, "finish_reason": reasons[i],
                   "logprobs": joined([p for p in logprobs[i] if p is not None]) if shapes is not None else None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if chat:
+            content, calls = tool_calls.parse(text) if req.calls_tools else (text, [])
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            if calls:
+                choice["finish_reason"] = "tool_calls"
+        else:
+            choice["text"] = text
         choices.append(choice)
     return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
                          "created": now(), "model": req.model, "choices": choices,
@@ -187,6 +194,7 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
         chunk = {"id": request_id, "object": kind, "created": created, "model": req.model, "choices": choices, **extra}
         return f"data: {json.dumps(chunk)}\n\n".encode()
 
+    held = {i: tool_calls.CallStream() for i in range(req.n)} if chat and req.calls_tools else None
     try:
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -201,9 +209,18 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                                  for index, text, shape in echo.choices(item.prompt_logprobs)])
                 choices = []
                 for index, text, reason, entries in detok.line(item, clock):
+                    calls: list[dict] = []
+                    if held is not None:  # text that may begin a tool call waits for the end
+                        text = held[index].feed(text)
+                        if reason is not None:
+                            rest, calls = held[index].finish()
+                            text += rest or ""  # what came before the calls, or all of it
                     if not text and reason is None and not entries:
                         continue
                     body = {"delta": {"content": text}} if chat else {"text": text}
+                    if calls:
+                        body["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                        reason = "tool_calls"
                     body["logprobs"] = shapes.shape(index, entries) if shapes is not None else None
                     choices.append({"index": index, **body, "finish_reason": reason})
                 if choices:

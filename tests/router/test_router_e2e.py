@@ -386,8 +386,6 @@ def test_a_chat_prompt_that_fills_the_context_is_refused(router_cluster):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/completions", "best_of", 3),
 ])
@@ -475,3 +473,76 @@ def test_a_structure_that_cannot_be_built_is_a_400_before_admission(router_clust
     assert r.status_code == 400, r.text
     if param is not None:
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"], r.text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
+                   "required": ["city", "celsius"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_tool_call_round_trip(client, stream, choice):
+    """The model calls (forced: its arguments match the function's schema, so they parse), the
+    client answers with a `tool` message, and the model replies."""
+    messages = [{"role": "user", "content": "what time is it in Paris? use a tool"}]
+    asked = dict(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=300,
+                 temperature=0)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+        (call,) = calls.values()
+    else:
+        r = client.chat.completions.create(**asked)
+        finish = r.choices[0].finish_reason
+        (tc,) = r.choices[0].message.tool_calls
+        call = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+    assert finish == "tool_calls"
+    args = json.loads(call["arguments"])
+    if choice == "required":
+        assert call["name"] in ("get_weather", "get_time")
+    else:
+        assert call["name"] == "get_time" and args["zone"] in ("UTC", "CET")
+    reply = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, tools=[WEATHER, CLOCK], messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}])
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tool_calls_are_parsed_out_of_an_answer():
+    from pdserve.router.tool_calls import CallStream, parse
+
+    text = 'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    content, calls = parse(text)
+    assert content == "Let me look." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert parse("no call here <tool_call> {broken") == ("no call here <tool_call> {broken", [])
+    stream = CallStream()
+    out = "".join(stream.feed(piece) for piece in ["Let me", " look. <tool", "_call>\n{\"name\": \"get_time\", ",
+                                                   "\"arguments\": {}}\n</tool_call>"])
+    assert out == "Let me look. " and stream.finish()[1][0]["function"]["name"] == "get_time"
+    plain = CallStream()
+    assert plain.feed("a < b and <tool") == "a < b and " and plain.feed(" is not a tag") == "<tool is not a tag"
+
+
+def test_tools_are_refused_where_they_cannot_be_served(router_cluster):
+    url = router_cluster["url"]
+    for path, body, param in (
+            ("/v1/completions", {"prompt": "x", "tools": [WEATHER]}, "tools"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+             "functions")):
+        r = httpx.post(url + path, json={"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        assert param is None or r.json()["error"]["param"] == param
