@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
-from pdserve.router.metrics import RequestClock
+from pdserve.router import tool_calls
 from pdserve.router.logprobs import LogprobsFormat, joined
+from pdserve.router.metrics import RequestClock
 from pdserve.router.prompts import prepare
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from pdserve.router.request_stream import RequestStream
 from pdserve.router.router import Router
-from pdserve.router import tool_calls
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
