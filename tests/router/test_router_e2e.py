@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -546,3 +547,20 @@ def test_tools_are_refused_where_they_cannot_be_served(router_cluster):
         r = httpx.post(url + path, json={"model": MODEL, "max_tokens": 2, **body})
         assert r.status_code == 400, r.text
         assert param is None or r.json()["error"]["param"] == param
+
+
+def test_two_completions_each_get_their_own_logprobs_structure_and_echo(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=12, temperature=1.0, seed=9,
+                                  logprobs=1, echo=True, extra_body={"structured_outputs": {"regex": "[a-z]{4}"}})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        assert c.text.startswith(PROMPTS[0]) and re.fullmatch("[a-z]{4}", c.text[len(PROMPTS[0]):])
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(c.logprobs.token_logprobs)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                                 max_tokens=12, temperature=1.0, seed=9, logprobs=True, stream=True,
+                                                 extra_body={"structured_outputs": {"choice": ["up", "down"]}}))
+    for index in (0, 1):
+        mine = [c for chunk in chunks for c in chunk.choices if c.index == index]
+        text = "".join(c.delta.content or "" for c in mine)
+        entries = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        assert text in ("up", "down") and "".join(e.token for e in entries) == text
