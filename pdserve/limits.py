@@ -37,6 +37,7 @@ MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a JSON schema
 MAX_CHOICES = 256  # options of a `choice` structured output
 MAX_CHOICE_CHARS = 1024  # ... each
 MAX_TOOLS = 128  # tools a chat request offers, and calls one message holds
+MAX_PROMPTS = 64  # prompts one completions request may carry
 
 # -- sizes ---------------------------------------------------------------------------------------
 TOKEN_ID_LIMIT = 1 << 31  # token ids are in [0, 2^31); the vocabulary is the real limit

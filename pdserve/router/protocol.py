@@ -13,7 +13,7 @@ from pdserve.limits import (
     MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CLIENT_N, MAX_CLIENT_PRIORITY,
     MAX_CLIENT_STOP_STRINGS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_MESSAGES, MAX_REPETITION_PENALTY,
     MAX_SCHEMA_DEPTH, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURE_CHARS,
-    MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_PROMPTS, MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
 from pdserve.router.tool_calls import forced_call
 from pdserve.wire import Sampling, StructureSpec
@@ -198,9 +198,15 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+TokenIdPrompt = Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
+                          Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Text | Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
-                             Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+    # one prompt (text or token ids), or several: each answered as a request of its own, its
+    # choices numbered after the previous prompt's (prompt i's j-th is choice i * n + j)
+    prompt: (Text | TokenIdPrompt | Annotated[list[Text], Field(min_length=2, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIdPrompt], Field(min_length=2, max_length=MAX_PROMPTS)])
     # each token's log-probability and this many most likely tokens' (OpenAI's completions shape)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | Literal[False] | None = None
     echo: bool = False  # the answer begins with the prompt (with its tokens' log-probabilities, if asked)
@@ -211,6 +217,11 @@ class CompletionRequest(_Sampling):
 
     def logprobs_asked(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
     def prompt_logprobs_asked(self) -> int | None:
         return self.logprobs_asked() if self.echo else None

@@ -103,6 +103,35 @@ class Echo:
 
 
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
+    prompts = [None] if chat else req.prompts()
+    if len(prompts) > 1:
+        return await _several(router, req, prompts, request)
+    return await _serve_one(router, req, chat, request)
+
+
+async def _several(router: Router, req: CompletionRequest, prompts: list, request: Request):
+    """A completions request of several prompts: each answered as a request of its own, at once;
+    one answer, its choices numbered prompt by prompt. One that fails fails the whole (the others
+    are cancelled, their workers told)."""
+    if req.stream:
+        raise APIError(400, "several prompts in one streamed request are not served; send them one by one",
+                       param="prompt")
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_serve_one(router, req.model_copy(update={"prompt": p}), False, request))
+                     for p in prompts]
+    except BaseExceptionGroup as failed:  # the first prompt's error is the answer's
+        raise failed.exceptions[0] from None
+    answers = [t.result() for t in tasks]
+    if any(not isinstance(a, JSONResponse) for a in answers):  # the client left
+        return Response(status_code=499)
+    bodies = [json.loads(a.body) for a in answers]
+    choices = [{**c, "index": i * req.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
+    total = {k: sum(b["usage"][k] for b in bodies) for k in bodies[0]["usage"]}
+    return JSONResponse({**bodies[0], "choices": choices, "usage": total})
+
+
+async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
                                             router.grammars)  # tokenizing (and grammars): off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")

@@ -168,7 +168,8 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "include_usage"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400, "prompt"),
     ({"model": MODEL, "prompt": [-1]}, 400, "prompt.0"),
     # every numeric field is bounded at the edge; a value a worker could not take never reaches one
     ({"model": MODEL, "prompt": "x", "n": 2, "seed": 18446744073709551615}, 400, "seed"),
@@ -564,3 +565,19 @@ def test_two_completions_each_get_their_own_logprobs_structure_and_echo(client):
         text = "".join(c.delta.content or "" for c in mine)
         entries = [e for c in mine if c.logprobs for e in c.logprobs.content]
         assert text in ("up", "down") and "".join(e.token for e in entries) == text
+
+
+def test_several_prompts_in_one_request_are_each_answered(client, offline):
+    prompts = [PROMPTS[0], "another prompt, with its own answer"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in r.choices}
+    assert [by_index[i] for i in range(4)] == [offline_text(offline, p, 6) for p in prompts for _ in range(2)]
+    tok = offline.get_tokenizer()
+    ids = client.completions.create(model=MODEL, prompt=[tok.encode(p) for p in prompts], max_tokens=6, temperature=0)
+    assert [c.text for c in sorted(ids.choices, key=lambda c: c.index)] == [offline_text(offline, p, 6) for p in prompts]
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    with pytest.raises(openai.BadRequestError, match="several prompts"):
+        client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="prompt token ids"):  # one bad prompt fails them all
+        client.completions.create(model=MODEL, prompt=[tok.encode(prompts[0]), [10**6]], max_tokens=2)
