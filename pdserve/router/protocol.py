@@ -205,8 +205,8 @@ TokenIdPrompt = Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMI
 class CompletionRequest(_Sampling):
     # one prompt (text or token ids), or several: each answered as a request of its own, its
     # choices numbered after the previous prompt's (prompt i's j-th is choice i * n + j)
-    prompt: (Text | TokenIdPrompt | Annotated[list[Text], Field(min_length=2, max_length=MAX_PROMPTS)]
-             | Annotated[list[TokenIdPrompt], Field(min_length=2, max_length=MAX_PROMPTS)])
+    prompt: (Text | TokenIdPrompt | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIdPrompt], Field(min_length=1, max_length=MAX_PROMPTS)])
     # each token's log-probability and this many most likely tokens' (OpenAI's completions shape)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | Literal[False] | None = None
     echo: bool = False  # the answer begins with the prompt (with its tokens' log-probabilities, if asked)

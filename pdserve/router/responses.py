@@ -106,6 +106,8 @@ async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, 
     prompts = [None] if chat else req.prompts()
     if len(prompts) > 1:
         return await _several(router, req, prompts, request)
+    if not chat and prompts[0] is not req.prompt:  # a list of one prompt: that prompt
+        req = req.model_copy(update={"prompt": prompts[0]})
     return await _serve_one(router, req, chat, request)
 
 

@@ -577,6 +577,9 @@ def test_several_prompts_in_one_request_are_each_answered(client, offline):
     ids = client.completions.create(model=MODEL, prompt=[tok.encode(p) for p in prompts], max_tokens=6, temperature=0)
     assert [c.text for c in sorted(ids.choices, key=lambda c: c.index)] == [offline_text(offline, p, 6) for p in prompts]
     assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    for one in ([prompts[0]], [tok.encode(prompts[0])]):  # a list of one prompt, as lm-evaluation-harness sends
+        (choice,) = client.completions.create(model=MODEL, prompt=one, max_tokens=6, temperature=0).choices
+        assert choice.text == offline_text(offline, prompts[0], 6)
     with pytest.raises(openai.BadRequestError, match="several prompts"):
         client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="prompt token ids"):  # one bad prompt fails them all
