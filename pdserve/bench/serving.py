@@ -88,10 +88,11 @@ async def _send(http: httpx.AsyncClient, url: str, payload: dict, record: Reques
 
 async def run_load(url: str, model: str, requests: list[BenchRequest], rate: float, concurrency: int | None,
                    burstiness: float = 1.0, seed: int = 0, api_key: str = "", temperature: float = 0.0,
-                   label: str = "", timeout_s: float = 600.0, offsets: list[float] | None = None
-                   ) -> list[RequestRecord]:
+                   label: str = "", timeout_s: float = 600.0, offsets: list[float] | None = None,
+                   extra_body: dict | None = None) -> list[RequestRecord]:
     """Send the requests at their arrival times (`offsets` in seconds from the start, or drawn from
-    `rate`, `burstiness` and `seed`); returns one record per request, in order."""
+    `rate`, `burstiness` and `seed`); returns one record per request, in order. `extra_body`: added
+    to every request's body (a response_format, structured_outputs, tools...)."""
     if offsets is None:
         offsets = arrival_times(len(requests), rate, burstiness, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
@@ -108,7 +109,8 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], rate: flo
             if req.turn:  # a session's next turn follows its previous one
                 await turn_done[(req.session, req.turn - 1)].wait()
             payload = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": temperature,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                       **(extra_body or {})}
             try:
                 if slots:
                     await slots.acquire()
@@ -179,7 +181,7 @@ def sweep(url: str, model: str, spec: WorkloadSpec, points: list[dict], args: ar
         meter = HostCpu([os.getpid(), *server_pids]) if server_pids else None
         records = asyncio.run(run_load(url, model, requests, point["request_rate"], point["concurrency"],
                                        args.burstiness, spec.seed, args.api_key, args.temperature,
-                                       f"{label}{name}"))
+                                       f"{label}{name}", extra_body=getattr(args, "extra_body", None)))
         summary = {"load": {k: (None if v == math.inf else v) for k, v in point.items()},
                    **summarize(records, args.ttft_slo / 1e3, args.tpot_slo / 1e3)}
         summary["phases_ms"] = phase_means_ms(before, scrape_phases(url))
@@ -194,6 +196,16 @@ def sweep(url: str, model: str, spec: WorkloadSpec, points: list[dict], args: ar
     return summaries, records_by_point
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not JSON") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object, please")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
     add_secret_args(p, "api-key", API_KEY_ENV, "the server's API key")
     add_workload_args(p)
+    p.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help="a JSON object added to every request's body, e.g. '{\"response_format\": {\"type\": "
+                        "\"json_object\"}}' for structured outputs, or tools and a tool_choice")
     p.add_argument("--result-json", default="results/bench_serving.json")
     p.add_argument("--plot-dir", default="results/plots")
     args = p.parse_args(argv)
@@ -214,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or info["id"]
     summaries, records = sweep(args.url, model, spec, points, args)
     result = {"settings": {"url": args.url, "model": model, **spec.describe(), "burstiness": args.burstiness,
-                           "temperature": args.temperature}, "runs": summaries}
+                           "temperature": args.temperature, "extra_body": args.extra_body}, "runs": summaries}
     if len(summaries) == 1:
         result.update(summaries[0])
     out = write_json(args.result_json, result)

@@ -68,3 +68,21 @@ def test_bench_refuses_bad_flags(router_cluster, capsys):
     assert e.value.code == 2 and "a length is N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--url", router_cluster["url"], "--request-rate", "1,2", "--concurrency", "1,2"])
+
+
+def test_bench_sends_structured_requests(router_cluster, tmp_path, capsys):
+    """`--extra-body` goes into every request: here a structure each answer must match (so it ends
+    when the structure does, before the length limit)."""
+    out = tmp_path / "r.json"
+    extra = {"structured_outputs": {"choice": ["yes", "no"]}}
+    code = main(["--url", router_cluster["url"], "--num-requests", "4", "--request-rate", "inf", "--input-len", "40",
+                 "--output-len", "30", "--extra-body", json.dumps(extra), "--result-json", str(out),
+                 "--plot-dir", str(tmp_path / "plots")])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["extra_body"] == extra and result["completed"] == 4
+    tokens = result["output_throughput"] * result["duration_s"]
+    assert 0 < tokens < 4 * 30 / 2  # each answer is "yes" or "no", not 30 tokens
+    with pytest.raises(SystemExit) as e:
+        main(["--url", router_cluster["url"], "--extra-body", "[1, 2]"])
+    assert e.value.code == 2 and "a JSON object" in capsys.readouterr().err
