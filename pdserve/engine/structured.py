@@ -47,17 +47,19 @@ class Matcher:
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> torch.Tensor:
-    """`logits` ([rows, vocab]) with each structured row's disallowed tokens at -inf (a copy); a
-    row whose matcher allows nothing (it failed) may only end."""
+    """`logits` ([rows, vocab]) with each structured row's disallowed tokens at -inf (a copy; the
+    other rows as they were); a row whose matcher allows nothing (it failed) may only end."""
     vocab = logits.shape[1]
-    bits = np.full((len(matchers), (vocab + 31) // 32), -1, dtype=np.int32)
-    for i, m in enumerate(matchers):
-        if m is not None:
-            m.fill(bits[i])
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    bits = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for j, i in enumerate(rows):
+        matchers[i].fill(bits[j])
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
-    for i in np.flatnonzero(~allowed.any(axis=1)):
-        allowed[i, list(matchers[i].eos_token_ids)] = True
-    return logits.masked_fill(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
+    for j in np.flatnonzero(~allowed.any(axis=1)):
+        allowed[j, list(matchers[rows[j]].eos_token_ids)] = True
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
+    return out
 
 
 class Structures:

@@ -105,10 +105,12 @@ class Echo:
 async def serve(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
     prompts = [None] if chat else req.prompts()
     if len(prompts) > 1:
-        return await _several(router, req, prompts, request)
-    if not chat and prompts[0] is not req.prompt:  # a list of one prompt: that prompt
-        req = req.model_copy(update={"prompt": prompts[0]})
-    return await _serve_one(router, req, chat, request)
+        answer = await _several(router, req, prompts, request)
+    else:
+        if not chat and prompts[0] is not req.prompt:  # a list of one prompt: that prompt
+            req = req.model_copy(update={"prompt": prompts[0]})
+        answer = await _serve_one(router, req, chat, request)
+    return JSONResponse(answer) if isinstance(answer, dict) else answer
 
 
 async def _several(router: Router, req: CompletionRequest, prompts: list, request: Request):
@@ -125,15 +127,17 @@ async def _several(router: Router, req: CompletionRequest, prompts: list, reques
     except BaseExceptionGroup as failed:  # the first prompt's error is the answer's
         raise failed.exceptions[0] from None
     answers = [t.result() for t in tasks]
-    if any(not isinstance(a, JSONResponse) for a in answers):  # the client left
+    if any(not isinstance(a, dict) for a in answers):  # the client left
         return Response(status_code=499)
-    bodies = [json.loads(a.body) for a in answers]
-    choices = [{**c, "index": i * req.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
-    total = {k: sum(b["usage"][k] for b in bodies) for k in bodies[0]["usage"]}
-    return JSONResponse({**bodies[0], "choices": choices, "usage": total})
+    choices = [{**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
+    total = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
+    return {**answers[0], "choices": choices, "usage": total}
 
 
-async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request):
+async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request
+                     ) -> dict | Response:
+    """One prompt's answer: its body (not streamed), or the response itself (streamed; 499 when
+    the client left)."""
     ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
                                             router.grammars)  # tokenizing (and grammars): off the event loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
@@ -210,9 +214,8 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
         else:
             choice["text"] = text
         choices.append(choice)
-    return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                         "created": now(), "model": req.model, "choices": choices,
-                         "usage": usage(len(ids), completion_tokens)})
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": req.model, "choices": choices, "usage": usage(len(ids), completion_tokens)}
 
 
 async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock, detok: Detokenizers, chat: bool,
