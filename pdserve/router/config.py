@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pdserve.flags import check_flags, count, flag, fraction, milliseconds, seconds
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, HotSpotRelief
 from pdserve.router.rebalance import RebalancePolicy
+from pdserve.router.tool_calls import PARSER_CHOICES
 
 _POLICY = RebalancePolicy()
 
@@ -48,6 +49,9 @@ class RouterConfig:
                                                            "controller's prefill pressure", parse=milliseconds)
     slo_tpot_ms: float = flag(_POLICY.tpot_target_s * 1e3, "TPOT target: SLA attainment metrics, and the "
                                                            "controller's decode pressure", parse=milliseconds)
+    tool_call_parser: str = flag("auto", "how the model writes tool calls: hermes (<tool_call>), llama3_json, "
+                                         "mistral ([TOOL_CALLS]); auto: the one its chat template shows",
+                                 choices=PARSER_CHOICES)
 
     # -- for library users and tests -------------------------------------------------------------
     disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)

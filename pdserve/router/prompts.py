@@ -7,6 +7,7 @@ from __future__ import annotations
 from pdserve.http_errors import APIError
 from pdserve.router.config import RouterConfig
 from pdserve.router.protocol import COMPLETIONS_REFUSE, NOT_SERVED, ChatCompletionRequest, CompletionRequest
+from pdserve.router.tool_calls import HERMES, ToolCalls
 from pdserve.sampling_params import Structure
 from pdserve.structure import Grammars
 from pdserve.tokenizer import Tokenizer
@@ -14,8 +15,10 @@ from pdserve.wire import Sampling
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig, tokenizer: Tokenizer,
-            vocab_size: int, grammars: Grammars | None = None) -> tuple[list[int], Sampling]:
-    """(prompt token ids, sampling settings) of `req`; a chat goes through the model's template."""
+            vocab_size: int, grammars: Grammars | None = None,
+            calls: ToolCalls = ToolCalls(HERMES)) -> tuple[list[int], Sampling]:
+    """(prompt token ids, sampling settings) of `req`; a chat goes through the model's template, and
+    a tool call it forces is written as `calls` says."""
     if req.model != config.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                             f"{config.model_name!r}", "not_found_error", "model")
@@ -51,7 +54,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
     if max_tokens < 1 or len(ids) + max_tokens > limit:
         raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                             f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
-    sampling = req.sampling(max_tokens)
+    sampling = req.sampling(max_tokens, calls)
     if sampling.structure is not None and grammars is not None:  # built here too: refused before admission
         try:
             grammars.matcher(Structure(sampling.structure.kind, sampling.structure.spec))

@@ -15,7 +15,7 @@ from pdserve.limits import (
     MAX_SCHEMA_DEPTH, MAX_SEQUENCE_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURE_CHARS,
     MAX_PROMPTS, MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
-from pdserve.router.tool_calls import forced_call
+from pdserve.router.tool_calls import HERMES, ToolCalls
 from pdserve.wire import Sampling, StructureSpec
 
 
@@ -136,7 +136,7 @@ class _Sampling(BaseModel):
         self.structure()
         return self
 
-    def _forced_tool_call(self) -> list[tuple[str, str]]:
+    def _forced_tool_call(self, calls: ToolCalls) -> list[tuple[str, str]]:
         return []
 
     def structure_field(self) -> str:
@@ -146,9 +146,10 @@ class _Sampling(BaseModel):
                     if getattr(self, name) is not None and (name != "response_format"
                                                             or self.response_format.type != "text"))
 
-    def structure(self) -> StructureSpec | None:
-        """The structure the output must match, from whichever field asks for one."""
-        asked: list[tuple[str, str]] = self._forced_tool_call()
+    def structure(self, calls: ToolCalls = ToolCalls(HERMES)) -> StructureSpec | None:
+        """The structure the output must match, from whichever field asks for one (a forced tool
+        call in the format of `calls`)."""
+        asked: list[tuple[str, str]] = self._forced_tool_call(calls)
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             asked.append(("json", '{"type": "object"}'))
@@ -168,15 +169,16 @@ class _Sampling(BaseModel):
                              "field, or a tool_choice that forces a call")
         return StructureSpec(kind=asked[0][0], spec=asked[0][1]) if asked else None
 
-    def sampling(self, max_tokens: int) -> Sampling:
-        """What the workers sample by; stop strings stay here (`stop_strings`): the router makes the text."""
+    def sampling(self, max_tokens: int, calls: ToolCalls = ToolCalls(HERMES)) -> Sampling:
+        """What the workers sample by; stop strings stay here (`stop_strings`): the router makes the
+        text. A forced tool call is written in the format of `calls`."""
         return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                         min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
                         logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
-                        structure=self.structure())
+                        structure=self.structure(calls))
 
     def logprobs_asked(self) -> int | None:
         """How many most likely tokens to report with each token's log-probability; None: none."""
@@ -332,13 +334,13 @@ class ChatCompletionRequest(_Sampling):
         """The answer may hold tool calls, to be parsed out of its text."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def _forced_tool_call(self) -> list[tuple[str, str]]:
+    def _forced_tool_call(self, calls: ToolCalls) -> list[tuple[str, str]]:
         if not self.tools or self.tool_choice in (None, "none", "auto"):
             return []
         name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         tools = [{"name": t.function.name, "parameters": json.loads(t.function.parameters)
                   if t.function.parameters else None} for t in self.tools]
-        return [("grammar", forced_call(tools, name))]
+        return [("grammar", calls.forced_call(tools, name))]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

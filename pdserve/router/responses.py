@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.http_clients import ClientGone, StallGuardedStreamingResponse, unless_disconnected
 from pdserve.http_errors import APIError
-from pdserve.router import tool_calls
 from pdserve.router.logprobs import LogprobsFormat, joined
 from pdserve.router.metrics import RequestClock
 from pdserve.router.prompts import prepare
@@ -37,8 +36,8 @@ class Detokenizers:
     its completion here, and the tokens a worker still sends for it are dropped, not counted."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 stop_on_worker: Callable[[int], None] = lambda index: None) -> None:
-        self.params = SamplingParams(stop=stop)
+                 stop_on_worker: Callable[[int], None] = lambda index: None, skip_special_tokens: bool = True) -> None:
+        self.params = SamplingParams(stop=stop, skip_special_tokens=skip_special_tokens)
         self.stop_on_worker = stop_on_worker
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.by_index: dict[int, IncrementalDetokenizer] = {}
@@ -139,7 +138,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
     """One prompt's answer: its body (not streamed), or the response itself (streamed; 499 when
     the client left)."""
     ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
-                                            router.grammars)  # tokenizing (and grammars): off the event loop
+                                            router.grammars, router.tool_calls)  # tokenizing, grammars: off the loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if not router.admission.try_admit(request_id, len(ids)):
         raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
@@ -155,8 +154,10 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
         router.admission.release(request_id)
         raise
     stream = RequestStream(router, request_id, ids, sampling, req.priority, admitted).lines()
+    tools = router.tool_calls if chat and req.calls_tools else None
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
-                         lambda index: router.stop_completion(request_id, index))
+                         lambda index: router.stop_completion(request_id, index),
+                         skip_special_tokens=not (tools and tools.keeps_special_tokens))
     clock = RequestClock(router.metrics, len(ids))
     shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
     echo = Echo(req.prompt if isinstance(req.prompt, str) else router.tokenizer.decode(ids), ids, req.n, shapes
@@ -207,7 +208,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
         choice = {"index": i, "finish_reason": reasons[i],
                   "logprobs": joined([p for p in logprobs[i] if p is not None]) if shapes is not None else None}
         if chat:
-            content, calls = tool_calls.parse(text) if req.calls_tools else (text, [])
+            content, calls = router.tool_calls.parse(text) if req.calls_tools else (text, [])
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             if calls:
                 choice["finish_reason"] = "tool_calls"
@@ -228,7 +229,7 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
         chunk = {"id": request_id, "object": kind, "created": created, "model": req.model, "choices": choices, **extra}
         return f"data: {json.dumps(chunk)}\n\n".encode()
 
-    held = {i: tool_calls.CallStream() for i in range(req.n)} if chat and req.calls_tools else None
+    held = {i: router.tool_calls.stream() for i in range(req.n)} if chat and req.calls_tools else None
     try:
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -244,17 +245,20 @@ async def _sse(router: Router, request_id: str, req, stream, clock: RequestClock
                 choices = []
                 for index, text, reason, entries in detok.line(item, clock):
                     calls: list[dict] = []
-                    if held is not None:  # text that may begin a tool call waits for the end
-                        text = held[index].feed(text)
+                    if held is not None:  # text that may begin a tool call waits until it cannot
+                        text, calls = held[index].feed(text)
                         if reason is not None:
-                            rest, calls = held[index].finish()
-                            text += rest or ""  # what came before the calls, or all of it
-                    if not text and reason is None and not entries:
+                            rest, last = held[index].finish()
+                            text, calls = text + rest, calls + last
+                            if held[index].called and reason == "stop":
+                                reason = "tool_calls"
+                    if not text and reason is None and not entries and not calls:
                         continue
                     body = {"delta": {"content": text}} if chat else {"text": text}
                     if calls:
-                        body["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                        reason = "tool_calls"
+                        body["delta"]["tool_calls"] = calls
+                        if not text:
+                            del body["delta"]["content"]
                     body["logprobs"] = shapes.shape(index, entries) if shapes is not None else None
                     choices.append({"index": index, **body, "finish_reason": reason})
                 if choices:

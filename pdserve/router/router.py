@@ -18,6 +18,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Admission, PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
+from pdserve.router.tool_calls import ToolCalls, choose
 from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
 from pdserve.structure import Grammars
 from pdserve.tokenizer import Tokenizer
@@ -32,6 +33,10 @@ class Router:
         self.vocab_size = vocab_size
         eos = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         self.grammars = Grammars(tokenizer, vocab_size, eos)  # structured outputs, checked before admission
+        self.tool_calls = ToolCalls(choose(config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
+                                    tokenizer)
+        log.info("tool calls: %s format%s", self.tool_calls.format.name,
+                 " (from the chat template)" if config.tool_call_parser == "auto" else "")
         self.registry = Registry(model_hash, config.worker_token, config.lease_s)
         self.index = PrefixIndex()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.request import RequestStatus
+from pdserve.router.tool_calls import FORMATS, ToolCalls
 from pdserve.worker.registration import RouterMembership
 from tests.factories import make_llm, offline_text
 from tests.router_server import MODEL, RouterServer
@@ -485,11 +486,22 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
 
 
+@pytest.fixture(params=list(FORMATS))
+def tool_format(request, router_cluster):
+    """The router writing and reading tool calls in each format, as `--tool-call-parser` sets it."""
+    router = router_cluster["router"]
+    kept = router.tool_calls
+    router.tool_calls = ToolCalls(FORMATS[request.param], router.tokenizer)
+    yield request.param
+    router.tool_calls = kept
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_a_tool_call_round_trip(client, stream, choice):
+def test_a_tool_call_round_trip(client, tool_format, stream, choice):
     """The model calls (forced: its arguments match the function's schema, so they parse), the
-    client answers with a `tool` message, and the model replies."""
+    client answers with a `tool` message, and the model replies; in each format, streamed as
+    argument deltas or not."""
     messages = [{"role": "user", "content": "what time is it in Paris? use a tool"}]
     asked = dict(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=300,
                  temperature=0)
@@ -500,9 +512,11 @@ def test_a_tool_call_round_trip(client, stream, choice):
             for c in chunk.choices:
                 finish = c.finish_reason or finish
                 for d in c.delta.tool_calls or []:
-                    calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": "", "pieces": 0})
                     calls[d.index]["arguments"] += d.function.arguments or ""
+                    calls[d.index]["pieces"] += bool(d.function.arguments)
         (call,) = calls.values()
+        assert call["pieces"] > 1  # the arguments came as the model wrote them, not at the end
     else:
         r = client.chat.completions.create(**asked)
         finish = r.choices[0].finish_reason
@@ -519,21 +533,6 @@ def test_a_tool_call_round_trip(client, stream, choice):
             {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}])
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason in ("length", "stop")
-
-
-def test_tool_calls_are_parsed_out_of_an_answer():
-    from pdserve.router.tool_calls import CallStream, parse
-
-    text = 'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-    content, calls = parse(text)
-    assert content == "Let me look." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
-    assert parse("no call here <tool_call> {broken") == ("no call here <tool_call> {broken", [])
-    stream = CallStream()
-    out = "".join(stream.feed(piece) for piece in ["Let me", " look. <tool", "_call>\n{\"name\": \"get_time\", ",
-                                                   "\"arguments\": {}}\n</tool_call>"])
-    assert out == "Let me look. " and stream.finish()[1][0]["function"]["name"] == "get_time"
-    plain = CallStream()
-    assert plain.feed("a < b and <tool") == "a < b and " and plain.feed(" is not a tag") == "<tool is not a tag"
 
 
 def test_tools_are_refused_where_they_cannot_be_served(router_cluster):
