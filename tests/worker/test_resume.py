@@ -5,6 +5,7 @@ another worker — a decode worker included, which is how the router migrates a 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -104,6 +105,53 @@ def test_decode_worker_ships_a_running_requests_kv_to_another(tiny_llama, coloca
         assert cool.worker.stats().kv_landed == 1 and cool.worker.stats().kv_recomputed == 0
         assert hot.worker.stats().kv_notified == 1
         for w in (hot, cool):  # nothing leaked on either side
+            assert w.is_idle()
+    finally:
+        hot.stop()
+        cool.stop()
+
+
+def test_a_moved_request_keeps_its_structure_and_log_probabilities(tiny_llama, colocated):
+    """A request with a structure and log-probabilities moves between decode workers mid-stream
+    (the hot-spot relief path): the new worker rebuilds the structure's matcher from the tokens so
+    far, and the tokens and their log-probabilities are the uninterrupted ones (float32: the same
+    arithmetic on the same KV; 1e-4 allows for a different order of sums in another batch shape)."""
+    from pdserve.sampling_params import Structure
+
+    tokens = prompt(50, seed=4)
+    regex = "[a-z ]{1,400}"
+    offline = colocated.generate([{"prompt_token_ids": tokens}], SamplingParams(
+        temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=2, structure=Structure("regex", regex)))
+    full, full_logprobs = offline[0].outputs[0].token_ids, offline[0].outputs[0].logprobs
+    sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 20, "ignore_eos": True, "logprobs": 2,
+                "structure": {"kind": "regex", "spec": regex}}
+    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    try:
+        with httpx.Client(timeout=60) as http:
+            done, entries = [], []
+            with http.stream("POST", hot.url + "/v1/generate",
+                             json={"prompt_token_ids": tokens, "sampling": sampling}) as r:
+                for line in r.iter_lines():
+                    out = json.loads(line)["outputs"][0]
+                    done += out["token_ids"]
+                    entries += out["logprobs"] or []
+                    if len(done) >= 7:
+                        break  # closing the stream aborts the request on `hot`
+            r = http.post(cool.url + "/v1/generate", json={
+                "prompt_token_ids": tokens, "output_token_ids": done, "sampling": sampling,
+                "prefill_url": hot.url, "stream": False})
+            assert r.status_code == 200, r.text
+            for line in r.json():
+                done += line["outputs"][0]["token_ids"]
+                entries += line["outputs"][0]["logprobs"] or []
+        assert done == full and re.fullmatch(regex, colocated.get_tokenizer().decode(full))
+        assert [e[0] for e in entries] == full
+        for (token, logprob, top), expected in zip(entries, full_logprobs):
+            assert logprob == pytest.approx(expected.logprob, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in expected.top]
+        assert cool.worker.stats().kv_landed == 1
+        for w in (hot, cool):
             assert w.is_idle()
     finally:
         hot.stop()
