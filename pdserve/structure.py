@@ -55,6 +55,16 @@ class Grammars:
             raise ValueError(f"the {structure.kind} structure is not valid: {m.get_error()}")
         return m
 
+    def prepare(self) -> float:
+        """Build the tokenizer as llguidance reads it now, not at the first structured request;
+        returns the seconds it took (0 where it was built already)."""
+        import time
+
+        start = time.perf_counter()
+        built = self._ll_tokenizer is not None
+        self._tokenizer()
+        return 0.0 if built else time.perf_counter() - start
+
     def _tokenizer(self):
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer

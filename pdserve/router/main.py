@@ -75,6 +75,8 @@ def run_router(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call to a worker
     api_key, token, token_file = router_secrets(args)
     router = build_router(args, api_key, token)
+    # the first structured output or forced tool call would otherwise wait for this
+    logging.getLogger("pdserve.router").info("structured outputs ready in %.2f s", router.grammars.prepare())
     sock = tcp_listener(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     ready = {"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}

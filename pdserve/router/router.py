@@ -35,8 +35,8 @@ class Router:
         self.grammars = Grammars(tokenizer, vocab_size, eos)  # structured outputs, checked before admission
         self.tool_calls = ToolCalls(choose(config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
                                     tokenizer)
-        log.info("tool calls: %s format%s", self.tool_calls.format.name,
-                 " (from the chat template)" if config.tool_call_parser == "auto" else "")
+        log.info("tool calls: %s format (--tool-call-parser %s)", self.tool_calls.format.name,
+                 config.tool_call_parser)
         self.registry = Registry(model_hash, config.worker_token, config.lease_s)
         self.index = PrefixIndex()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)

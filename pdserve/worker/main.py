@@ -70,6 +70,9 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if compiled is not None:  # ready means at full speed: no compile competes with requests for the cores
         logging.getLogger("pdserve.worker").info("compiling the decode graphs before taking requests")
         compiled.warm_up()
+    # the first structured output would otherwise wait for this
+    logging.getLogger("pdserve.worker").info("structured outputs ready in %.2f s",
+                                             worker.engine.structures.grammars.prepare())
     # What is loaded by now (the model, torch, the libraries: ~300k objects) lives as long as the
     # process: kept out of the collector's full passes, each of which would otherwise hold the GIL,
     # and so the engine's thread, for ~100 ms (2-vCPU Xeon).
