@@ -243,11 +243,13 @@ class LLMEngine:
             self._forget(parent)
 
     def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0),
-                  first_logprobs: TokenLogprobs | None = None) -> bool:
+                  first_logprobs: TokenLogprobs | None = None,
+                  prompt_logprobs: list[TokenLogprobs | None] | None = None) -> bool:
         """A prefill worker filled the request's reserved blocks and sampled `first_token` (with
-        its log-probabilities, where the request asks for them; ValueError if they are missing).
-        Its output comes from the next step(). False if the request is no longer waiting for it."""
-        req = self.scheduler.kv_landed(request_id, first_token, prefill_times, first_logprobs)
+        its log-probabilities, and the prompt's, where the request asks for them; ValueError if
+        they are missing). Its output comes from the next step(). False if the request is no longer
+        waiting for it."""
+        req = self.scheduler.kv_landed(request_id, first_token, prefill_times, first_logprobs, prompt_logprobs)
         if req is None:
             return False
         self._skip_draws(req, 1)  # the prefill worker drew the new token's noise from the same seed

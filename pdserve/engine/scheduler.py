@@ -176,9 +176,11 @@ class Scheduler:
         return True
 
     def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0),
-                  first_logprobs: TokenLogprobs | None = None) -> Request | None:
+                  first_logprobs: TokenLogprobs | None = None,
+                  prompt_logprobs: list[TokenLogprobs | None] | None = None) -> Request | None:
         """The prompt's KV is in the reserved blocks and the first token was sampled elsewhere
-        (with its log-probabilities, where the request asks for them: ValueError if they are missing).
+        (with its log-probabilities, and the prompt's, where the request asks for them: ValueError
+        if they are missing or are not the prompt's).
 
         Returns the request, now RUNNING (or finished, if that token ends it); None if it is gone.
         """
@@ -187,6 +189,10 @@ class Scheduler:
             return None
         if req.params.logprobs is not None and first_logprobs is None:
             raise ValueError("the first token came without the log-probabilities the request asks for")
+        if req.prompt_logprobs is not None:
+            if prompt_logprobs is None or [e and e.token_id for e in prompt_logprobs] != [
+                    None, *req.prompt_token_ids[1:]]:
+                raise ValueError("the first token came without the prompt's log-probabilities the request asks for")
         if req.matcher is not None and not req.matcher.allows(first_token):
             raise ValueError(f"the first token ({first_token}) is outside the request's structure")
         del self.waiting_for_kv[request_id]
@@ -199,6 +205,8 @@ class Scheduler:
         req.output_token_ids.append(first_token)
         if req.params.logprobs is not None:
             req.output_logprobs.append(first_logprobs)
+        if req.prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         if req.matcher is not None:
             req.matcher.consume(first_token)
         req.kv_landed_time = req.first_token_time = self.clock()

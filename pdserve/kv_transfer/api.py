@@ -43,9 +43,10 @@ class KVSender(Protocol):
         ...
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
-               logprobs: TokenLogprobs | None = None) -> None:
-        """After the lease's writes: the first token (with its log-probabilities, where the request
-        asked for them), and (queue, compute) seconds spent here."""
+               logprobs: TokenLogprobs | None = None,
+               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+        """After the lease's writes: the first token (with its log-probabilities, and the prompt's,
+        where the request asked for them), and (queue, compute) seconds spent here."""
         ...
 
     def abort(self, lease: Lease, reason: str) -> None: ...

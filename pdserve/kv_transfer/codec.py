@@ -89,11 +89,15 @@ class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # where the request asked for log-probabilities: the first token's, and the most likely tokens'
     logprob: float | None = None
     top: list[tuple[int, float]] = []
+    # where it asked for its prompt's (completions' echo): one per prompt token, the first null
+    prompt: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
 
     @classmethod
-    def of(cls, lease, first_token: int, times: tuple[float, float], logprobs: TokenLogprobs | None
-           ) -> NotifyHeader:
+    def of(cls, lease, first_token: int, times: tuple[float, float], logprobs: TokenLogprobs | None,
+           prompt_logprobs: list[TokenLogprobs | None] | None = None) -> NotifyHeader:
         extra = {} if logprobs is None else {"logprob": logprobs.logprob, "top": logprobs.top}
+        if prompt_logprobs is not None:
+            extra["prompt"] = [None if e is None else (e.token_id, e.logprob, e.top) for e in prompt_logprobs]
         return cls(lease.request_id, lease.fence, first_token, lease.end, *times, **extra)
 
     def logprobs(self) -> TokenLogprobs | None:
@@ -102,11 +106,25 @@ class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.top:
                 raise ValueError("top log-probabilities without the token's own")
             return None
-        values = [self.logprob, *(lp for _, lp in self.top)]
-        if len(self.top) > MAX_LOGPROBS or not all(math.isfinite(v) and v <= 0.0 for v in values) or any(
-                t < 0 for t, _ in self.top):
-            raise ValueError("log-probabilities out of range")
-        return TokenLogprobs(self.first_token, self.logprob, [(int(t), float(lp)) for t, lp in self.top])
+        return _checked(self.first_token, self.logprob, self.top)
+
+    def prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The prompt's log-probabilities as sent: one per prompt token, the first None; ValueError
+        for a list of another length or values no model gives."""
+        if self.prompt is None:
+            return None
+        if len(self.prompt) != self.num_prompt_tokens or self.prompt[0] is not None:
+            raise ValueError(f"prompt log-probabilities for {len(self.prompt)} positions, the prompt has "
+                             f"{self.num_prompt_tokens} (the first without one)")
+        return [None if e is None else _checked(*e) for e in self.prompt]
+
+
+def _checked(token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprobs:
+    values = [logprob, *(lp for _, lp in top)]
+    if (token_id < 0 or len(top) > MAX_LOGPROBS or not all(math.isfinite(v) and v <= 0.0 for v in values)
+            or any(t < 0 for t, _ in top)):
+        raise ValueError("log-probabilities out of range")
+    return TokenLogprobs(token_id, logprob, [(int(t), float(lp)) for t, lp in top])
 
 
 class AbortHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -139,6 +157,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 @dataclass(slots=True, frozen=True)
 class FrameLimits:
     max_header_bytes: int = 64 << 10
+    # a NOTIFY's header may carry a prompt's log-probabilities: up to ~330 bytes a token with 20
+    # most likely tokens each, so about 200k tokens' worth
+    max_notify_bytes: int = 64 << 20
     max_payload_bytes: int = 256 << 20
     frame_timeout_s: float = 30.0  # from a frame's first byte to its last
 
@@ -171,8 +192,9 @@ def decode_prefix(prefix: bytes, limits: FrameLimits) -> tuple[FrameKind, int, i
         kind = FrameKind(kind)
     except ValueError:
         raise FrameError(f"unknown KV frame kind {kind}") from None
-    if header_len > limits.max_header_bytes:
-        raise FrameError(f"KV frame header of {header_len} bytes exceeds {limits.max_header_bytes}")
+    header_limit = limits.max_notify_bytes if kind == FrameKind.NOTIFY else limits.max_header_bytes
+    if header_len > header_limit:
+        raise FrameError(f"KV frame header of {header_len} bytes exceeds {header_limit}")
     if payload_len > limits.max_payload_bytes:
         raise FrameError(f"KV frame payload of {payload_len} bytes exceeds {limits.max_payload_bytes}")
     if kind != FrameKind.WRITE and payload_len:

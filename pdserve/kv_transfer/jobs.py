@@ -40,6 +40,7 @@ class NotifyJob:
     first_token: int
     times: tuple[float, float]  # (queue, compute) seconds the prefill spent here
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

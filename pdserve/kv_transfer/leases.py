@@ -50,6 +50,7 @@ class ReceiverEvent:
     reason: str = ""
     prefill_times: tuple[float, float] = (0.0, 0.0)  # LANDED: queue and compute seconds on the prefill worker
     first_logprobs: TokenLogprobs | None = None  # LANDED, where the request asked for log-probabilities
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # LANDED, where it asked for its prompt's
 
 
 class Peer(Protocol):
@@ -196,7 +197,7 @@ class LeaseTable:
                 reason = f"bad notify: token {h.first_token} after {h.num_prompt_tokens} tokens, lease holds {lease.end}"
             else:
                 try:
-                    first_logprobs = h.logprobs()
+                    first_logprobs, prompt_logprobs = h.logprobs(), h.prompt_logprobs()
                     reason = ""
                 except ValueError as e:
                     reason = f"bad notify: {e}"
@@ -207,7 +208,8 @@ class LeaseTable:
         if not reason:
             times = tuple(t if math.isfinite(t) and t >= 0 else 0.0 for t in (h.prefill_queue_s, h.prefill_compute_s))
             self.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token,
-                                          prefill_times=times, first_logprobs=first_logprobs))
+                                          prefill_times=times, first_logprobs=first_logprobs,
+                                          prompt_logprobs=prompt_logprobs))
         else:
             self.events.put(ReceiverEvent(EventKind.FAILED, h.request_id, h.fence, reason=reason))
             self._unbind(state)

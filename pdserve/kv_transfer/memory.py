@@ -140,10 +140,11 @@ class MemorySender:
         self.leases.end_write(state, range(layer, layer + 1), end, landed)
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
-               logprobs: TokenLogprobs | None = None) -> None:
+               logprobs: TokenLogprobs | None = None,
+               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         if not self._usable(lease, TransferStatus.FAILED):
             return
-        self.leases.notify(NotifyHeader.of(lease, first_token, times, logprobs), self)
+        self.leases.notify(NotifyHeader.of(lease, first_token, times, logprobs, prompt_logprobs), self)
         with self._lock:
             self._status[lease.request_id] = TransferStatus.DONE
 

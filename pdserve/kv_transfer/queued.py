@@ -114,10 +114,11 @@ class QueuedSender:
         """Get ready to write the lease (in-place writers claim it), while its prefill computes."""
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
-               logprobs: TokenLogprobs | None = None) -> None:
-        """After the lease's writes: the first token (with its log-probabilities, where the request
-        asked for them), and (queue, compute) seconds spent here."""
-        self._push(NotifyJob(lease, first_token, times, logprobs))
+               logprobs: TokenLogprobs | None = None,
+               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+        """After the lease's writes: the first token (with its log-probabilities, and the prompt's,
+        where the request asked for them), and (queue, compute) seconds spent here."""
+        self._push(NotifyJob(lease, first_token, times, logprobs, prompt_logprobs))
 
     def abort(self, lease: Lease, reason: str) -> None:
         self._push(AbortJob(lease, reason))
@@ -211,7 +212,7 @@ class QueuedSender:
         elif isinstance(job, ClaimJob):
             self._claim(lease)
         elif isinstance(job, NotifyJob):
-            self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs))
+            self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs, job.prompt_logprobs))
             self._status[lease.request_id] = TransferStatus.DONE
         elif isinstance(job, AbortJob):
             self._aborted_fences.add(lease.fence)

@@ -68,7 +68,7 @@ class RequestStream:
             for attempt in itertools.count():
                 if self.decode is None:
                     self.decode, self.prefill = await router.route_when_room(
-                        self._context(), frozenset(self.tried), self.live.n, self.deadline, self._remote_prefill)
+                        self._context(), frozenset(self.tried), self.live.n, self.deadline)
                 hold = self.admitted.hold if attempt == 0 else Hold(router.line, self.decode, self.live.n)
                 try:
                     async for item in self._call(attempt):
@@ -142,14 +142,9 @@ class RequestStream:
 
     def _route_again(self) -> None:
         """Workers with room now (held), or none: the next attempt waits in line."""
-        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n,
-                                                               self._remote_prefill) or (None, None))
+        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n)
+                                     or (None, None))
 
     def _context(self) -> list[int]:
         return self.prompt_ids + self.generated
 
-    @property
-    def _remote_prefill(self) -> bool:
-        """A prompt whose log-probabilities are asked for is computed by its decode worker, which
-        sends them with the first token."""
-        return self.sampling.prompt_logprobs is None

@@ -145,8 +145,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
                        headers={"Retry-After": "1"})
     try:
         router.require_workers()
-        admitted = await unless_disconnected(request, router.admit(  # may wait in line
-            ids, sampling.n, remote_prefill=sampling.prompt_logprobs is None))
+        admitted = await unless_disconnected(request, router.admit(ids, sampling.n))  # may wait in line
     except ClientGone:
         router.admission.release(request_id)
         return Response(status_code=499)  # nobody reads it

@@ -52,8 +52,8 @@ class Router:
         if not self.registry.workers():
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
 
-    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1,
-              remote_prefill: bool = True) -> tuple[WorkerEntry, WorkerEntry | None]:
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1
+              ) -> tuple[WorkerEntry, WorkerEntry | None]:
         """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
         `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
         NoRoom when every decode worker holds as many sequences from here as it said it can."""
@@ -62,7 +62,7 @@ class Router:
                    for k, w in entries.items()]
         try:
             decision = routing.route(workers, prompt_ids, self.index, self.config.decode_weights,
-                                     self.config.disaggregation, exclude, remote_prefill)
+                                     self.config.disaggregation, exclude)
         except routing.NoWorker:
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"}) from None
         except routing.NoRoom:
@@ -80,14 +80,14 @@ class Router:
 
     # -- a request ------------------------------------------------------------------------------
 
-    async def admit(self, prompt_ids: list[int], sequences: int, remote_prefill: bool = True) -> Admitted:
+    async def admit(self, prompt_ids: list[int], sequences: int) -> Admitted:
         """A decode worker (and prefill worker, if any) with room for the request, held for it: at
         once, or after waiting in line (first come, first served). At `queue_timeout_s` without
         room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
         deadline = time.monotonic() + self.config.queue_timeout_s
-        chosen = self.route_or_none(prompt_ids, frozenset(), sequences, remote_prefill)
+        chosen = self.route_or_none(prompt_ids, frozenset(), sequences)
         if chosen is None:
-            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline, remote_prefill)
+            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline)
         return Admitted(*chosen, deadline, Hold(self.line, chosen[0], sequences))
 
     def stop_completion(self, request_id: str, index: int) -> None:
@@ -97,19 +97,18 @@ class Router:
         if worker is not None:
             abort_on_worker(self.http, worker.url, live.worker_request_id, self.worker_headers, index)
 
-    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
-                      remote_prefill: bool = True) -> tuple[WorkerEntry, WorkerEntry | None] | None:
+    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
+                      ) -> tuple[WorkerEntry, WorkerEntry | None] | None:
         try:
-            return self.route(prompt_ids, exclude, sequences, remote_prefill)
+            return self.route(prompt_ids, exclude, sequences)
         except NoRoom:
             return None
 
     async def route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
-                              deadline: float, remote_prefill: bool = True) -> tuple[WorkerEntry, WorkerEntry | None]:
+                              deadline: float) -> tuple[WorkerEntry, WorkerEntry | None]:
         """Wait in line until a decode worker has room; 503 at `deadline`."""
         self.metrics.requeued.inc()
-        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences, remote_prefill),
-                                    deadline, NoRoom)
+        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
 
     @property
     def worker_headers(self) -> dict[str, str]:

@@ -66,10 +66,9 @@ class RoutingDecision:
 
 def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | None,
           weights: DecodeWeights = DecodeWeights(), policy: DisaggregationPolicy = DisaggregationPolicy(),
-          exclude: frozenset[str] = frozenset(), remote_prefill: bool = True) -> RoutingDecision:
+          exclude: frozenset[str] = frozenset()) -> RoutingDecision:
     """Where this prompt goes. `exclude`: workers not to decode it (they failed it already).
-    `index` None: no worker is known to hold any prefix (nothing is hashed, nothing to record).
-    `remote_prefill` False: the decode worker computes the prompt, whatever the policy says."""
+    `index` None: no worker is known to hold any prefix (nothing is hashed, nothing to record)."""
     decodes = {w.worker_id: w for w in workers if w.role in DECODE_ROLES and w.worker_id not in exclude}
     prefills = {w.worker_id: w for w in workers if w.role == "prefill"}
     if not decodes:  # no decode worker: prefill workers serve colocated
@@ -95,7 +94,7 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
     chosen = [d]
     decode_uncached, prefill_uncached, prefill_id = len(prompt_ids) - cached(d), 0, None
     loads = {k: w.load for k, w in prefills.items()}
-    if remote_prefill and prefill_remotely(decode_uncached, loads, policy):
+    if prefill_remotely(decode_uncached, loads, policy):
         p = prefills[choose_prefill(loads, {k: cached(w) for k, w in prefills.items()}, len(prompt_ids))]
         chosen.append(p)
         prefill_uncached, prefill_id = len(prompt_ids) - cached(p), p.worker_id

@@ -137,7 +137,8 @@ class DecodeRole(RoleHooks):
         if event.kind == EventKind.LANDED and 0 <= event.first_token < self.engine.model_config.vocab_size:
             lease = self.leases.pop(event.request_id)  # first: a first token that ends it finishes it
             try:
-                self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times, event.first_logprobs)
+                self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times, event.first_logprobs,
+                                      event.prompt_logprobs)
             except ValueError as e:  # what the request needs did not come with its first token
                 self.leases[event.request_id] = lease  # nothing changed: the lease ends as any failed one
                 self._fall_back(event.request_id, event.fence, str(e))

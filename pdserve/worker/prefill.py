@@ -200,7 +200,7 @@ class PrefillRole(RoleHooks):
             started = request.first_scheduled_time or request.arrival_time
             times = (started - request.arrival_time, (request.first_token_time or started) - started)
             logprobs = request.output_logprobs[-1] if request.output_logprobs else None
-            sender.notify(lease, request.output_token_ids[-1], times, logprobs)
+            sender.notify(lease, request.output_token_ids[-1], times, logprobs, request.prompt_logprobs)
             self.num_notified += 1
         elif not shipment.peer_aborted:
             sender.abort(lease, f"prefill ended: {request.status.finish_reason}")

@@ -203,8 +203,7 @@ class Worker:
             held = len(sched.waiting) + sched.num_live
             if held and held + params.n > self.capacity:
                 raise QueueFullError(f"the worker holds its maximum of {self.capacity} sequences, running and queued")
-            # a prompt whose log-probabilities are asked for is computed here, where they are sent from
-            remote = bool(prefill_url) and params.n == 1 and params.prompt_logprobs is None
+            remote = bool(prefill_url) and params.n == 1
             if remote:
                 self.decode.targets[request_id] = (prefill_url, sampling)
             try:

@@ -25,7 +25,8 @@ class FakeEngine:
         self.landed: list[tuple[str, int]] = []
         self.recomputed: list[str] = []
 
-    def kv_landed(self, request_id: str, first_token: int, prefill_times, first_logprobs=None) -> None:
+    def kv_landed(self, request_id: str, first_token: int, prefill_times, first_logprobs=None,
+                  prompt_logprobs=None) -> None:
         self.landed.append((request_id, first_token))
 
     def kv_failed(self, request_id: str) -> None:

@@ -163,3 +163,24 @@ def test_a_first_token_without_the_logprobs_its_request_asks_for_is_not_taken(ti
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert len(outs[-1].outputs[0].logprobs) == 2
+
+
+def test_a_notify_carries_the_prompts_logprobs_within_its_own_bound():
+    """A prompt's log-probabilities make a NOTIFY header far larger than any other (64 KiB): it has
+    a bound of its own; the list must be the prompt's length, the first entry null."""
+    from pdserve.outputs import TokenLogprobs
+
+    n = 3000
+    lease = type("L", (), {"request_id": "r1", "fence": 1, "end": n})()
+    prompt = [None] + [TokenLogprobs(i, -0.5, [(i, -0.5)] + [(j, -1.0 - j) for j in range(19)]) for i in range(1, n)]
+    header = NotifyHeader.of(lease, 42, (0.0, 0.0), None, prompt)
+    frame = encode_frame(header)[0]
+    assert len(frame) > LIMITS.max_header_bytes  # larger than any other header may be
+    assert exchange([frame], lambda h, n: None).prompt_logprobs() == prompt
+    with pytest.raises(FrameError, match="exceeds"):
+        decode_prefix(frame[:PREFIX.size], FrameLimits(max_notify_bytes=LIMITS.max_header_bytes))
+    for bad in ([None] * (n - 1), prompt[1:] + [None], [None] + [(1, 0.5, [])] * (n - 1),
+                [None] + [(1, -0.5, [(-1, -1.0)])] * (n - 1)):
+        with pytest.raises(ValueError):
+            NotifyHeader("r1", 1, 42, n, prompt=[e if e is None or isinstance(e, tuple) else
+                                                 (e.token_id, e.logprob, e.top) for e in bad]).prompt_logprobs()
