@@ -1,6 +1,9 @@
 """One request's outputs on their way from the engine thread to its HTTP response.
 
-- The engine thread hands outputs over without ever waiting (`sink`).
+- The engine thread hands outputs over without ever waiting (`sink`). The outputs of one step, for
+  every request, reach the server's event loop in one wake-up (`_Handoff`), not one each: each
+  wake-up is a write to the loop's pipe and a turn of the loop that must take the GIL from the
+  engine thread.
 - The response reads them as NDJSON lines; while none comes it sends an empty line every
   `keepalive_s`, so the router can tell a silent worker from a queued request, and ends with an
   error line if the engine stopped.
@@ -12,6 +15,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from typing import AsyncIterator, Callable
 
 from pdserve.outputs import RequestOutput
@@ -38,23 +43,60 @@ def output_line(out: RequestOutput) -> bytes:
     )) + b"\n"
 
 
+class _Handoff:
+    """Outputs on their way to one event loop: the engine thread adds them, and the first added
+    since the loop last took them wakes the loop, which takes them all."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+
+    def add(self, stream: OutputStream, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            self._pending.append((stream, item))
+            if len(self._pending) > 1:
+                return  # the loop is woken already and has not taken them yet
+        try:
+            self._loop.call_soon_threadsafe(self._take)
+        except RuntimeError:  # the loop has closed (the worker is stopping): nobody reads
+            if not self._loop.is_closed():
+                raise
+            with self._lock:
+                self._pending.clear()
+
+    def _take(self) -> None:
+        with self._lock:
+            taken, self._pending = self._pending, []
+        for stream, item in taken:
+            stream._put(item)
+
+
+_handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Handoff] = weakref.WeakKeyDictionary()
+_handoffs_lock = threading.Lock()
+
+
+def _handoff(loop: asyncio.AbstractEventLoop) -> _Handoff:
+    with _handoffs_lock:
+        handoff = _handoffs.get(loop)
+        if handoff is None:
+            handoff = _handoffs[loop] = _Handoff(loop)
+        return handoff
+
+
 class OutputStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, abort: Callable[[], None],
                  max_pending: int = MAX_PENDING_OUTPUTS) -> None:
-        self._loop = loop
+        self._handoff = _handoff(loop)
         self._abort = abort  # ends the request on the engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.max_pending = max_pending
         self.overflowed = False
 
     def sink(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: never blocks. After the server's loop has closed (the worker is stopping)
-        nobody reads: the item is dropped."""
-        try:
-            self._loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:
-            if not self._loop.is_closed():
-                raise
+        """Engine thread: never blocks (beyond a lock held for an append). After the server's loop
+        has closed (the worker is stopping) nobody reads: the item is dropped."""
+        self._handoff.add(self, item)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         if self.overflowed:
