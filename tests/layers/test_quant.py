@@ -64,6 +64,22 @@ def test_every_kernel_variant_expands_a_weight_to_exactly_its_values(isa, bits):
     assert expand(torch.bfloat16)[0, :32].isnan().all()
 
 
+@pytest.mark.parametrize("isa", kernel_isa_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 608])  # an even and an odd number of groups of 32
+def test_a_batchs_rows_are_each_rows_product_alone(isa, dtype, in_features):
+    """Rows taken two at a time (the 4-bit weights unpacked once for both) give, bit for bit, what
+    each row gives alone: a request's tokens do not depend on its batch mates."""
+    kernels = native.load().with_isa(isa)
+    held = quantize(torch.randn(44, in_features, generator=torch.Generator().manual_seed(7)), 4, torch.float32,
+                    kernels)
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(8)).to(dtype)
+    together = kernels.qmatmul(x, 4, held.qs, held.scales, held.mins, 44)
+    alone = torch.cat([kernels.qmatmul(x[i:i + 1].contiguous(), 4, held.qs, held.scales, held.mins, 44)
+                       for i in range(7)])
+    assert torch.equal(together, alone)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dtype):
