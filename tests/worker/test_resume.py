@@ -80,35 +80,47 @@ def test_disaggregated_resume_matches(tiny_llama, colocated, kind):
         c.wait_idle()
 
 
+def moved(tiny_llama, tokens: list[int], sampling: dict, cut: int) -> tuple[list[int], list, object, object]:
+    """A request run on one decode worker, stopped there after `cut` tokens and continued on another
+    that takes its KV from the first one's prefix cache (the router's hot-spot move): (every token,
+    every log-probability entry sent, each worker's stats); both workers end idle."""
+    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    try:
+        done, entries = [], []
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", hot.url + "/v1/generate",
+                             json={"prompt_token_ids": tokens, "sampling": sampling}) as r:
+                for line in r.iter_lines():
+                    out = json.loads(line)["outputs"][0]
+                    done += out["token_ids"]
+                    entries += out.get("logprobs") or []
+                    if len(done) >= cut:
+                        break  # closing the stream aborts the request on `hot`
+            r = http.post(cool.url + "/v1/generate", json={
+                "prompt_token_ids": tokens, "output_token_ids": done, "sampling": sampling,
+                "prefill_url": hot.url, "stream": False})
+            assert r.status_code == 200, r.text
+            for line in r.json():
+                done += line["outputs"][0]["token_ids"]
+                entries += line["outputs"][0].get("logprobs") or []
+        for w in (hot, cool):  # nothing leaked on either side
+            assert w.is_idle()
+        return done, entries, hot.worker.stats(), cool.worker.stats()
+    finally:
+        hot.stop()
+        cool.stop()
+
+
 def test_decode_worker_ships_a_running_requests_kv_to_another(tiny_llama, colocated):
     """The migration path: a request runs on one decode worker, is stopped there, and continues on
     another that takes its KV (prompt and generated tokens) from the first one's prefix cache."""
     tokens = prompt(60, seed=9)
     sampling = {"temperature": 0.8, "seed": 5, "max_tokens": 24, "ignore_eos": True}
     full = full_output(colocated, tokens, **sampling)
-    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    try:
-        with httpx.Client(timeout=60) as http:
-            done: list[int] = []
-            with http.stream("POST", hot.url + "/v1/generate",
-                             json={"prompt_token_ids": tokens, "sampling": sampling}) as r:
-                for line in r.iter_lines():
-                    done += json.loads(line)["outputs"][0]["token_ids"]
-                    if len(done) >= 9:
-                        break  # closing the stream aborts the request on `hot`
-            r = http.post(cool.url + "/v1/generate", json={
-                "prompt_token_ids": tokens, "output_token_ids": done, "sampling": sampling,
-                "prefill_url": hot.url, "stream": False})
-            assert r.status_code == 200, r.text
-            assert done + [t for line in r.json() for t in line["outputs"][0]["token_ids"]] == full
-        assert cool.worker.stats().kv_landed == 1 and cool.worker.stats().kv_recomputed == 0
-        assert hot.worker.stats().kv_notified == 1
-        for w in (hot, cool):  # nothing leaked on either side
-            assert w.is_idle()
-    finally:
-        hot.stop()
-        cool.stop()
+    done, _, hot, cool = moved(tiny_llama, tokens, sampling, 9)
+    assert done == full
+    assert cool.kv_landed == 1 and cool.kv_recomputed == 0 and hot.kv_notified == 1
 
 
 def test_a_moved_request_keeps_its_structure_and_log_probabilities(tiny_llama, colocated):
@@ -125,34 +137,10 @@ def test_a_moved_request_keeps_its_structure_and_log_probabilities(tiny_llama, c
     full, full_logprobs = offline[0].outputs[0].token_ids, offline[0].outputs[0].logprobs
     sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 20, "ignore_eos": True, "logprobs": 2,
                 "structure": {"kind": "regex", "spec": regex}}
-    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    try:
-        with httpx.Client(timeout=60) as http:
-            done, entries = [], []
-            with http.stream("POST", hot.url + "/v1/generate",
-                             json={"prompt_token_ids": tokens, "sampling": sampling}) as r:
-                for line in r.iter_lines():
-                    out = json.loads(line)["outputs"][0]
-                    done += out["token_ids"]
-                    entries += out["logprobs"] or []
-                    if len(done) >= 7:
-                        break  # closing the stream aborts the request on `hot`
-            r = http.post(cool.url + "/v1/generate", json={
-                "prompt_token_ids": tokens, "output_token_ids": done, "sampling": sampling,
-                "prefill_url": hot.url, "stream": False})
-            assert r.status_code == 200, r.text
-            for line in r.json():
-                done += line["outputs"][0]["token_ids"]
-                entries += line["outputs"][0]["logprobs"] or []
-        assert done == full and re.fullmatch(regex, colocated.get_tokenizer().decode(full))
-        assert [e[0] for e in entries] == full
-        for (token, logprob, top), expected in zip(entries, full_logprobs):
-            assert logprob == pytest.approx(expected.logprob, abs=1e-4)
-            assert [t for t, _ in top] == [t for t, _ in expected.top]
-        assert cool.worker.stats().kv_landed == 1
-        for w in (hot, cool):
-            assert w.is_idle()
-    finally:
-        hot.stop()
-        cool.stop()
+    done, entries, _, cool = moved(tiny_llama, tokens, sampling, 7)
+    assert done == full and re.fullmatch(regex, colocated.get_tokenizer().decode(full))
+    assert [e[0] for e in entries] == full
+    for (token, logprob, top), expected in zip(entries, full_logprobs):
+        assert logprob == pytest.approx(expected.logprob, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in expected.top]
+    assert cool.kv_landed == 1
