@@ -36,8 +36,12 @@ class Detokenizers:
     its completion here, and the tokens a worker still sends for it are dropped, not counted."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 stop_on_worker: Callable[[int], None] = lambda index: None, skip_special_tokens: bool = True) -> None:
+                 stop_on_worker: Callable[[int], None] = lambda index: None, skip_special_tokens: bool = True
+                 ) -> None:
         self.params = SamplingParams(stop=stop, skip_special_tokens=skip_special_tokens)
+        # a special token that stopped a completion is not its text, even where special tokens are
+        # kept (vLLM's rule; a stop token id that is not special stays, as there)
+        self.special_ids = tokenizer.all_special_ids if tokenizer is not None else set()
         self.stop_on_worker = stop_on_worker
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.by_index: dict[int, IncrementalDetokenizer] = {}
@@ -54,9 +58,13 @@ class Detokenizers:
             return "", None, []  # ended here already
         reason = out.finish_reason
         taken = 0
-        for token in out.token_ids:
-            d.add(token)
+        last = len(out.token_ids) - 1
+        for i, token in enumerate(out.token_ids):
             self.num_tokens += 1
+            if i == last and out.finish_reason == "stop" and token in self.special_ids:
+                taken += 1
+                break
+            d.add(token)
             taken += 1
             if d.stop_string is not None:
                 reason = "stop"

@@ -127,3 +127,21 @@ def test_a_forced_call_grammar_builds_and_accepts_its_own_format(tiny_llama, fmt
         assert matcher.consume_token(token), text
     assert matcher.is_accepting()
     assert tools.parse(text)[1][0]["function"]["name"] == "get_time"
+
+
+def test_kept_special_tokens_stay_in_the_text_but_the_one_that_stopped_it_does_not(tiny_llama):
+    """Requests whose tool-call marker is a special token keep special tokens in their text; the
+    end of sequence that finished the answer is still not text (vLLM's rule)."""
+    from pdserve.router.responses import Detokenizers
+    from pdserve.wire import CompletionDelta
+
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    eos = tokenizer.eos_token_id
+    assert eos in tokenizer.all_special_ids
+    word = tokenizer.encode("hello", add_special_tokens=False)
+    for skip in (True, False):
+        detok = Detokenizers(tokenizer, [1, 2], [], skip_special_tokens=skip)
+        text, reason, _ = detok.delta(CompletionDelta(index=0, token_ids=[*word, eos, *word, eos], finish_reason="stop"))
+        eos_text = "" if skip else tokenizer.decode([eos])
+        assert reason == "stop" and text == "hello" + eos_text + "hello"
+        assert detok.num_tokens == 2 * len(word) + 2  # the stopping token still counts as generated
