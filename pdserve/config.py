@@ -97,6 +97,11 @@ class EngineConfig:
         "dense weights (--quantization none; quantized weights run eager on pdserve's kernels, which "
         "are faster: 172 against 65 tok/s for one stream of the default model on a 2-vCPU Xeon); a "
         "worker compiles them before it takes requests (a few minutes on a small CPU, every start)")
+    speculative: str = flag(  # engine/speculative.py
+        "off", "ngram: propose each greedy request's next tokens from earlier occurrences of its last "
+        "tokens (prompt lookup) and verify them in one step: faster where the output repeats the input",
+        choices=("off", "ngram"))
+    num_speculative_tokens: int = flag(4, "tokens proposed for a request at a step, at most")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -116,6 +121,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
+        if self.speculative not in ("off", "ngram"):
+            raise ValueError(f"speculative must be off or ngram, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be 1 to 64, got {self.num_speculative_tokens}")
         if self.decode_headroom_tokens < 0:
             raise ValueError("decode_headroom_tokens must not be negative")
         if not self.max_queue_wait_s > 0:

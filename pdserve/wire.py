@@ -366,6 +366,8 @@ class WorkerStats(Message):
     step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
     num_steps: Count = 0
     num_preemptions: Count = 0
+    draft_tokens: Count = 0  # speculative decoding: tokens proposed and verified
+    draft_tokens_accepted: Count = 0  # of those, kept
     uptime_s: Seconds = 0.0
     requests_aborted: Count = 0
     requests_failed: Count = 0

@@ -137,7 +137,7 @@ def paged_logits(llm: LLM, prompt: list[int], num_decode_steps: int) -> tuple[li
     rows = []
     while sched.has_unfinished():
         step = sched.schedule()
-        logits, sample_rows = runner.forward(step)
+        logits, sample_rows, _ = runner.forward(step)
         sampled = [None] * len(step.requests)
         if logits is not None:
             rows.append(logits[0])

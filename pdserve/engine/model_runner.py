@@ -59,31 +59,38 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor | None, list[int]]:
+    ) -> tuple[torch.Tensor | None, list[int], dict[int, list[int]]]:
         """Runs the step's tokens; returns the logits ([rows, vocab] float32) of the requests
-        whose chunk reached the end of their known tokens, and those requests' rows in the step.
-        `on_layer(i)` is called as soon as layer i's KV for the step is in the cache."""
-        input_ids, positions, meta, sample_rows, logits_index = self._prepare(step)
+        whose chunk reached the end of their known tokens, those requests' rows in the step, and
+        for each request verifying a draft (by row) the model's choice after its last token and
+        after each draft. `on_layer(i)` is called as soon as layer i's KV for the step is in the cache."""
+        input_ids, positions, meta, sample_rows, logits_index, verify = self._prepare(step)
         decode_only = not meta.prefills and len(sample_rows) == len(step.requests)
         if self.compiled is not None and on_layer is None and decode_only:
             logits = self.compiled(input_ids, positions, meta)
             if logits is not None:
-                return logits, sample_rows
+                return logits, sample_rows, {}
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         if any(r.prompt_logprobs is not None for r in step.requests[step.num_decodes :]):
             self._prompt_logprobs(step, hidden)
+        chosen = {row: self.model.compute_logits(hidden[start : start + count]).argmax(-1).tolist()
+                  for row, (start, count) in verify.items()}  # greedy requests only (`speculates`)
         if not sample_rows:
-            return None, sample_rows
-        return self.model.compute_logits(hidden[logits_index]), sample_rows
+            return None, sample_rows, chosen
+        return self.model.compute_logits(hidden[logits_index]), sample_rows, chosen
 
-    def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> list[int | None]:
-        """Runs the step; returns the sampled token of each request whose chunk reached its end."""
-        logits, sample_rows = self.forward(step, on_layer)
-        sampled: list[int | None] = [None] * len(step.requests)
+    def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+                ) -> list[int | list[int] | None]:
+        """Runs the step; returns the sampled token of each request whose chunk reached its end,
+        and for one verifying a draft the model's choices (`forward`)."""
+        logits, sample_rows, chosen = self.forward(step, on_layer)
+        sampled: list[int | list[int] | None] = [None] * len(step.requests)
         if logits is not None:
             tokens = self.sample(logits, [step.requests[i] for i in sample_rows])
             for row, token in zip(sample_rows, tokens):
                 sampled[row] = token
+        for row, tokens in chosen.items():
+            sampled[row] = tokens
         return sampled
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -128,25 +135,29 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         last_token_index: list[int] = []
+        verify: dict[int, tuple[int, int]] = {}  # row -> where its verified positions begin, how many
         for row, (req, n, table) in enumerate(zip(step.requests, step.num_new_tokens, step.block_tables)):
             start = req.num_computed_tokens
             end = start + n
             ids.extend(req.token_ids(start, end))
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if end == req.num_tokens:
+            if req.draft:  # its last token and each draft: the model's choice after every one
+                verify[row] = (len(ids) - len(req.draft) - 1, len(req.draft) + 1)
+            elif end == req.num_tokens:
                 sample_rows.append(row)
                 last_token_index.append(len(ids) - 1)
         dev = self.device
+        decode_rows = sum(step.num_new_tokens[: step.num_decodes])  # one a request, or 1 + its draft
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             block_size=bs,
-            num_decode_tokens=step.num_decodes,
+            num_decode_tokens=decode_rows,
             kernels=self.kernels,
         )
         if step.num_decodes:
             self._decode_metadata(step, meta)
-        offset = step.num_decodes
+        offset = decode_rows
         for req, n, table in zip(
             step.requests[step.num_decodes :],
             step.num_new_tokens[step.num_decodes :],
@@ -160,24 +171,29 @@ class ModelRunner:
             meta,
             sample_rows,
             torch.tensor(last_token_index, device=dev),
+            verify,
         )
 
     def _decode_metadata(self, step: SchedulerOutput, meta: AttentionMetadata) -> None:
         nd = step.num_decodes
-        lens = [r.num_computed_tokens + 1 for r in step.requests[:nd]]
+        # a row per token: a request verifying a draft has one for its last token and one for each
+        # draft, each over the context up to its own position (the step writes their KV first)
+        lens, tables = [], []
+        for r, n, table in zip(step.requests[:nd], step.num_new_tokens[:nd], step.block_tables[:nd]):
+            lens += [r.num_computed_tokens + 1 + j for j in range(n)]
+            tables += [table] * n
         if meta.kernels is not None:  # each row over its own context: only the tables need padding
             max_blocks = -(-max(lens) // self.block_size)
             meta.decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                               for t in step.block_tables[:nd]])
+                                               for t in tables])
             meta.decode_lens = torch.tensor(lens)
             return
         groups = decode_groups(lens)
         if len(groups) == 1:  # the usual case: every row in its own place, no reordering
-            meta.decode_groups.append(self._decode_group(None, lens, step.block_tables[:nd]))
+            meta.decode_groups.append(self._decode_group(None, lens, tables))
             return
         for rows in groups:
-            meta.decode_groups.append(self._decode_group(rows, [lens[i] for i in rows],
-                                                         [step.block_tables[i] for i in rows]))
+            meta.decode_groups.append(self._decode_group(rows, [lens[i] for i in rows], [tables[i] for i in rows]))
 
     def _decode_group(self, rows: list[int] | None, lens: list[int], tables: list[list[int]]) -> DecodeGroup:
         max_len = max(lens)

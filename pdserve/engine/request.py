@@ -52,7 +52,7 @@ class Request:
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
-        "matcher",
+        "matcher", "draft", "draft_misses", "draft_pause",
     )
 
     def __init__(
@@ -77,6 +77,9 @@ class Request:
         self.pending_logprobs: TokenLogprobs | None = None
         # with params.prompt_logprobs: position i's entry once the runner computed the prompt there
         self.matcher: Matcher | None = None  # with params.structure: where its output is in it
+        self.draft: list[int] = []  # tokens proposed to follow, verified by the step they are scheduled in
+        self.draft_misses = 0  # drafts in a row of which the model kept none
+        self.draft_pause = 0  # steps to decode without drafts before proposing again
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.params = params
@@ -112,7 +115,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        """Tokens [start, end) of prompt + output (and past them, the draft), without concatenating
+        the whole sequence."""
+        known = self.num_tokens
+        if end > known:
+            return self.token_ids(min(start, known), known) + self.draft[max(0, start - known) : end - known]
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -26,8 +26,12 @@ from typing import Callable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
+from pdserve.engine.speculative import NgramProposer, accepted, speculates
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
+
+
+MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing after drafts that missed
 
 
 class Scheduler:
@@ -41,6 +45,7 @@ class Scheduler:
         headroom_tokens: int = 0,
         shortest_first_max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.blocks = block_manager
         self.clock = clock  # the clock of requests' arrival_time; tests stop it
@@ -55,6 +60,9 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}  # reserved, prompt KV arriving from elsewhere
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.proposer = proposer  # speculative decoding (engine/speculative.py); None: off
+        self.num_drafted = 0  # draft tokens verified, since start
+        self.num_accepted = 0  # of those, kept
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -88,15 +96,24 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 1 and self.proposer is not None and speculates(req):
+                if req.draft_pause:
+                    req.draft_pause -= 1
+                else:
+                    req.draft = self.proposer.propose(req.token_ids(0, req.num_tokens),
+                                                      min(budget, req.max_total_tokens - req.num_tokens) - 1)
+                    n += len(req.draft)
             if self._allocate_or_preempt(req, n, out):
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
-            # else: req itself was preempted and removed; running[i] is now the next one
+            else:  # req itself was preempted and removed; running[i] is now the next one
+                req.draft = []
         if not out.preempted:
             budget = self._admit_waiting(budget, scheduled)
-        decodes = [(r, n) for r, n in scheduled if n == 1]
-        chunks = [(r, n) for r, n in scheduled if n != 1]
+        # a request verifying a draft decodes too: a row for its last token and one for each draft
+        decodes = [(r, n) for r, n in scheduled if n == 1 or r.draft]
+        chunks = [(r, n) for r, n in scheduled if n != 1 and not r.draft]
         for req, n in decodes + chunks:
             out.requests.append(req)
             out.num_new_tokens.append(n)
@@ -248,6 +265,12 @@ class Scheduler:
         """Apply a step's results; returns the requests that got a new token."""
         advanced = []
         for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+            if req.draft:  # the model's choice after its last token and each draft: keep what it agrees with
+                draft, req.draft = req.draft, []
+                if req.status == RequestStatus.RUNNING and token is not None:
+                    if self._take_verified(req, draft, token):
+                        advanced.append(req)
+                continue
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
@@ -268,6 +291,28 @@ class Scheduler:
             if status is not None:
                 self.finish(req.request_id, status)
         return advanced
+
+    def _take_verified(self, req: Request, draft: list[int], chosen: list[int]) -> bool:
+        """A verified draft's new tokens, one at a time as decoding would have taken them (a stop
+        ends it there); only the KV of the last token and the drafts kept counts as computed."""
+        tokens = accepted(draft, chosen)
+        self.num_drafted += len(draft)
+        self.num_accepted += len(tokens) - 1
+        # a verifying step costs more than a plain one: a request whose drafts keep missing waits
+        # twice as long each time (up to MAX_DRAFT_PAUSE steps) before it proposes again
+        req.draft_misses = 0 if len(tokens) > 1 else req.draft_misses + 1
+        req.draft_pause = min(MAX_DRAFT_PAUSE, (1 << req.draft_misses) - 1)
+        for token in tokens:
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = self.clock()
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.finish(req.request_id, status)
+                return True
+        req.num_computed_tokens += len(tokens)  # all but the newest token, as after any decode step
+        self.blocks.cache_full_blocks(req)
+        return True
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params

@@ -36,7 +36,7 @@ def warm_up(engine) -> float:
     if n < 1:
         return 0.0
     vocab = engine.model_config.vocab_size
-    with _without_role_hooks(engine):
+    with _without_role_hooks(engine), _without_speculation(engine):
         engine.add_request(None, {"prompt_token_ids": [1 + i % (vocab - 1) for i in range(n)]},
                            SamplingParams(max_tokens=1, temperature=0.0))
         while engine.has_unfinished_requests():
@@ -47,9 +47,19 @@ def warm_up(engine) -> float:
         warm_up_products(engine.runner.model.products(config.max_num_batched_tokens, config.max_num_seqs),
                          engine.dtype)
     if config.role != "prefill":
-        with _without_role_hooks(engine):
+        with _without_role_hooks(engine), _without_speculation(engine):
             settle_dense_rows(engine)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _without_speculation(engine) -> Iterator[None]:
+    """The warm-up times plain steps: its greedy requests would otherwise verify drafts."""
+    proposer, engine.scheduler.proposer = engine.scheduler.proposer, None
+    try:
+        yield
+    finally:
+        engine.scheduler.proposer = proposer
 
 
 @contextlib.contextmanager

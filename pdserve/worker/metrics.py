@@ -14,6 +14,8 @@ _HELP = {
     "kv_blocks_used": "KV cache blocks in use",
     "step_latency_ewma_ms": "moving average of the engine step time",
     "num_preemptions": "requests preempted since start",
+    "draft_tokens": "speculative decoding: tokens proposed and verified since start",
+    "draft_tokens_accepted": "speculative decoding: proposed tokens the model kept since start",
     "kv_landed": "prompts whose KV arrived from a prefill worker",
     "kv_recomputed": "prompts recomputed here after a failed transfer",
     "kv_stale_writes": "KV writes refused for a stale fence",

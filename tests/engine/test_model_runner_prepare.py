@@ -43,7 +43,7 @@ def test_a_mixed_batch_of_decodes_and_prefill_chunks():
     step = SchedulerOutput(requests=[a, b, c, d], num_new_tokens=[1, 1, 5, 3], num_decodes=2,
                            block_tables=[[7, 2], [3, 0, 5], [6, 1, 8], [10]])
 
-    ids, pos, meta, sample_rows, logits_index = runner()._prepare(step)
+    ids, pos, meta, sample_rows, logits_index, _ = runner()._prepare(step)
 
     assert ids.tolist() == [16, 31, 44, 45, 46, 47, 48, 60, 61, 62]
     assert pos.tolist() == [5, 11, 4, 5, 6, 7, 8, 0, 1, 2]
@@ -82,7 +82,7 @@ def test_decodes_of_very_different_lengths_attend_in_groups_of_their_own():
     step = SchedulerOutput(requests=[long, short, same], num_new_tokens=[1, 1, 1], num_decodes=3,
                            block_tables=[list(range(175)), [12], [13, 14]])
 
-    _, pos, meta, sample_rows, _ = runner()._prepare(step)
+    _, pos, meta, sample_rows, _, _ = runner()._prepare(step)
 
     assert pos.tolist() == [699, 2, 2]
     assert meta.slot_mapping.tolist() == [174 * 4 + 3, 12 * 4 + 2, 13 * 4 + 2]
@@ -105,6 +105,6 @@ def test_for_pdserves_kernel_each_decode_has_its_table_and_length():
     long = request(list(range(1, 10)), [5], computed=9)  # context 10: 3 blocks
     step = SchedulerOutput(requests=[short, long], num_new_tokens=[1, 1], num_decodes=2,
                            block_tables=[[12], [4, 5, 6]])
-    _, _, meta, _, _ = runner(use_kernels=True)._prepare(step)
+    _, _, meta, _, _, _ = runner(use_kernels=True)._prepare(step)
     assert meta.kernels is native.load() and meta.decode_groups == []
     assert meta.decode_tables.tolist() == [[12, 0, 0], [4, 5, 6]] and meta.decode_lens.tolist() == [3, 10]
