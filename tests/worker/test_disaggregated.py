@@ -139,6 +139,37 @@ def test_prompt_logprobs_come_from_the_prefill_worker(tiny_llama, colocated, bac
         c.wait_idle()
 
 
+def test_a_first_token_that_ends_its_request_lands(tiny_llama, colocated):
+    """max_tokens=1: the prefill worker's token is the whole answer, and landing it finishes it."""
+    prompts = [prompt(n, seed=n) for n in (9, 33)]
+    with Cluster(tiny_llama, "tcp") as c:
+        for logprobs in (None, 2):
+            got = [c.generate(p, max_tokens=1, logprobs=logprobs)[0] for p in prompts]
+            assert got == reference(colocated, prompts, max_tokens=1)
+        stats = c.d.worker.stats()
+        assert stats.kv_landed == 2 * len(prompts) and stats.kv_recomputed == 0 and stats.engine_failures == 0
+        c.wait_idle()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "memory"])
+def test_structured_outputs_match_colocated(tiny_llama, colocated, backend):
+    """The prefill worker masks the first token, the decode worker checks it against the structure
+    and masks the rest: the output is the colocated one, inside its structure."""
+    from pdserve.sampling_params import Structure
+
+    prompts = [prompt(n, seed=n) for n in (7, 30)]
+    for kind, spec, sampling in (("regex", "[a-f]{2}-[0-9]{3}", dict(temperature=0)),
+                                 ("choice", '["alpha", "beta", "gamma"]', dict(temperature=0.9, seed=4))):
+        sp = SamplingParams(**{"max_tokens": 16, **sampling, "structure": Structure(kind, spec)})
+        expected = [o.outputs[0].token_ids for o in colocated.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        with Cluster(tiny_llama, backend) as c:
+            got = [c.generate(p, max_tokens=16, ignore_eos=False, structure={"kind": kind, "spec": spec},
+                              **sampling)[0] for p in prompts]
+            assert got == expected
+            assert c.d.worker.stats().kv_landed == len(prompts) and c.d.worker.stats().kv_recomputed == 0
+            c.wait_idle()
+
+
 def test_quantized_transfer_keeps_greedy_output(tiny_llama, colocated):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[::2])]
     expected = reference(colocated, prompts)
