@@ -100,8 +100,8 @@ class Scheduler:
                 if req.draft_pause:
                     req.draft_pause -= 1
                 else:
-                    req.draft = self.proposer.propose(req.token_ids(0, req.num_tokens),
-                                                      min(budget, req.max_total_tokens - req.num_tokens) - 1)
+                    recent = req.token_ids(max(0, req.num_tokens - self.proposer.window), req.num_tokens)
+                    req.draft = self.proposer.propose(recent, min(budget, req.max_total_tokens - req.num_tokens) - 1)
                     n += len(req.draft)
             if self._allocate_or_preempt(req, n, out):
                 scheduled.append((req, n))
