@@ -64,6 +64,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (workers: the router makes the text)
+    # False: never drafted, where the engine speculates (the output is the same either way; a
+    # client may still want each step's cost to be the plain one)
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,7 +121,7 @@ class SamplingParams:
         _check(self.structure is None or isinstance(self.structure, Structure), "structure must be a Structure")
         for name, flag in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                            ("include_stop_str_in_output", self.include_stop_str_in_output),
-                           ("detokenize", self.detokenize)):
+                           ("detokenize", self.detokenize), ("speculate", self.speculate)):
             _check(isinstance(flag, bool), f"{name} must be true or false")
         _check(self.detokenize or not self.stop, "stop strings need detokenize=True: they are found in the text")
 

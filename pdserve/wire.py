@@ -132,6 +132,7 @@ class Sampling(Message):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     structure: StructureSpec | None = None
+    speculate: bool = True
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a combination no field bound catches,
@@ -366,7 +367,9 @@ class WorkerStats(Message):
     step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
     num_steps: Count = 0
     num_preemptions: Count = 0
-    draft_tokens: Count = 0  # speculative decoding: tokens proposed and verified
+    speculative: Annotated[str, Meta(max_length=32)] = "off"  # the method that proposes drafts
+    drafts: Count = 0  # speculative decoding: drafts verified (one a request a step)
+    draft_tokens: Count = 0  # their tokens
     draft_tokens_accepted: Count = 0  # of those, kept
     uptime_s: Seconds = 0.0
     requests_aborted: Count = 0

@@ -78,7 +78,7 @@ def test_a_stream_line_is_an_output_or_an_error():
 
 
 SETTINGS = dict(n=2, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1, seed=5, max_tokens=9, min_tokens=2,
-                stop_token_ids=[4], ignore_eos=True)
+                stop_token_ids=[4], ignore_eos=True, speculate=False)
 
 
 def test_sampling_crosses_as_the_engine_takes_it():

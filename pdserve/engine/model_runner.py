@@ -8,13 +8,15 @@ import torch
 
 from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
+from pdserve.engine.speculative import verified
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import mask_logits
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
 from pdserve.layers.penalties import RowPenalties, apply_penalties
-from pdserve.layers.sampler import Sampler, SamplingBatch, token_logprobs
+from pdserve.layers.sampler import Sampler, SamplingBatch, skip_draws, token_logprobs
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.outputs import TokenLogprobs
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 x a 50k vocabulary is 50 MB
 
@@ -59,56 +61,79 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor | None, list[int], dict[int, list[int]]]:
-        """Runs the step's tokens; returns the logits ([rows, vocab] float32) of the requests
-        whose chunk reached the end of their known tokens, those requests' rows in the step, and
-        for each request verifying a draft (by row) the model's choice after its last token and
-        after each draft. `on_layer(i)` is called as soon as layer i's KV for the step is in the cache."""
-        input_ids, positions, meta, sample_rows, logits_index, verify = self._prepare(step)
-        decode_only = not meta.prefills and len(sample_rows) == len(step.requests)
-        if self.compiled is not None and on_layer is None and decode_only:
+    ) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+        """Runs the step's tokens; returns the logits ([rows, vocab] float32) of the positions
+        that sample, and which: for each request whose chunk reached the end of its known tokens,
+        its row in the step and 1 (its last position), or for one verifying a draft, its row and
+        `1 + len(draft)` (its last token and each draft). `on_layer(i)` is called as soon as layer
+        i's KV for the step is in the cache."""
+        input_ids, positions, meta, heads, logits_index = self._prepare(step)
+        plain = not meta.prefills and len(heads) == len(step.requests) and len(logits_index) == len(heads)
+        if self.compiled is not None and on_layer is None and plain:
             logits = self.compiled(input_ids, positions, meta)
             if logits is not None:
-                return logits, sample_rows, {}
+                return logits, heads
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         if any(r.prompt_logprobs is not None for r in step.requests[step.num_decodes :]):
             self._prompt_logprobs(step, hidden)
-        chosen = {row: self.model.compute_logits(hidden[start : start + count]).argmax(-1).tolist()
-                  for row, (start, count) in verify.items()}  # greedy requests only (`speculates`)
-        if not sample_rows:
-            return None, sample_rows, chosen
-        return self.model.compute_logits(hidden[logits_index]), sample_rows, chosen
+        if not heads:
+            return None, heads
+        return self.model.compute_logits(hidden[logits_index]), heads
 
     def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
                 ) -> list[int | list[int] | None]:
         """Runs the step; returns the sampled token of each request whose chunk reached its end,
-        and for one verifying a draft the model's choices (`forward`)."""
-        logits, sample_rows, chosen = self.forward(step, on_layer)
+        and for one verifying a draft the tokens it gives (`verified`); each token's
+        log-probabilities, where asked for, go to the request's `pending_logprobs`."""
+        logits, heads = self.forward(step, on_layer)
         sampled: list[int | list[int] | None] = [None] * len(step.requests)
-        if logits is not None:
-            tokens = self.sample(logits, [step.requests[i] for i in sample_rows])
-            for row, token in zip(sample_rows, tokens):
-                sampled[row] = token
-        for row, tokens in chosen.items():
-            sampled[row] = tokens
+        if logits is None:
+            return sampled
+        positions = [(step.requests[row], step.requests[row].draft[:j]) for row, count in heads for j in range(count)]
+        seeded = {row: step.requests[row].generator.get_state() for row, count in heads
+                  if count > 1 and step.requests[row].generator is not None}
+        tokens = self.sample(logits, positions)
+        entries = self._logprobs(logits, positions, tokens)
+        at = 0
+        for row, count in heads:
+            req = step.requests[row]
+            new = verified(req.draft, tokens[at : at + count]) if count > 1 else [tokens[at]]
+            sampled[row] = new if count > 1 else new[0]
+            if entries[at] is not None:
+                req.pending_logprobs = entries[at : at + len(new)]
+            if row in seeded:  # its generator drew for every position: as if it drew for the kept ones
+                req.generator.set_state(seeded[row])
+                if not req.params.greedy:
+                    skip_draws(req.generator, logits.shape[1], len(new))
+            at += count
         return sampled
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """One token for each request, from its row of `logits` ([rows, vocab] float32), after its
-        penalties and biases (`layers/penalties.py`)."""
-        raw = logits
+    def sample(self, logits: torch.Tensor, positions: list[tuple[Request, list[int]]]) -> list[int]:
+        """One token for each position: a request and the drafts ahead of the position, which
+        count as its output so far. From the position's row of `logits` ([rows, vocab] float32),
+        after its penalties and biases (`layers/penalties.py`) and its structure's mask."""
+        requests = [r for r, _ in positions]
         if any(r.params.penalized for r in requests):
-            logits = apply_penalties(logits, [RowPenalties(r.params, r.prompt_token_ids, r.output_token_ids)
-                                              if r.params.penalized else None for r in requests])
+            logits = apply_penalties(logits, [RowPenalties(r.params, r.prompt_token_ids, r.output_token_ids + ahead)
+                                              if r.params.penalized else None for r, ahead in positions])
         if any(r.matcher is not None for r in requests):
-            logits = mask_logits(logits, [r.matcher for r in requests])
-        tokens = self.sampler(logits, sampling_batch(requests, self.device))
-        asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+            logits = mask_logits(logits, [(r.matcher, ahead) if r.matcher is not None else None
+                                          for r, ahead in positions])
+        return self.sampler(logits, sampling_batch(requests, self.device))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, positions: list[tuple[Request, list[int]]], tokens: list[int]
+                  ) -> list[TokenLogprobs | None]:
+        """Each asking position's token's log-probabilities under the model's own distribution
+        (before penalties and masks, as OpenAI reports them)."""
+        asked = [i for i, (r, _) in enumerate(positions) if r.params.logprobs is not None]
+        entries: list[TokenLogprobs | None] = [None] * len(positions)
         if asked:
-            for i, entry in zip(asked, token_logprobs(raw[asked], [tokens[i] for i in asked],
-                                                       [requests[i].params.logprobs for i in asked])):
-                requests[i].pending_logprobs = entry  # the scheduler keeps it with the token
-        return tokens
+            found = token_logprobs(logits[asked], [tokens[i] for i in asked],
+                                   [positions[i][0].params.logprobs for i in asked])
+            for i, entry in zip(asked, found):
+                entries[i] = entry
+        return entries
 
     def _prompt_logprobs(self, step: SchedulerOutput, hidden: torch.Tensor) -> None:
         """Each asking request's prompt log-probabilities at the positions this step computed: row
@@ -133,20 +158,20 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        last_token_index: list[int] = []
-        verify: dict[int, tuple[int, int]] = {}  # row -> where its verified positions begin, how many
+        heads: list[tuple[int, int]] = []  # (row, positions that sample): see `forward`
+        logits_index: list[int] = []
         for row, (req, n, table) in enumerate(zip(step.requests, step.num_new_tokens, step.block_tables)):
             start = req.num_computed_tokens
             end = start + n
             ids.extend(req.token_ids(start, end))
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if req.draft:  # its last token and each draft: the model's choice after every one
-                verify[row] = (len(ids) - len(req.draft) - 1, len(req.draft) + 1)
+            if req.draft:  # its last token and each draft: what the model samples after every one
+                heads.append((row, len(req.draft) + 1))
+                logits_index.extend(range(len(ids) - len(req.draft) - 1, len(ids)))
             elif end == req.num_tokens:
-                sample_rows.append(row)
-                last_token_index.append(len(ids) - 1)
+                heads.append((row, 1))
+                logits_index.append(len(ids) - 1)
         dev = self.device
         decode_rows = sum(step.num_new_tokens[: step.num_decodes])  # one a request, or 1 + its draft
         meta = AttentionMetadata(
@@ -169,9 +194,8 @@ class ModelRunner:
             torch.tensor(ids, device=dev),
             torch.tensor(pos, device=dev),
             meta,
-            sample_rows,
-            torch.tensor(last_token_index, device=dev),
-            verify,
+            heads,
+            torch.tensor(logits_index, device=dev),
         )
 
     def _decode_metadata(self, step: SchedulerOutput, meta: AttentionMetadata) -> None:

@@ -71,10 +71,10 @@ class Request:
         # tokens generated so far: empty, or what another worker generated before this one resumes
         self.output_token_ids: list[int] = list(output_token_ids)
         # with params.logprobs: one entry per token sampled here (a resumed request's earlier tokens
-        # have theirs where they were sampled); the runner leaves a step's in `pending_logprobs`,
-        # and the scheduler moves it here with the token
+        # have theirs where they were sampled); the runner leaves a step's in `pending_logprobs`
+        # (one a new token), and the scheduler moves them here with the tokens
         self.output_logprobs: list[TokenLogprobs] = []
-        self.pending_logprobs: TokenLogprobs | None = None
+        self.pending_logprobs: list[TokenLogprobs] = []
         # with params.prompt_logprobs: position i's entry once the runner computed the prompt there
         self.matcher: Matcher | None = None  # with params.structure: where its output is in it
         self.draft: list[int] = []  # tokens proposed to follow, verified by the step they are scheduled in

@@ -26,7 +26,7 @@ from typing import Callable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
-from pdserve.engine.speculative import NgramProposer, accepted, speculates
+from pdserve.engine.speculative import NgramProposer, speculates
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
 
@@ -61,6 +61,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.proposer = proposer  # speculative decoding (engine/speculative.py); None: off
+        self.num_drafts = 0  # drafts verified (one a request a step), since start
         self.num_drafted = 0  # draft tokens verified, since start
         self.num_accepted = 0  # of those, kept
 
@@ -102,6 +103,8 @@ class Scheduler:
                 else:
                     recent = req.token_ids(max(0, req.num_tokens - self.proposer.window), req.num_tokens)
                     req.draft = self.proposer.propose(recent, min(budget, req.max_total_tokens - req.num_tokens) - 1)
+                    if req.matcher is not None:  # only what its structure allows can be sampled
+                        req.draft = req.draft[: req.matcher.valid_prefix(req.draft)]
                     n += len(req.draft)
             if self._allocate_or_preempt(req, n, out):
                 scheduled.append((req, n))
@@ -265,11 +268,12 @@ class Scheduler:
         """Apply a step's results; returns the requests that got a new token."""
         advanced = []
         for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
-            if req.draft:  # the model's choice after its last token and each draft: keep what it agrees with
+            if req.draft:  # the drafts the model sampled, then its own token
                 draft, req.draft = req.draft, []
                 if req.status == RequestStatus.RUNNING and token is not None:
-                    if self._take_verified(req, draft, token):
-                        advanced.append(req)
+                    self._take_verified(req, draft, token)
+                    advanced.append(req)
+                req.pending_logprobs = []
                 continue
             if req.status != RequestStatus.RUNNING:
                 continue
@@ -278,41 +282,42 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             assert token is not None
-            req.output_token_ids.append(token)
-            if req.pending_logprobs is not None:
-                req.output_logprobs.append(req.pending_logprobs)
-                req.pending_logprobs = None
-            if req.matcher is not None:
-                req.matcher.consume(token)
-            if req.first_token_time is None:
-                req.first_token_time = self.clock()
+            self._take(req, token, 0)
+            req.pending_logprobs = []
             advanced.append(req)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self.finish(req.request_id, status)
         return advanced
 
-    def _take_verified(self, req: Request, draft: list[int], chosen: list[int]) -> bool:
-        """A verified draft's new tokens, one at a time as decoding would have taken them (a stop
-        ends it there); only the KV of the last token and the drafts kept counts as computed."""
-        tokens = accepted(draft, chosen)
+    def _take(self, req: Request, token: int, i: int) -> bool:
+        """Append the step's i-th new token of the request (with its log-probabilities, where it
+        asked for them); True if the request stops there."""
+        req.output_token_ids.append(token)
+        if req.pending_logprobs:
+            req.output_logprobs.append(req.pending_logprobs[i])
+        if req.matcher is not None:
+            req.matcher.consume(token)
+        if req.first_token_time is None:
+            req.first_token_time = self.clock()
+        status = self._stop_status(req, token)
+        if status is not None:
+            self.finish(req.request_id, status)
+        return status is not None
+
+    def _take_verified(self, req: Request, draft: list[int], tokens: list[int]) -> None:
+        """A verified draft's new tokens (`speculative.verified`), one at a time as decoding would
+        have taken them (a stop ends it there); only the KV of the last token and the drafts kept
+        counts as computed."""
+        self.num_drafts += 1
         self.num_drafted += len(draft)
         self.num_accepted += len(tokens) - 1
         # a verifying step costs more than a plain one: a request whose drafts keep missing waits
         # twice as long each time (up to MAX_DRAFT_PAUSE steps) before it proposes again
         req.draft_misses = 0 if len(tokens) > 1 else req.draft_misses + 1
         req.draft_pause = min(MAX_DRAFT_PAUSE, (1 << req.draft_misses) - 1)
-        for token in tokens:
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = self.clock()
-            status = self._stop_status(req, token)
-            if status is not None:
-                self.finish(req.request_id, status)
-                return True
+        for i, token in enumerate(tokens):
+            if self._take(req, token, i):
+                return
         req.num_computed_tokens += len(tokens)  # all but the newest token, as after any decode step
         self.blocks.cache_full_blocks(req)
-        return True
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params

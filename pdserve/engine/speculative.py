@@ -3,18 +3,29 @@
 1. Before a step, the scheduler asks the proposer for up to `num_tokens` drafts for each running
    request that decodes one token and may speculate (`speculates`), and schedules it as a chunk of
    its last token and the drafts (`Request.draft`): KV slots for all of them are allocated.
-2. The step computes the chunk like a prefill chunk after cached tokens and returns the model's
-   choice after each of its positions (`verify`).
-3. The scheduler keeps the drafts up to the first the model would not have chosen, and the model's
-   own choice there: between one and `len(draft) + 1` new tokens, exactly the tokens decoding one
-   at a time would have given (greedy). Only the KV of the last token and the kept drafts counts as
-   computed; a rejected draft's slots are written again by the next step, and no block holding
-   one is ever cached, as the prefix cache takes full blocks of computed tokens only.
+2. The step computes the chunk like decode rows over the cache and samples a token after each of
+   its positions, as decoding one at a time would have: the drafts ahead of a position count as
+   output so far (penalties), the structure's mask is taken after them, and a seeded request's
+   position j draws the generator's j-th next noise row (the sampler's exponential race).
+3. The scheduler keeps the drafts up to the first the model did not sample, and the model's own
+   token there (`verified`): between one and `len(draft) + 1` new tokens. Only the KV of the last
+   token and the kept drafts counts as computed; a rejected draft's slots are written again by
+   the next step, and no block holding one is ever cached, as the prefix cache takes full blocks
+   of computed tokens only.
+
+Why this keeps the target distribution: a draft here is one token, not a distribution (the
+proposer is deterministic), and the standard accept/resample rule for such a draft (accept with
+probability p(draft), else sample from p without the draft, renormalized) gives exactly the
+token p's own draw gives: the draw equals the draft with probability p(draft), and otherwise it
+is a draw from p given that it is not the draft. With the same noise the draw is also the very
+token decoding without speculation samples, so a seeded request's output does not depend on
+speculation at all (greedy is the case of no noise); its generator is then set back to where
+drawing only the kept positions leaves it.
 
 The proposer here is prompt lookup (n-grams): where the output repeats its input (rewriting,
 editing, quoting, extracting) the tokens that followed the latest earlier occurrence of the last
-few tokens are likely to follow again. Only greedy requests without penalties, biases, structures
-or log-probabilities speculate: their next token is the model's argmax alone.
+few tokens are likely to follow again. A structured request's draft is cut to the tokens its
+structure allows; a request may opt out (`SamplingParams.speculate`).
 """
 
 from __future__ import annotations
@@ -65,17 +76,14 @@ class NgramProposer:
 
 
 def speculates(request: Request) -> bool:
-    """Whether the request's next tokens are the model's argmax alone, so drafts can be verified
-    against it: greedy, one completion, nothing that changes or reads the distribution."""
-    p = request.params
-    return (p.temperature == 0 and not p.penalized and p.logprobs is None and request.matcher is None
-            and not request.remote_prefill)
+    """Whether the request's next tokens may be drafted: it decodes here and did not opt out."""
+    return request.params.speculate and not request.remote_prefill
 
 
-def accepted(draft: list[int], chosen: list[int]) -> list[int]:
-    """The new tokens a verified draft gives: the drafts the model agrees with, then the model's own
-    choice after them (`chosen[i]` is its choice after the last token and the first i drafts)."""
+def verified(draft: list[int], sampled: list[int]) -> list[int]:
+    """The new tokens a verified draft gives: the drafts the model sampled, then the model's own
+    token after them (`sampled[i]` is its token after the last token and the first i drafts)."""
     a = 0
-    while a < len(draft) and draft[a] == chosen[a]:
+    while a < len(draft) and draft[a] == sampled[a]:
         a += 1
-    return draft[:a] + [chosen[a]]
+    return draft[:a] + [sampled[a]]

@@ -42,21 +42,35 @@ class Matcher:
         """The structure is complete and ended (or the matcher failed): nothing more may follow."""
         return self._m.is_stopped() or self._m.is_error()
 
-    def fill(self, row: np.ndarray) -> None:
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the structure allows to follow in turn."""
+        return self._m.validate_tokens(tokens)
+
+    def fill(self, row: np.ndarray, ahead: list[int] = ()) -> None:
+        """The allowed tokens' bits after the tokens so far and then `ahead` (a valid prefix:
+        drafts being verified), which the matcher takes and gives back."""
+        if ahead and not self._m.consume_tokens(ahead):
+            raise ValueError("tokens ahead that the structure does not allow")
+        try:
+            self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        finally:
+            if ahead:
+                self._m.rollback(len(ahead))
 
 
-def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, matchers: list[tuple[Matcher, list[int]] | None]) -> torch.Tensor:
     """`logits` ([rows, vocab]) with each structured row's disallowed tokens at -inf (a copy; the
-    other rows as they were); a row whose matcher allows nothing (it failed) may only end."""
+    other rows as they were). A structured row names its matcher and the tokens ahead of the row
+    (drafts being verified: usually none); a row whose matcher allows nothing (it failed) may only end."""
     vocab = logits.shape[1]
     rows = [i for i, m in enumerate(matchers) if m is not None]
     bits = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)
     for j, i in enumerate(rows):
-        matchers[i].fill(bits[j])
+        matcher, ahead = matchers[i]
+        matcher.fill(bits[j], ahead)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
     for j in np.flatnonzero(~allowed.any(axis=1)):
-        allowed[j, list(matchers[rows[j]].eos_token_ids)] = True
+        allowed[j, list(matchers[rows[j]][0].eos_token_ids)] = True
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
     return out

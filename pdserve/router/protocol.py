@@ -118,6 +118,7 @@ class _Sampling(BaseModel):
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     priority: StrictInt = Field(default=0, ge=0, le=MAX_CLIENT_PRIORITY)
+    speculate: bool = True  # pdserve's: false keeps the request's tokens from being drafted
     # structured outputs: OpenAI's `response_format`, or vLLM's `structured_outputs` (and its older
     # `guided_*` fields); at most one of them
     response_format: ResponseFormat | None = None
@@ -178,7 +179,7 @@ class _Sampling(BaseModel):
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
                         logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
-                        structure=self.structure(calls))
+                        structure=self.structure(calls), speculate=self.speculate)
 
     def logprobs_asked(self) -> int | None:
         """How many most likely tokens to report with each token's log-probability; None: none."""

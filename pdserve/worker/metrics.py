@@ -14,8 +14,11 @@ _HELP = {
     "kv_blocks_used": "KV cache blocks in use",
     "step_latency_ewma_ms": "moving average of the engine step time",
     "num_preemptions": "requests preempted since start",
+    "drafts": "speculative decoding: drafts verified since start (one a request a step)",
     "draft_tokens": "speculative decoding: tokens proposed and verified since start",
     "draft_tokens_accepted": "speculative decoding: proposed tokens the model kept since start",
+    "draft_mean_accepted_length": "speculative decoding: tokens a verified draft gives on average "
+                                  "(its kept tokens and the model's own next one)",
     "kv_landed": "prompts whose KV arrived from a prefill worker",
     "kv_recomputed": "prompts recomputed here after a failed transfer",
     "kv_stale_writes": "KV writes refused for a stale fence",
@@ -30,9 +33,22 @@ class _Snapshot:
         self.stats = stats
 
     def collect(self):
-        for key, value in self.stats.items():
+        stats = dict(self.stats)
+        method = stats.pop("speculative", "off")
+        drafts = {key: stats.pop(key) for key in _BY_METHOD if key in stats}
+        for key, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield GaugeMetricFamily(f"pdserve_worker_{key}", _HELP.get(key, key.replace("_", " ")), value=value)
+        if drafts:  # by the method that proposed them, as vLLM's spec_decode series are
+            done = drafts.get("drafts", 0)
+            drafts["draft_mean_accepted_length"] = 1 + drafts.get("draft_tokens_accepted", 0) / done if done else 0.0
+            for key, value in drafts.items():
+                family = GaugeMetricFamily(f"pdserve_worker_{key}", _HELP[key], labels=["method"])
+                family.add_metric([method], value)
+                yield family
+
+
+_BY_METHOD = ("drafts", "draft_tokens", "draft_tokens_accepted")
 
 
 def render_metrics(stats: dict) -> str:

@@ -340,6 +340,8 @@ class Worker:
             "step_latency_ewma_ms": self.loop.step_latency_ewma_s * 1e3,
             "num_steps": self.loop.num_steps,
             "num_preemptions": sched.num_preemptions,
+            "speculative": self.config.speculative,
+            "drafts": sched.num_drafts,
             "draft_tokens": sched.num_drafted,
             "draft_tokens_accepted": sched.num_accepted,
             "uptime_s": time.time() - self.started_at,

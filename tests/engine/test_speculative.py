@@ -1,13 +1,15 @@
-"""Speculative decoding with prompt lookup: greedy output equal to decoding one token at a time,
-drafts accepted where the output repeats, every KV block back in the pool after rejected drafts,
-aborts and stops."""
+"""Speculative decoding with prompt lookup: output equal to decoding one token at a time (greedy,
+and seeded sampling with every setting that changes the distribution), the target distribution
+kept where nothing is seeded, drafts accepted where the output repeats, every KV block back in
+the pool after rejected drafts, aborts and stops."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve import SamplingParams
-from pdserve.engine.speculative import NgramProposer, accepted, speculates
+from pdserve.engine.speculative import NgramProposer, speculates, verified
 from pdserve.engine.request import Request
 from tests.factories import make_llm
 from tests.worker.cluster import prompt
@@ -22,21 +24,21 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert p.propose([1, 2, 1, 2], 0) == []
 
 
-def test_a_draft_keeps_what_the_model_agrees_with_and_its_own_next_choice():
-    assert accepted([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
-    assert accepted([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
-    assert accepted([4, 5, 6], [8, 5, 6, 7]) == [8]
+def test_a_draft_keeps_what_the_model_sampled_and_its_own_next_token():
+    assert verified([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert verified([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert verified([4, 5, 6], [8, 5, 6, 7]) == [8]
 
 
-def test_only_requests_decided_by_the_argmax_alone_speculate():
-    def req(**kw) -> Request:
-        return Request("r", [1, 2], SamplingParams(max_tokens=4, **kw), 16)
+def test_every_request_that_decodes_here_speculates_unless_it_opts_out():
+    def req(remote_prefill: bool = False, **kw) -> Request:
+        return Request("r", [1, 2], SamplingParams(max_tokens=4, **kw), 16, remote_prefill=remote_prefill)
 
-    assert speculates(req(temperature=0))
-    assert not speculates(req(temperature=0.7))
-    assert not speculates(req(temperature=0, presence_penalty=0.5))
-    assert not speculates(req(temperature=0, logit_bias={3: 1.0}))
-    assert not speculates(req(temperature=0, logprobs=1))
+    for kw in ({"temperature": 0}, {"temperature": 0.7, "seed": 3}, {"presence_penalty": 0.5},
+               {"logit_bias": {3: 1.0}}, {"logprobs": 1}):
+        assert speculates(req(**kw))
+    assert not speculates(req(speculate=False))
+    assert not speculates(req(remote_prefill=True))  # its KV is still on its way
 
 
 PROMPTS = [prompt(23, seed=1), prompt(40, seed=2), prompt(7, seed=3) * 4, prompt(60, seed=4)]
@@ -103,6 +105,91 @@ def test_a_disaggregated_decode_worker_speculates_and_keeps_the_tokens(tiny_llam
         assert got == want
         assert c.d.worker.stats().kv_landed == 1
         stats = c.d.worker.stats()
-        assert 0 < stats.draft_tokens_accepted <= stats.draft_tokens
-        assert "pdserve_worker_draft_tokens_accepted" in c.http.get(c.d.url + "/metrics").text
+        assert 0 < stats.draft_tokens_accepted <= stats.draft_tokens and stats.speculative == "ngram"
+        metrics = c.http.get(c.d.url + "/metrics").text
+        assert f'pdserve_worker_draft_tokens_accepted{{method="ngram"}} {float(stats.draft_tokens_accepted)}' in metrics
+        mean = 1 + stats.draft_tokens_accepted / stats.drafts
+        assert f'pdserve_worker_draft_mean_accepted_length{{method="ngram"}} {mean}' in metrics
         c.wait_idle()
+
+
+FEW = {5: 8.0, 6: 8.0}  # the tiny model's tokens are nearly uniform: these two make output repeat
+SAMPLED = [
+    SamplingParams(temperature=0.6, seed=5, logit_bias=FEW, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=6, top_k=20, top_p=0.9, logit_bias=FEW, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=7, min_p=0.1, presence_penalty=0.4, frequency_penalty=0.2,
+                   logit_bias=FEW, logprobs=2, max_tokens=40, ignore_eos=True),
+]
+PENALIZED = SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 2.0}, logprobs=3, max_tokens=40,
+                           ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [SAMPLED, [PENALIZED]], ids=["seeded", "penalized"])
+def test_seeded_and_penalized_requests_give_the_tokens_they_give_without_speculation(tiny_llama, plain, params):
+    """The drafts ahead of a position count as output for its penalties, and a seeded request's
+    position j draws its generator's j-th next row: the tokens (and log-probabilities) are those of
+    decoding one at a time, while drafts are accepted."""
+    prompts = [{"prompt_token_ids": PROMPTS[2]}] * len(params)
+    want = [o.outputs[0] for o in plain.generate(prompts, params)]
+    fast = make_llm(tiny_llama, speculative="ngram", num_speculative_tokens=3)
+    free = fast.engine.block_manager.num_free_blocks
+    got = [o.outputs[0] for o in fast.generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert fast.engine.scheduler.num_accepted > 0
+    assert [e.token_id for e in got[-1].logprobs] == got[-1].token_ids
+    for mine, theirs in zip(got[-1].logprobs, want[-1].logprobs, strict=True):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+    assert fast.engine.block_manager.num_free_blocks == free
+
+
+def test_verifying_a_draft_keeps_the_target_distribution(plain):
+    """Unseeded rows (the sampler's shared noise): the first token follows p0 and, where it is the
+    draft, the second follows p1, so the pair is distributed as sampling twice would give it."""
+    runner = plain.engine.runner
+    p0 = torch.tensor([1.0, 0.5, 0.0, -0.3, -1.0, 0.8, 0.2, -0.6])
+    p1 = torch.tensor([-0.5, 0.9, 0.3, 0.0, 1.1, -1.0, 0.4, 0.2])
+    draft, rows = [5], 8000
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=1.3, max_tokens=8), 16) for i in range(rows)]
+    positions = [(r, ahead) for r in requests for ahead in ([], draft)]
+    logits = torch.stack([p0, p1]).repeat(rows, 1)
+    tokens = runner.sample(logits, positions)
+    kept = [verified(draft, tokens[2 * i : 2 * i + 2]) for i in range(rows)]
+    first = torch.bincount(torch.tensor([k[0] for k in kept]), minlength=8).double()
+    second = torch.bincount(torch.tensor([k[1] for k in kept if len(k) == 2]), minlength=8).double()
+    assert all(len(k) == 2 for k in kept if k[0] == draft[0]) and all(len(k) == 1 for k in kept if k[0] != draft[0])
+    # chi-square with 7 degrees of freedom exceeds 24.32 with probability 0.001
+    assert chi_square(first, (p0 / 1.3).softmax(-1).double()) < 24.32
+    assert chi_square(second, (p1 / 1.3).softmax(-1).double()) < 24.32
+    assert chi_square(second, (p0 / 1.3).softmax(-1).double()) > 100  # the test can tell
+
+
+def test_structured_requests_draft_only_what_their_structure_allows(tiny_llama, plain):
+    """A draft is cut to the tokens the structure allows; the output matches the structure and is
+    the one decoding without speculation gives."""
+    from pdserve.sampling_params import Structure
+
+    text = "abab" * 12
+    structure = Structure("regex", "(ab)+")
+    sp = SamplingParams(temperature=0, max_tokens=30, structure=structure)
+    prompt_ids = plain.get_tokenizer().encode(text)
+    want = plain.generate([{"prompt_token_ids": prompt_ids}], sp)[0].outputs[0]
+    fast = make_llm(tiny_llama, speculative="ngram")
+    free = fast.engine.block_manager.num_free_blocks
+    got = fast.generate([{"prompt_token_ids": prompt_ids}], sp)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert fast.engine.scheduler.num_drafted > 0
+    assert fast.engine.block_manager.num_free_blocks == free
+
+
+def test_a_request_that_opts_out_is_never_drafted(tiny_llama, plain):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculate=False)
+    fast = make_llm(tiny_llama, speculative="ngram")
+    got = fast.generate([{"prompt_token_ids": PROMPTS[2]}], sp)[0].outputs[0].token_ids
+    assert got == plain.generate([{"prompt_token_ids": PROMPTS[2]}], sp)[0].outputs[0].token_ids
+    assert fast.engine.scheduler.num_drafted == 0
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())

@@ -50,7 +50,7 @@ def test_the_mask_removes_only_what_the_structure_forbids(llm):
     structures = llm.engine.structures
     matcher = structures.matcher(STRUCTURES["choice"][0], [])
     logits = torch.randn(2, llm.engine.model_config.vocab_size)
-    masked = mask_logits(logits, [matcher, None])
+    masked = mask_logits(logits, [(matcher, []), None])
     assert torch.equal(masked[1], logits[1])  # an unstructured row is untouched
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     tok = llm.get_tokenizer()

@@ -223,6 +223,7 @@ SAMPLING_FIELDS = {
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}),
                        st.one_of(st.fixed_dictionaries({"include_usage": hostile}), hostile)),
     "ignore_eos": (st.booleans(), hostile),
+    "speculate": (st.booleans(), hostile),
     "min_tokens": (st.integers(0, 4), st.one_of(st.sampled_from([5, 8, 9, 2**24, 2**24 + 1]), hostile)),
     "priority": (st.integers(0, 9), hostile),
     "logprobs": (st.sampled_from([None, False, 0]), hostile),

@@ -80,12 +80,13 @@ def test_disaggregated_resume_matches(tiny_llama, colocated, kind):
         c.wait_idle()
 
 
-def moved(tiny_llama, tokens: list[int], sampling: dict, cut: int) -> tuple[list[int], list, object, object]:
+def moved(tiny_llama, tokens: list[int], sampling: dict, cut: int, **engine) -> tuple[list[int], list, object, object]:
     """A request run on one decode worker, stopped there after `cut` tokens and continued on another
     that takes its KV from the first one's prefix cache (the router's hot-spot move): (every token,
-    every log-probability entry sent, each worker's stats); both workers end idle."""
-    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
-    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8)
+    every log-probability entry sent, each worker's stats); both workers end idle. `engine`: both
+    workers' engine settings."""
+    hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, **engine)
+    cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, **engine)
     try:
         done, entries = [], []
         with httpx.Client(timeout=60) as http:
@@ -144,3 +145,20 @@ def test_a_moved_request_keeps_its_structure_and_log_probabilities(tiny_llama, c
         assert logprob == pytest.approx(expected.logprob, abs=1e-4)
         assert [t for t, _ in top] == [t for t, _ in expected.top]
     assert cool.kv_landed == 1
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0, "max_tokens": 48, "ignore_eos": True},
+    {"temperature": 0.7, "seed": 8, "max_tokens": 48, "ignore_eos": True, "logit_bias": {"5": 8.0, "6": 8.0}},
+], ids=["greedy", "seeded"])
+def test_a_moved_speculating_request_goes_on_as_it_would_have(tiny_llama, colocated, sampling):
+    """Both decode workers speculate (prompt lookup needs only the tokens so far, which move with
+    the request): the tokens are the uninterrupted ones without speculation, drafts were accepted
+    on both sides of the move, and nothing leaks."""
+    tokens = prompt(7, seed=3) * 4
+    full = full_output(colocated, tokens, **{**sampling, "logit_bias": {int(k): v for k, v in
+                                                                        sampling.get("logit_bias", {}).items()}})
+    done, _, hot, cool = moved(tiny_llama, tokens, sampling, 24, speculative="ngram")
+    assert done == full
+    assert hot.draft_tokens_accepted > 0 and cool.draft_tokens_accepted > 0
+    assert cool.kv_landed == 1 and cool.kv_recomputed == 0
