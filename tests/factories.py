@@ -154,9 +154,9 @@ class FailingSampler:
     def __init__(self, sample, bad: str) -> None:
         self.sample, self.bad = sample, bad
 
-    def __call__(self, logits, requests):
-        tokens = self.sample(logits, requests)
-        if any(r.request_id.startswith(self.bad) for r in requests):
+    def __call__(self, logits, positions):
+        tokens = self.sample(logits, positions)
+        if any(r.request_id.startswith(self.bad) for r, _ in positions):
             raise RuntimeError("this request breaks the sampler")
         return tokens
 
