@@ -137,11 +137,11 @@ def paged_logits(llm: LLM, prompt: list[int], num_decode_steps: int) -> tuple[li
     rows = []
     while sched.has_unfinished():
         step = sched.schedule()
-        logits, sample_rows, _ = runner.forward(step)
+        logits, heads = runner.forward(step)
         sampled = [None] * len(step.requests)
         if logits is not None:
             rows.append(logits[0])
-            sampled[sample_rows[0]] = int(logits[0].argmax())
+            sampled[heads[0][0]] = int(logits[0].argmax())
         sched.update(step, sampled)
     assert_no_leaks(engine.block_manager)
     return rows, req.output_token_ids

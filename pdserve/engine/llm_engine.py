@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -294,7 +295,10 @@ class LLMEngine:
             return outputs
         if self.on_schedule is not None:
             self.on_schedule(step)
+        started = time.perf_counter()
         sampled, failed = run_isolating(step, self._execute)
+        if step.num_decodes == len(step.requests) and not failed:
+            self.scheduler.observe_step(sum(step.num_new_tokens), time.perf_counter() - started)
         for request_id in failed:  # before update: their tokens are not applied
             self._fail(request_id)
         advanced = self.scheduler.update(step, sampled)

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from pdserve.engine.draft_budget import Acceptance
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ class Request:
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
-        "matcher", "draft", "draft_misses", "draft_pause",
+        "matcher", "draft", "draft_misses", "draft_pause", "acceptance",
     )
 
     def __init__(
@@ -80,6 +81,7 @@ class Request:
         self.draft: list[int] = []  # tokens proposed to follow, verified by the step they are scheduled in
         self.draft_misses = 0  # drafts in a row of which the model kept none
         self.draft_pause = 0  # steps to decode without drafts before proposing again
+        self.acceptance = Acceptance()  # how often its draft tokens were kept, lately (`draft_budget`)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.params = params

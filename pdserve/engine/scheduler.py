@@ -26,6 +26,7 @@ from typing import Callable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
+from pdserve.engine.draft_budget import DraftBudget
 from pdserve.engine.speculative import NgramProposer, speculates
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
@@ -61,6 +62,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.proposer = proposer  # speculative decoding (engine/speculative.py); None: off
+        self.draft_budget = DraftBudget(proposer.num_tokens) if proposer is not None else None
         self.num_drafts = 0  # drafts verified (one a request a step), since start
         self.num_drafted = 0  # draft tokens verified, since start
         self.num_accepted = 0  # of those, kept
@@ -94,24 +96,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         i = 0
+        if self.proposer is not None:
+            self._propose()
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n == 1 and self.proposer is not None and speculates(req):
-                if req.draft_pause:
-                    req.draft_pause -= 1
-                else:
-                    recent = req.token_ids(max(0, req.num_tokens - self.proposer.window), req.num_tokens)
-                    req.draft = self.proposer.propose(recent, min(budget, req.max_total_tokens - req.num_tokens) - 1)
-                    if req.matcher is not None:  # only what its structure allows can be sampled
-                        req.draft = req.draft[: req.matcher.valid_prefix(req.draft)]
-                    n += len(req.draft)
+            if req.draft:
+                req.draft = req.draft[: budget - 1]
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.draft), budget)
             if self._allocate_or_preempt(req, n, out):
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
-            else:  # req itself was preempted and removed; running[i] is now the next one
-                req.draft = []
+        for req in self.running[i:]:  # not reached this step: its draft waits for no one
+            req.draft = []
         if not out.preempted:
             budget = self._admit_waiting(budget, scheduled)
         # a request verifying a draft decodes too: a row for its last token and one for each draft
@@ -123,6 +120,36 @@ class Scheduler:
             out.block_tables.append(self.blocks.block_table(req.request_id))
         out.num_decodes = len(decodes)
         return out
+
+    def _propose(self) -> None:
+        """Drafts for the running requests that decode one token and may speculate, cut to the
+        tokens expected to pay for their rows (`draft_budget`)."""
+        drafting, rows, window = [], 0, self.proposer.window
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            rows += 1
+            if not speculates(req):
+                continue
+            if req.draft_pause:
+                req.draft_pause -= 1
+                continue
+            recent = req.token_ids(max(0, req.num_tokens - window), req.num_tokens)
+            req.draft = self.proposer.propose(recent, req.max_total_tokens - req.num_tokens - 1)
+            if req.matcher is not None:  # only what its structure allows can be sampled
+                req.draft = req.draft[: req.matcher.valid_prefix(req.draft)]
+            if req.draft:
+                drafting.append(req)
+        # a request with no history yet, or back after drafts that missed, verifies a token anyway
+        cut = self.draft_budget.cut([(r.draft, r.acceptance, r.draft_misses > 0 or not r.acceptance.tried)
+                                     for r in drafting], rows)
+        for req, keep in zip(drafting, cut):
+            req.draft = req.draft[:keep]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step's rows and seconds, which price the rows drafts add."""
+        if self.draft_budget is not None:
+            self.draft_budget.costs.observe(rows, seconds)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.blocks.allocate(req, n):
@@ -254,6 +281,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         assert req.status == RequestStatus.RUNNING
         self.running.remove(req)
+        req.draft = []
         self.blocks.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -307,6 +335,7 @@ class Scheduler:
         have taken them (a stop ends it there); only the KV of the last token and the drafts kept
         counts as computed."""
         self.num_drafts += 1
+        self.draft_budget.verified(req.acceptance, len(tokens) - 1, len(draft))
         self.num_drafted += len(draft)
         self.num_accepted += len(tokens) - 1
         # a verifying step costs more than a plain one: a request whose drafts keep missing waits

@@ -43,7 +43,7 @@ def test_a_mixed_batch_of_decodes_and_prefill_chunks():
     step = SchedulerOutput(requests=[a, b, c, d], num_new_tokens=[1, 1, 5, 3], num_decodes=2,
                            block_tables=[[7, 2], [3, 0, 5], [6, 1, 8], [10]])
 
-    ids, pos, meta, sample_rows, logits_index, _ = runner()._prepare(step)
+    ids, pos, meta, heads, logits_index = runner()._prepare(step)
 
     assert ids.tolist() == [16, 31, 44, 45, 46, 47, 48, 60, 61, 62]
     assert pos.tolist() == [5, 11, 4, 5, 6, 7, 8, 0, 1, 2]
@@ -56,7 +56,7 @@ def test_a_mixed_batch_of_decodes_and_prefill_chunks():
         10 * 4 + 0, 10 * 4 + 1, 10 * 4 + 2,  # D, p0..2: its block 0 is 10
     ]
     assert meta.block_size == BLOCK and meta.num_decode_tokens == 2
-    assert sample_rows == [0, 1, 3]  # C's chunk does not reach its last token
+    assert heads == [(0, 1), (1, 1), (3, 1)]  # C's chunk does not reach its last token
     assert logits_index.tolist() == [0, 1, 9]
 
     # decodes of context 6 and 12: one group (12 <= 2 * 6), padded to 12 positions, 3 blocks
@@ -82,11 +82,11 @@ def test_decodes_of_very_different_lengths_attend_in_groups_of_their_own():
     step = SchedulerOutput(requests=[long, short, same], num_new_tokens=[1, 1, 1], num_decodes=3,
                            block_tables=[list(range(175)), [12], [13, 14]])
 
-    _, pos, meta, sample_rows, _, _ = runner()._prepare(step)
+    _, pos, meta, heads, _ = runner()._prepare(step)
 
     assert pos.tolist() == [699, 2, 2]
     assert meta.slot_mapping.tolist() == [174 * 4 + 3, 12 * 4 + 2, 13 * 4 + 2]
-    assert sample_rows == [0, 1, 2]
+    assert heads == [(0, 1), (1, 1), (2, 1)]
     first, second = meta.decode_groups  # shortest first, each holding its rows of the step
     assert first.rows.tolist() == [1, 2] and first.context_len == 3 and first.mask is None
     assert first.blocks.tolist() == [[12], [13]]  # one block covers 3 positions: the rest is cut
@@ -105,6 +105,6 @@ def test_for_pdserves_kernel_each_decode_has_its_table_and_length():
     long = request(list(range(1, 10)), [5], computed=9)  # context 10: 3 blocks
     step = SchedulerOutput(requests=[short, long], num_new_tokens=[1, 1], num_decodes=2,
                            block_tables=[[12], [4, 5, 6]])
-    _, _, meta, _, _, _ = runner(use_kernels=True)._prepare(step)
+    _, _, meta, _, _ = runner(use_kernels=True)._prepare(step)
     assert meta.kernels is native.load() and meta.decode_groups == []
     assert meta.decode_tables.tolist() == [[12, 0, 0], [4, 5, 6]] and meta.decode_lens.tolist() == [3, 10]

@@ -56,7 +56,7 @@ def test_logits_match_transformers(llm, hf_model):
     ours = []
     while engine.scheduler.has_unfinished():
         step = engine.scheduler.schedule()
-        logits, rows, _ = engine.runner.forward(step)
+        logits, _ = engine.runner.forward(step)
         ours.append(logits[0])
         engine.scheduler.update(step, [int(logits[0].argmax())])
     with torch.no_grad():

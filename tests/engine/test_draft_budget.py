@@ -1,0 +1,70 @@
+"""The draft budget: drafts verified while their expected kept tokens pay for the rows they add,
+priced by measured decode steps; the rate a request's drafts are kept estimated from its history
+and the engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.draft_budget import FIRST_RATE, Acceptance, DraftBudget, StepCosts
+
+
+def budget_with_costs(seconds_at: dict[int, float], max_tokens: int = 4) -> DraftBudget:
+    budget = DraftBudget(max_tokens)
+    for rows, seconds in seconds_at.items():
+        budget.costs.observe(rows, seconds)
+    return budget
+
+
+def sure(rate: float, tries: float = 1000.0) -> Acceptance:
+    """A request whose history says `rate`, with so much of it that no prior matters."""
+    return Acceptance(kept=rate * tries, tried=tries)
+
+
+def test_before_any_step_is_measured_every_draft_is_verified():
+    budget = DraftBudget(4)
+    assert budget.cut([([1, 2, 3], Acceptance(), False), ([4], sure(0.0), False)], rows=2) == [3, 1]
+
+
+def test_the_line_through_the_measured_counts_prices_a_row():
+    costs = StepCosts()
+    for rows, seconds in {1: 0.010, 3: 0.012, 5: 0.014, 40: 1.0}.items():
+        costs.observe(rows, seconds)
+    seconds, per_row = costs.line(1, 8)  # 40 rows is outside the span
+    assert seconds == pytest.approx(0.010) and per_row == pytest.approx(0.001)
+    assert costs.line(6, 8) is None  # nothing measured there
+    costs.observe(1, 0.020)  # a moving average: the new step counts a fifth
+    assert costs.seconds[1] == pytest.approx(0.012)
+
+
+def test_one_stream_on_cheap_rows_verifies_long_drafts_a_full_batch_none():
+    # a row costs 2% of a step of one, 4% of a step of sixteen: a token kept half the time pays
+    # for one stream (it gives 50% more tokens), not for sixteen (3%)
+    one = budget_with_costs({1: 0.050, 5: 0.054})
+    assert one.cut([([1, 2, 3, 4], sure(0.5), False)], rows=1) == [4]
+    assert one.cut([([1, 2, 3, 4], sure(0.05), False)], rows=1) == [1]  # 0.05 pays for 2%; 0.05 ** 2 does not
+    full = budget_with_costs({16: 0.100, 20: 0.116})
+    drafts = [([1, 2, 3, 4], sure(0.5), False)] * 16
+    assert full.cut(drafts, rows=16) == [0] * 16
+    # nearly sure drafts still pay in a full batch, the likeliest tokens first
+    assert full.cut([([1, 2, 3, 4], sure(0.99), False), ([5, 6], sure(0.5), False)], rows=16) == [4, 0]
+
+
+def test_a_probe_verifies_its_first_token_whatever_the_price():
+    full = budget_with_costs({16: 0.100, 20: 0.116})
+    assert full.cut([([1, 2, 3], sure(0.0), True), ([4, 5], sure(0.0), False)], rows=16) == [1, 0]
+
+
+def test_a_requests_rate_starts_at_the_engines_and_follows_its_own_drafts():
+    budget = DraftBudget(4)
+    fresh = Acceptance()
+    assert budget.rate(fresh) == pytest.approx(FIRST_RATE)
+    copying = Acceptance()
+    for _ in range(20):
+        budget.verified(copying, kept=4, drafted=4)
+    assert budget.rate(copying) > 0.9
+    assert budget.rate(Acceptance()) > FIRST_RATE  # the engine learned that drafts are kept
+    chatting = Acceptance()
+    for _ in range(20):
+        budget.verified(chatting, kept=0, drafted=3)
+    assert budget.rate(chatting) < 0.35
