@@ -145,6 +145,11 @@ def _bench_structured(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_speculative(argv: list[str]) -> int:
+    from pdserve.bench.speculative import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -166,7 +171,8 @@ def _plan(argv: list[str]) -> int:
 
 
 OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
-               "bench-transfer": _bench_transfer, "bench-structured": _bench_structured, "profile": _profile, "simulate": _simulate,
+               "bench-transfer": _bench_transfer, "bench-structured": _bench_structured,
+               "bench-speculative": _bench_speculative, "profile": _profile, "simulate": _simulate,
                "simulate-trace": _simulate_trace, "plan": _plan}
 
 
@@ -239,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-transfer", help="KV transfer speed per backend against raw limits; TTFT added",
                    add_help=False)
     sub.add_parser("bench-structured", help="what structured outputs cost: mask per token, throughput with a schema",
+                   add_help=False)
+    sub.add_parser("bench-speculative", help="speculative decoding's speed-up per method, workload and stream count",
                    add_help=False)
     return parser
 

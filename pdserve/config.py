@@ -98,10 +98,11 @@ class EngineConfig:
         "are faster: 172 against 65 tok/s for one stream of the default model on a 2-vCPU Xeon); a "
         "worker compiles them before it takes requests (a few minutes on a small CPU, every start)")
     speculative: str = flag(  # engine/speculative.py
-        "off", "ngram: propose each greedy request's next tokens from earlier occurrences of its last "
-        "tokens (prompt lookup) and verify them in one step: faster where the output repeats the input",
+        "off", "ngram: propose each request's next tokens from earlier occurrences of its last tokens "
+        "(prompt lookup) and verify them in one step, as many as measured step costs and acceptance "
+        "say pay: faster where the output repeats the input, the same tokens (seeded or greedy)",
         choices=("off", "ngram"))
-    num_speculative_tokens: int = flag(4, "tokens proposed for a request at a step, at most")
+    num_speculative_tokens: int = flag(8, "tokens proposed for a request at a step, at most")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -1,22 +1,23 @@
-"""How many of its drafted tokens each request verifies at a step: those expected to pay for the
-rows they add.
+"""How many of its drafted tokens each request verifies at a step: as many as make the step give
+the most tokens a second.
 
 A verified draft token is one more row in the step, and every request of the batch waits for the
-whole step. A step of `rows` decode rows that gives `tokens` tokens in `t(rows)` seconds gains by
-one more row whose token is kept with probability `g` when `(tokens + g) / t(rows + 1)` beats
-`tokens / t(rows)`, that is when `g * t > tokens * dt` (`dt`: the row's cost). So the rows go, most
-likely first, to the draft tokens whose chance of being kept passes that bar, and the bar rises
-with the batch: one stream verifies long drafts on a CPU where a row is nearly free, a full batch
-verifies none unless its drafts are nearly sure.
+whole step. A step of `rows` decode rows gives `rows` tokens, plus each draft token's chance of
+being kept, in `t(rows + draft rows)` seconds. The draft tokens are taken most likely first, and the
+step verifies the number of them that gives the most tokens per second: one stream verifies long
+drafts on a CPU where a row is nearly free, a full batch verifies none unless its drafts are nearly
+sure, and a row count whose step costs a jump more (a new block of tile rows) is avoided.
 
-- `t(rows)` is measured, not assumed: the engine reports every decode-only step's seconds and rows
-  (`StepCosts`), and a line is fitted to the moving averages of the row counts around the step's.
-  Until two counts there are measured, every draft is verified (which measures them).
+- `t` is measured, not assumed: the engine reports every decode-only step's seconds and rows
+  (`StepCosts`, moving averages by row count), read between measured counts on the line joining
+  them and past the last on the last two's slope. Before anything is measured every draft is
+  verified (which measures it), and a count not yet measured costs no more than the line says
+  until it is.
 - The chance that a request's j-th draft token is kept is `rate ** j` (each kept with `rate`, after
   all before it were), `rate` estimated from the request's recent drafts, drawn toward the
   engine's recent rate while the request has little history of its own (`Acceptance`).
 - A request whose drafts missed waits before it proposes again (the scheduler's backoff); when it
-  does, or before it has any history, its first draft token is verified whatever the bar says: a
+  does, or before it has any history, its first draft token is verified whatever it costs: a
   probe, so that a request whose output turns repetitive is found out.
 """
 
@@ -58,18 +59,25 @@ class StepCosts:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + COST_MEMORY * (seconds - old)
 
-    def line(self, rows: int, span: int) -> tuple[float, float] | None:
-        """(seconds at `rows`, seconds a row more costs) from a least-squares line through the
-        averages of `rows` to `rows + span` rows; None while fewer than two of those counts were seen."""
-        points = [(r, t) for r, t in self.seconds.items() if rows <= r <= rows + span]
-        if len(points) < 2:
+    def at(self, rows: int) -> float | None:
+        """A step of `rows` rows' seconds: measured, or read off the line through the measured
+        counts around it (past the last two, their slope; before the first, its value); None
+        before any step was measured."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        if not self.seconds:
             return None
-        n = len(points)
-        mean_r = sum(r for r, _ in points) / n
-        mean_t = sum(t for _, t in points) / n
-        spread = sum((r - mean_r) ** 2 for r, _ in points)
-        slope = max(0.0, sum((r - mean_r) * (t - mean_t) for r, t in points) / spread)
-        return max(mean_t + slope * (rows - mean_r), 1e-9), slope
+        counts = sorted(self.seconds)
+        below = [r for r in counts if r < rows]
+        above = [r for r in counts if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+        elif len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+        else:
+            return self.seconds[(above or below)[0]]
+        slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
+        return self.seconds[lo] + slope * (rows - lo)
 
 
 class DraftBudget:
@@ -87,26 +95,31 @@ class DraftBudget:
         """How many tokens of each draft to verify: (draft, its request's acceptance, whether its
         first token is a probe) for each request that drafted, in a step of `rows` decode rows
         without drafts."""
-        keep = [1 if probe else 0 for _, _, probe in drafts]
-        line = self.costs.line(rows, 2 * self.max_tokens)
-        if line is None:  # nothing measured around here yet: verifying them all measures it
+        if self.costs.at(rows) is None:  # nothing measured yet: verifying them all measures it
             return [len(d) for d, _, _ in drafts]
-        seconds, per_row = line
         rates = [self.rate(a) for _, a, _ in drafts]
+        keep = [1 if probe else 0 for _, _, probe in drafts]
         tokens = rows + sum(rates[i] for i, k in enumerate(keep) if k)
-        seconds += per_row * sum(keep)
-        # the next token of each draft, most likely kept first: its chance is rate ** (its position)
-        heap = [(-(rates[i] ** (keep[i] + 1)), i) for i, (d, _, _) in enumerate(drafts) if keep[i] < len(d)]
+        added = sum(keep)
+        # the draft tokens in the order they join, most likely kept first: a request's next token's
+        # chance is rate ** (its position)
+        order: list[int] = []
+        taken = list(keep)
+        heap = [(-(rates[i] ** (taken[i] + 1)), i) for i, (d, _, _) in enumerate(drafts) if taken[i] < len(d)]
         heapq.heapify(heap)
+        best, best_count = tokens / self.costs.at(rows + added), 0
         while heap:
             chance, i = heapq.heappop(heap)
-            if -chance * seconds <= tokens * per_row:
-                break  # no later token is more likely
-            keep[i] += 1
+            order.append(i)
+            taken[i] += 1
             tokens -= chance
-            seconds += per_row
-            if keep[i] < len(drafts[i][0]):
-                heapq.heappush(heap, (-(rates[i] ** (keep[i] + 1)), i))
+            speed = tokens / self.costs.at(rows + added + len(order))
+            if speed > best:
+                best, best_count = speed, len(order)
+            if taken[i] < len(drafts[i][0]):
+                heapq.heappush(heap, (-(rates[i] ** (taken[i] + 1)), i))
+        for i in order[:best_count]:
+            keep[i] += 1
         return keep
 
     def verified(self, acceptance: Acceptance, kept: int, drafted: int) -> None:

@@ -26,15 +26,17 @@ def test_before_any_step_is_measured_every_draft_is_verified():
     assert budget.cut([([1, 2, 3], Acceptance(), False), ([4], sure(0.0), False)], rows=2) == [3, 1]
 
 
-def test_the_line_through_the_measured_counts_prices_a_row():
+def test_a_count_not_measured_is_read_off_the_line_through_its_neighbours():
     costs = StepCosts()
-    for rows, seconds in {1: 0.010, 3: 0.012, 5: 0.014, 40: 1.0}.items():
+    assert costs.at(4) is None
+    for rows, seconds in {2: 0.010, 6: 0.014, 8: 0.020}.items():
         costs.observe(rows, seconds)
-    seconds, per_row = costs.line(1, 8)  # 40 rows is outside the span
-    assert seconds == pytest.approx(0.010) and per_row == pytest.approx(0.001)
-    assert costs.line(6, 8) is None  # nothing measured there
-    costs.observe(1, 0.020)  # a moving average: the new step counts a fifth
-    assert costs.seconds[1] == pytest.approx(0.012)
+    assert costs.at(6) == pytest.approx(0.014)
+    assert costs.at(4) == pytest.approx(0.012)  # between 2 and 6
+    assert costs.at(1) == pytest.approx(0.010)  # before the first: its value
+    assert costs.at(10) == pytest.approx(0.026)  # past the last: the last two's slope
+    costs.observe(2, 0.020)  # a moving average: the new step counts a fifth
+    assert costs.at(2) == pytest.approx(0.012)
 
 
 def test_one_stream_on_cheap_rows_verifies_long_drafts_a_full_batch_none():
@@ -48,6 +50,16 @@ def test_one_stream_on_cheap_rows_verifies_long_drafts_a_full_batch_none():
     assert full.cut(drafts, rows=16) == [0] * 16
     # nearly sure drafts still pay in a full batch, the likeliest tokens first
     assert full.cut([([1, 2, 3, 4], sure(0.99), False), ([5, 6], sure(0.5), False)], rows=16) == [4, 0]
+
+
+def test_a_row_count_whose_step_costs_a_jump_is_avoided():
+    # past 16 rows a second block of tile rows: 17 costs as much as 24
+    jump = budget_with_costs({16: 0.100, 17: 0.140, 24: 0.141})
+    even = [([1, 2, 3, 4, 5, 6, 7, 8], sure(0.5), False)] * 2
+    assert jump.cut(even, rows=15) == [1, 0]  # up to 16 rows, not one more
+    assert jump.cut(even, rows=16) == [0, 0]
+    likely = [([1, 2, 3, 4, 5, 6, 7, 8], sure(0.95), False)] * 2
+    assert jump.cut(likely, rows=16) == [8, 8]  # enough of them pay for the jump
 
 
 def test_a_probe_verifies_its_first_token_whatever_the_price():
