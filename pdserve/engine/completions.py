@@ -25,6 +25,7 @@ class Completion:
     index: int  # which of the request's n completions
     num_tokens_sent: int = 0
     num_logprobs_sent: int = 0
+    num_tokens_detokenized: int = 0  # of the request's output tokens, those its detokenizer took
 
 
 @dataclass(slots=True)

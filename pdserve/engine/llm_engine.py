@@ -152,7 +152,8 @@ class LLMEngine:
                 req.matcher = self.structures.matcher(child_params.structure, output_token_ids)
             detokenizer = make_detokenizer(self.tokenizer, token_ids, output_token_ids, child_params)
             self._skip_draws(req, len(output_token_ids))
-            parent.sequences.append(Completion(req, detokenizer, i, num_tokens_sent=len(output_token_ids)))
+            parent.sequences.append(Completion(req, detokenizer, i, num_tokens_sent=len(output_token_ids),
+                                               num_tokens_detokenized=len(output_token_ids)))
         self._parents[request_id] = parent
         for seq in parent.sequences:
             self._sequences[seq.request.request_id] = (parent, seq)
@@ -353,13 +354,29 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, req: Request, seq: Completion) -> None:
+        """The step's new tokens into the text, one at a time (a verified draft gives several): a
+        stop string ends the request at the token that completed it, and tokens after it in the
+        same step are dropped, as decoding one token at a time would never have made them."""
         if seq.detokenizer is None:
             return
-        seq.detokenizer.add(req.output_token_ids[-1])
-        stop = seq.detokenizer.stop_string
-        if stop is not None and not req.status.finished:
+        new = len(req.output_token_ids) - seq.num_tokens_detokenized
+        for i, token in enumerate(req.output_token_ids[seq.num_tokens_detokenized :]):
+            seq.detokenizer.add(token)
+            seq.num_tokens_detokenized += 1
+            stop = seq.detokenizer.stop_string
+            if stop is None or (req.status.finished and i == new - 1):
+                continue  # no stop string, or the request ended at this very token on its own
+            dropped = new - 1 - i
+            if dropped:
+                del req.output_token_ids[-dropped:]
+                if req.params.logprobs is not None:
+                    del req.output_logprobs[-dropped:]
             req.stop_reason = stop
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:  # it ended on its own at a later token of this step
+                self.scheduler.restate_finish(req, RequestStatus.FINISHED_STOPPED)
+            else:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            break
         if req.status.finished:
             seq.detokenizer.flush()
 

@@ -363,6 +363,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def restate_finish(self, req: Request, status: RequestStatus) -> None:
+        """A finished request's reason, corrected: a stop string found in its text ended it at an
+        earlier token of its last step than the one it finished at."""
+        assert req.status.finished and status.finished
+        req.status = status
+
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a live request (idempotent: an unknown or finished id is ignored)."""
         assert status.finished

@@ -38,21 +38,26 @@ def generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs], outs
 
 
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
 @pytest.mark.parametrize("scenario", ["whole", "chunked", "preemption"])
-def test_greedy_matches_transformers(tiny_llama, reference, scenario):
+def test_greedy_matches_transformers(tiny_llama, reference, scenario, speculative):
+    """With speculative decoding too: drafts verified beside chunks, and requests preempted with
+    draft slots allocated."""
     args = {
         "whole": dict(max_num_batched_tokens=1024),
         "chunked": dict(max_num_batched_tokens=7),
         # 2 KiB per block: 40 blocks cannot hold all eight requests at full length
         "preemption": dict(kv_cache_memory=40 * 2048, max_num_batched_tokens=64),
     }[scenario]
-    llm = make_llm(tiny_llama, **args)
+    llm = make_llm(tiny_llama, speculative=speculative, **args)
     prompts = mixed_prompts()
     got, _ = generate(llm, prompts)
     for p, tokens in zip(prompts, got):
         assert tokens == reference[tuple(p)], f"prompt of {len(p)} tokens diverged"
     if scenario == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    if speculative != "off":
+        assert llm.engine.scheduler.num_accepted > 0
     assert_engine_idle(llm)
 
 

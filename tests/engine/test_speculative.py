@@ -193,3 +193,24 @@ def test_a_request_that_opts_out_is_never_drafted(tiny_llama, plain):
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_stop_strings_and_several_completions_end_where_they_end_without_speculation(tiny_llama, plain):
+    """Several tokens land in one step: a stop string among them ends the text where decoding one
+    token at a time would (the tokens past it dropped), and each of n seeded completions keeps its
+    own tokens."""
+    prompts = [{"prompt_token_ids": PROMPTS[2]}]
+    free_text = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = free_text[len(free_text) // 2 : len(free_text) // 2 + 3]
+    settings = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                SamplingParams(temperature=0.7, seed=9, n=3, logit_bias=FEW, max_tokens=30, ignore_eos=True)]
+    fast = make_llm(tiny_llama, speculative="ngram")
+    free = fast.engine.block_manager.num_free_blocks
+    for sp in settings:
+        want = plain.generate(prompts, sp)[0].outputs
+        got = fast.generate(prompts, sp)[0].outputs
+        assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [(o.text, o.token_ids, o.finish_reason)
+                                                                          for o in want]
+    assert got[0].finish_reason == "length" and want[0].text != free_text
+    assert fast.engine.scheduler.num_accepted > 0
+    assert fast.engine.block_manager.num_free_blocks == free
