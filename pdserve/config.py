@@ -100,8 +100,10 @@ class EngineConfig:
     speculative: str = flag(  # engine/speculative.py
         "off", "ngram: propose each request's next tokens from earlier occurrences of its last tokens "
         "(prompt lookup) and verify them in one step, as many as measured step costs and acceptance "
-        "say pay: faster where the output repeats the input, the same tokens (seeded or greedy)",
-        choices=("off", "ngram"))
+        "say pay: faster where the output repeats the input, the same tokens (seeded or greedy); "
+        "suffix: as ngram, and also what recent requests on the worker wrote (agent loops, retries, "
+        "repeated questions)",
+        choices=("off", "ngram", "suffix"))
     num_speculative_tokens: int = flag(8, "tokens proposed for a request at a step, at most")
 
     def __post_init__(self) -> None:
@@ -122,8 +124,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
-        if self.speculative not in ("off", "ngram"):
-            raise ValueError(f"speculative must be off or ngram, got {self.speculative!r}")
+        if self.speculative not in ("off", "ngram", "suffix"):
+            raise ValueError(f"speculative must be off, ngram or suffix, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be 1 to 64, got {self.num_speculative_tokens}")
         if self.decode_headroom_tokens < 0:

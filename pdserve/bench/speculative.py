@@ -90,6 +90,8 @@ def run_streams(engine, prompts: list[list[int]], streams: int, requests: int, m
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     sched = engine.scheduler
+    if sched.proposer is not None:
+        sched.proposer.forget()  # each run learns from its own requests only
     before = (sched.num_drafts, sched.num_drafted, sched.num_accepted)
     live, done, sent = [], [], 0
     start = time.perf_counter()
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the default model")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--methods", default="off,ngram", help="comma-separated, off first (the baseline)")
+    p.add_argument("--methods", default="off,ngram,suffix", help="comma-separated, off first (the baseline)")
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--streams", default="1,8", help="comma-separated stream counts")
     p.add_argument("--requests", type=int, default=0,

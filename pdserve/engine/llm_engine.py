@@ -22,7 +22,7 @@ from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.speculative import NgramProposer
+from pdserve.engine.speculative import make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up
@@ -77,7 +77,7 @@ class LLMEngine:
             self.hooks,
             config.decode_headroom_tokens,
             config.max_queue_wait_s if config.shortest_prompt_first else None,
-            proposer=NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None,
+            proposer=make_proposer(config.speculative, config.num_speculative_tokens),
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode)

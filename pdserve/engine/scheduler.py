@@ -46,7 +46,7 @@ class Scheduler:
         headroom_tokens: int = 0,
         shortest_first_max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | None = None,  # or any proposer (`speculative`)
     ) -> None:
         self.blocks = block_manager
         self.clock = clock  # the clock of requests' arrival_time; tests stop it
@@ -384,5 +384,7 @@ class Scheduler:
         req.status = status
         req.finished_time = self.clock()
         self.hooks.on_finished(req)
+        if self.proposer is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.proposer.finished(req)
         self.blocks.free(req)
         return req

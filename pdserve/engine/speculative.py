@@ -22,9 +22,11 @@ token decoding without speculation samples, so a seeded request's output does no
 speculation at all (greedy is the case of no noise); its generator is then set back to where
 drawing only the kept positions leaves it.
 
-The proposer here is prompt lookup (n-grams): where the output repeats its input (rewriting,
+The proposers: prompt lookup (n-grams, here): where the output repeats its input (rewriting,
 editing, quoting, extracting) the tokens that followed the latest earlier occurrence of the last
-few tokens are likely to follow again. A structured request's draft is cut to the tokens its
+few tokens are likely to follow again; suffix decoding (`suffix_proposer`), which also drafts what
+recent requests on the worker wrote. A proposer has `num_tokens`, `window` (the context tokens it
+reads), `method`, `propose(tokens, limit)` and `finished(request)` (a request that ended here). A structured request's draft is cut to the tokens its
 structure allows; a request may opt out (`SamplingParams.speculate`).
 """
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.request import Request
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,7 @@ class NgramProposer:
     max_ngram: int = 3
     min_ngram: int = 2
     window: int = 1024
+    method = "ngram"
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """At most min(num_tokens, limit) drafts to follow `tokens` (prompt and output so far)."""
@@ -75,6 +78,13 @@ class NgramProposer:
         return best
 
 
+    def finished(self, request: Request) -> None:
+        """Prompt lookup learns nothing from requests that ended."""
+
+    def forget(self) -> None:
+        """Nothing learned to forget."""
+
+
 def speculates(request: Request) -> bool:
     """Whether the request's next tokens may be drafted: it decodes here and did not opt out."""
     return request.params.speculate and not request.remote_prefill
@@ -87,3 +97,16 @@ def verified(draft: list[int], sampled: list[int]) -> list[int]:
     while a < len(draft) and draft[a] == sampled[a]:
         a += 1
     return draft[:a] + [sampled[a]]
+
+
+def make_proposer(method: str, num_tokens: int):
+    """The proposer of a `--speculative` method; None for off."""
+    if method == "off":
+        return None
+    if method == "ngram":
+        return NgramProposer(num_tokens)
+    if method == "suffix":
+        from pdserve.engine.suffix_proposer import SuffixProposer
+
+        return SuffixProposer(num_tokens)
+    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")

@@ -15,17 +15,18 @@ def test_it_measures_each_method_against_no_speculation(tiny_llama, tmp_path):
     assert main(["--model", str(tiny_llama), "--dtype", "float32", "--streams", "1,2", "--requests", "2",
                  "--max-tokens", "24", "--rounds", "1", "--result-json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["methods"] == ["off", "ngram"]
+    assert result["methods"] == ["off", "ngram", "suffix"]
     for workload in ("rewrite", "code-fix", "chat"):
         for streams in ("1", "2"):
             cell = result["results"][workload][streams]
             assert cell["off"]["output_tok_s"] > 0 and cell["off"]["drafts"] == 0
-            ngram = cell["ngram"]
-            assert ngram["decode_speedup"] > 0 and ngram["output_speedup"] > 0
-            assert ngram["draft_tokens_accepted"] <= ngram["draft_tokens"]
-            # float32: speculation gives the tokens decoding one at a time gives
-            assert ngram["rounds_with_the_baselines_tokens"] == "1 of 1"
-    assert sum(result["results"][w][s]["ngram"]["drafts"] for w in result["results"] for s in ("1", "2")) > 0
+            for method in ("ngram", "suffix"):
+                assert cell[method]["decode_speedup"] > 0 and cell[method]["output_speedup"] > 0
+                assert cell[method]["draft_tokens_accepted"] <= cell[method]["draft_tokens"]
+                # float32: speculation gives the tokens decoding one at a time gives
+                assert cell[method]["rounds_with_the_baselines_tokens"] == "1 of 1"
+    for method in ("ngram", "suffix"):
+        assert sum(result["results"][w][s][method]["drafts"] for w in result["results"] for s in ("1", "2")) > 0
     assert out.with_suffix(".png").stat().st_size > 0
 
 

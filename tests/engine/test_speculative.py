@@ -11,7 +11,7 @@ import torch
 from pdserve import SamplingParams
 from pdserve.engine.speculative import NgramProposer, speculates, verified
 from pdserve.engine.request import Request
-from tests.factories import make_llm
+from tests.factories import assert_engine_idle, make_llm
 from tests.worker.cluster import prompt
 
 
@@ -92,7 +92,8 @@ def test_an_aborted_speculating_request_leaves_no_block(tiny_llama):
     assert engine.block_manager.num_free_blocks == free
 
 
-def test_a_disaggregated_decode_worker_speculates_and_keeps_the_tokens(tiny_llama, plain):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_disaggregated_decode_worker_speculates_and_keeps_the_tokens(tiny_llama, plain, method):
     """1P1D over tcp: the prompt's KV comes from the prefill worker, the decode worker proposes and
     verifies; the tokens are the colocated ones, and both workers end with every block free."""
     from tests.worker.cluster import Cluster
@@ -100,16 +101,16 @@ def test_a_disaggregated_decode_worker_speculates_and_keeps_the_tokens(tiny_llam
     tokens = PROMPTS[2]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = plain.generate([{"prompt_token_ids": tokens}], sp)[0].outputs[0].token_ids
-    with Cluster(tiny_llama, "tcp", decode={"speculative": "ngram"}) as c:
+    with Cluster(tiny_llama, "tcp", decode={"speculative": method}) as c:
         got = [t for line in c.stream(tokens, max_tokens=40) for t in line["outputs"][0]["token_ids"]]
         assert got == want
         assert c.d.worker.stats().kv_landed == 1
         stats = c.d.worker.stats()
-        assert 0 < stats.draft_tokens_accepted <= stats.draft_tokens and stats.speculative == "ngram"
+        assert 0 < stats.draft_tokens_accepted <= stats.draft_tokens and stats.speculative == method
         metrics = c.http.get(c.d.url + "/metrics").text
-        assert f'pdserve_worker_draft_tokens_accepted{{method="ngram"}} {float(stats.draft_tokens_accepted)}' in metrics
+        assert f'pdserve_worker_draft_tokens_accepted{{method="{method}"}} {float(stats.draft_tokens_accepted)}' in metrics
         mean = 1 + stats.draft_tokens_accepted / stats.drafts
-        assert f'pdserve_worker_draft_mean_accepted_length{{method="ngram"}} {mean}' in metrics
+        assert f'pdserve_worker_draft_mean_accepted_length{{method="{method}"}} {mean}' in metrics
         c.wait_idle()
 
 
@@ -214,3 +215,35 @@ def test_stop_strings_and_several_completions_end_where_they_end_without_specula
     assert got[0].finish_reason == "length" and want[0].text != free_text
     assert fast.engine.scheduler.num_accepted > 0
     assert fast.engine.block_manager.num_free_blocks == free
+
+
+def test_the_suffix_index_drafts_the_clear_majority_follower_of_the_longest_known_tail():
+    from pdserve.engine.suffix_proposer import SuffixIndex
+
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6])
+    index.add([1, 2, 3, 4, 5, 7])
+    index.add([9, 2, 3, 8])
+    assert index.propose([0, 1, 2, 3], 3) == [4, 5]  # after 4, 5: 6 and 7 tie, no majority
+    assert index.propose([7, 2, 3], 3) == [4, 5]  # tail [2, 3]: 4 twice, 8 once
+    assert index.propose([5, 5], 3) == []
+    small = SuffixIndex(capacity=5)
+    small.add(list(range(40)))
+    assert len(small.counts) == 5 and small.propose([37, 38], 2) == [39]  # the latest kept
+
+
+def test_suffix_decoding_drafts_what_an_earlier_request_wrote(tiny_llama, plain):
+    """A second request with the same question: prompt lookup has little to go on, the suffix
+    index has the first answer; the tokens are those of decoding one at a time either way."""
+    prompts = [{"prompt_token_ids": PROMPTS[3]}]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain.generate(prompts, sp)[0].outputs[0].token_ids
+    kept = {}
+    for method in ("ngram", "suffix"):
+        fast = make_llm(tiny_llama, speculative=method)
+        assert fast.generate(prompts, sp)[0].outputs[0].token_ids == want
+        before = fast.engine.scheduler.num_accepted
+        assert fast.generate(prompts, sp)[0].outputs[0].token_ids == want
+        kept[method] = fast.engine.scheduler.num_accepted - before
+        assert_engine_idle(fast)
+    assert kept["suffix"] >= 30 > kept["ngram"]
