@@ -28,6 +28,7 @@ from pdserve.sim.catalog import GPUS, LINKS, MODELS, fits, roofline
 from pdserve.sim.plan import Config, InstanceSpec, Planner, Traffic, unreachable, within_budget
 from pdserve.sim.verdict import SLA
 from pdserve.sim.profile import perf_model
+from pdserve.sim.simulate import add_speculation_args
 
 
 def _ints(text: str) -> list[int]:
@@ -58,15 +59,18 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_ints, default=[64, 256], help="decode batch limits to try (default 64,256)")
     p.add_argument("--max-gpus", type=int, default=16)
     p.add_argument("--chunk-tokens", type=int, default=2048, help="prefill tokens per step (chunked prefill)")
+    add_speculation_args(p)
     p.add_argument("--num-requests", type=int, default=400, help="simulated requests per run, at least")
     p.add_argument("--seed", type=int, default=0)
 
 
 def instance_factory(args: argparse.Namespace):
     """tp -> InstanceSpec | None, from the profile or the catalogue."""
+    speculate = (lambda perf: perf.speculating(args.draft_acceptance, args.num_speculative_tokens)) \
+        if args.draft_acceptance else (lambda perf: perf)
     if args.profile:
         profile = json.loads(Path(args.profile).read_text())
-        spec = InstanceSpec(perf_model(profile), 4096 * 16)
+        spec = InstanceSpec(speculate(perf_model(profile)), 4096 * 16)
         return lambda tp: spec if tp == 1 else None
     try:
         gpu, model, link = GPUS[args.hardware], MODELS[args.model], LINKS[args.link]
@@ -76,7 +80,7 @@ def instance_factory(args: argparse.Namespace):
 
     def make(tp: int) -> InstanceSpec | None:
         kv = fits(model, gpu, tp, args.weight_bits)
-        perf = roofline(model, gpu, tp, args.weight_bits, link, fp8_compute=args.fp8_compute)
+        perf = speculate(roofline(model, gpu, tp, args.weight_bits, link, fp8_compute=args.fp8_compute))
         return InstanceSpec(perf, kv) if kv > 0 else None
     return make
 

@@ -90,7 +90,15 @@ def _num_blocks(args: argparse.Namespace, tp: int) -> int:
 
 
 def _models(args: argparse.Namespace) -> tuple[LinearPerfModel, LinearPerfModel]:
-    """(prefill, decode) performance models: from profiles, or projected by the roofline."""
+    """(prefill, decode) performance models: from profiles, or projected by the roofline; the
+    decode model speculating where `--draft-acceptance` says so."""
+    prefill, decode = _measured_or_projected(args)
+    if args.draft_acceptance:
+        decode = decode.speculating(args.draft_acceptance, args.num_speculative_tokens)
+    return prefill, decode
+
+
+def _measured_or_projected(args: argparse.Namespace) -> tuple[LinearPerfModel, LinearPerfModel]:
     if args.profile:
         prefill = perf_model(json.loads(Path(args.profile).read_text()), args.backend)
         decode = perf_model(json.loads(Path(args.decode_profile).read_text()), args.backend) if args.decode_profile \
@@ -106,6 +114,14 @@ def _models(args: argparse.Namespace) -> tuple[LinearPerfModel, LinearPerfModel]
             roofline(model, gpu, args.tp_decode, args.weight_bits, link, fp8_compute=args.fp8_compute))
 
 
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-acceptance", type=float, default=0.0,
+                   help="speculative decoding: the chance a draft token is kept after the ones before it were "
+                        "(0: no speculation; from a worker's /metrics, a mean accepted length L with k tokens "
+                        "drafted solves 1 + a + ... + a^k = L)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="draft tokens a step verifies, at most")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", default="IB-NDR", help=f"the projected KV link: {', '.join(LINKS)}")
     p.add_argument("--decode-profile", default=None, help="the decode and colocated workers' (default: --profile)")
     p.add_argument("--backend", default=None, help="the profile's link to use (default: its first)")
+    add_speculation_args(p)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--colocated", type=int, default=0)

@@ -123,3 +123,35 @@ def test_simulate_a_projected_cluster(tmp_path):
         main(["--gpu", "nonexistent"])
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_speculation_scales_decode_steps_by_the_tokens_a_draft_gives():
+    """Decode-only steps verify the draft length that gives the most tokens a second: at one
+    sequence, where a row is cheap against the step, many; at a large batch, none."""
+    plain = LinearPerfModel(base_s=0.010, decode_seq_s=0.0005, decode_context_s=1e-7)
+    spec = plain.speculating(0.8, 8)
+    one = StepShape(decode_seqs=1, decode_context=500)
+    # a token of one sequence: best k verified, t(1 + k rows) / (1 + 0.8 + ... + 0.8^k)
+    best = min(plain._rows_time(one, 1 + k) / sum(0.8 ** j for j in range(k + 1)) for k in range(9))
+    assert spec.step_time(one) == pytest.approx(best) and best < plain.step_time(one) / 2.5
+    big = StepShape(decode_seqs=256, decode_context=256 * 500)  # rows dominate: drafting does not pay
+    assert spec.step_time(big) == pytest.approx(plain.step_time(big))
+    mixed = StepShape(prefill_tokens=100, prefill_context=50, decode_seqs=1, decode_context=500)
+    assert spec.step_time(mixed) == plain.step_time(mixed)
+    assert plain.speculating(0.0, 8).step_time(one) == plain.step_time(one)
+    with pytest.raises(ValueError):
+        plain.speculating(1.0, 8)
+
+
+def test_simulate_with_speculation_decodes_faster(tmp_path):
+    path, _ = profile_json(tmp_path)
+    tpot = {}
+    for acceptance in ("0", "0.7"):
+        out = tmp_path / f"sim{acceptance}.json"
+        assert main(["--profile", str(path), "--colocated", "1", "--decode", "0", "--prefill", "0",
+                     "--num-requests", "10", "--concurrency", "1", "--input-len", "128", "--output-len", "64",
+                     "--vocab-size", "500", "--draft-acceptance", acceptance, "--result-json", str(out)]) == 0
+        tpot[acceptance] = json.loads(out.read_text())["runs"][0]["tpot"]["p50"]
+    assert tpot["0.7"] < tpot["0"] / 1.3  # a row costs a quarter of a step here: drafts of a few tokens
+    with pytest.raises(SystemExit):
+        main(["--profile", str(path), "--draft-acceptance", "1.2"])
