@@ -112,10 +112,10 @@ def logit_error(model: str, dtype: str, encoding: str, prompts: list[list[int]])
     forward = engine.runner.forward
 
     def capture(step, on_layer=None):
-        logits, rows, chosen = forward(step, on_layer)
+        logits, heads = forward(step, on_layer)
         if logits is not None:
             captured.append(logits.clone())
-        return logits, rows, chosen
+        return logits, heads
     engine.runner.forward = capture
 
     def last_logits(tokens: list[int]) -> torch.Tensor:

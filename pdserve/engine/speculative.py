@@ -98,15 +98,3 @@ def verified(draft: list[int], sampled: list[int]) -> list[int]:
         a += 1
     return draft[:a] + [sampled[a]]
 
-
-def make_proposer(method: str, num_tokens: int):
-    """The proposer of a `--speculative` method; None for off."""
-    if method == "off":
-        return None
-    if method == "ngram":
-        return NgramProposer(num_tokens)
-    if method == "suffix":
-        from pdserve.engine.suffix_proposer import SuffixProposer
-
-        return SuffixProposer(num_tokens)
-    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")

@@ -258,20 +258,43 @@ static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void
 }
 
 /* Rotary embedding (rotate-half) on the q and k heads of each token's qkv row, in place, then the
- * token's k and v into its slot of the KV cache ([slots, 2, kv_heads, head_dim]). */
+ * token's k and v into its slot of the KV cache ([slots, 2, kv_heads, head_dim]). bfloat16: x * cos
+ * + rotate_half(x) * sin with each product and the sum rounded, as transformers computes it. */
 static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64_t KV, int64_t D,
                              const void *cos, const void *sin, void *cache, const int64_t *slots, int bf16) {
     const int64_t width = (H + 2 * KV) * D, half = D / 2, es = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        float *c = malloc(2 * D * sizeof(float) + D * sizeof(float)), *s = c + D, *x = s + D;
-        FN(to_float)((const char *)cos + t * D * es, bf16, D, c);
-        FN(to_float)((const char *)sin + t * D * es, bf16, D, s);
+        const char *cos_t = (const char *)cos + t * D * es, *sin_t = (const char *)sin + t * D * es;
         char *row = (char *)qkv + t * width * es;
+#if VEC_LANES
+        if (half % VEC_LANES == 0) { /* cos and sin read from the row each time: they stay in L1 */
+            for (int64_t h = 0; h < H + KV; h++) {
+                char *head = row + h * D * es;
+                for (int64_t i = 0; i < half; i += VEC_LANES) {
+                    const VEC x0 = FN(load_row)(head, i, bf16), x1 = FN(load_row)(head, i + half, bf16);
+                    VEC a = VMUL(x0, FN(load_row)(cos_t, i, bf16)), b = VMUL(VSUB(VZERO(), x1), FN(load_row)(sin_t, i, bf16));
+                    VEC a2 = VMUL(x1, FN(load_row)(cos_t, i + half, bf16)), b2 = VMUL(x0, FN(load_row)(sin_t, i + half, bf16));
+                    if (bf16) {
+                        a = FN(round_vec)(a), b = FN(round_vec)(b);
+                        a2 = FN(round_vec)(a2), b2 = FN(round_vec)(b2);
+                    }
+                    FN(store_row)(head, i, VADD(a, b), bf16);
+                    FN(store_row)(head, i + half, VADD(a2, b2), bf16);
+                }
+            }
+            char *slot = (char *)cache + slots[t] * 2 * KV * D * es;
+            memcpy(slot, row + H * D * es, 2 * KV * D * es); /* k then v, side by side in both */
+            continue;
+        }
+#endif
+        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], r[MAX_HEAD_DIM];
+        FN(to_float)(cos_t, bf16, D, c);
+        FN(to_float)(sin_t, bf16, D, s);
         for (int64_t h = 0; h < H + KV; h++) {
-            FN(to_float)(row + h * D * es, bf16, D, x);
-            float r[MAX_HEAD_DIM];
-            if (bf16) { /* x * cos + rotate_half(x) * sin, each product and the sum rounded */
+            char *head = row + h * D * es;
+            FN(to_float)(head, bf16, D, x);
+            if (bf16) {
 #pragma omp simd
                 for (int64_t i = 0; i < half; i++) {
                     float a = bf16_to_f32(f32_to_bf16(x[i] * c[i])), b = bf16_to_f32(f32_to_bf16(-x[i + half] * s[i]));
@@ -287,12 +310,11 @@ static void FN(rotary_store)(int threads, void *qkv, int64_t T, int64_t H, int64
                     r[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
                 }
             }
-            FN(from_float)(r, D, row + h * D * es, bf16);
+            FN(from_float)(r, D, head, bf16);
         }
         char *slot = (char *)cache + slots[t] * 2 * KV * D * es;
         memcpy(slot, row + H * D * es, KV * D * es);                       /* k */
         memcpy(slot + KV * D * es, row + (H + KV) * D * es, KV * D * es);  /* v */
-        free(c);
     }
 }
 
