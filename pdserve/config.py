@@ -97,7 +97,7 @@ class EngineConfig:
         "dense weights (--quantization none; quantized weights run eager on pdserve's kernels, which "
         "are faster: 172 against 65 tok/s for one stream of the default model on a 2-vCPU Xeon); a "
         "worker compiles them before it takes requests (a few minutes on a small CPU, every start)")
-    speculative: str = flag(  # engine/speculative.py
+    speculative: str = flag(  # engine/spec/
         "off", "ngram: propose each request's next tokens from earlier occurrences of its last tokens "
         "(prompt lookup) and verify them in one step, as many as measured step costs and acceptance "
         "say pay: faster where the output repeats the input, the same tokens (seeded or greedy); "

@@ -22,7 +22,7 @@ from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.proposers import make_proposer
+from pdserve.engine.spec.proposers import make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up

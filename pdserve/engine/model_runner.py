@@ -8,7 +8,7 @@ import torch
 
 from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
-from pdserve.engine.speculative import verified
+from pdserve.engine.spec.verify import verified
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import mask_logits
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk

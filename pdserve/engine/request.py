@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.engine.draft_budget import Acceptance
+from pdserve.engine.spec.budget import Acceptance
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
@@ -81,7 +81,7 @@ class Request:
         self.draft: list[int] = []  # tokens proposed to follow, verified by the step they are scheduled in
         self.draft_misses = 0  # drafts in a row of which the model kept none
         self.draft_pause = 0  # steps to decode without drafts before proposing again
-        self.acceptance = Acceptance()  # how often its draft tokens were kept, lately (`draft_budget`)
+        self.acceptance = Acceptance()  # how often its draft tokens were kept, lately (`engine/spec/budget.py`)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.params = params

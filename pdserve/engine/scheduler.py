@@ -26,8 +26,9 @@ from typing import Callable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
-from pdserve.engine.draft_budget import DraftBudget
-from pdserve.engine.speculative import NgramProposer, speculates
+from pdserve.engine.spec.budget import DraftBudget
+from pdserve.engine.spec.ngram import NgramProposer
+from pdserve.engine.spec.verify import speculates
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
 
@@ -46,7 +47,7 @@ class Scheduler:
         headroom_tokens: int = 0,
         shortest_first_max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-        proposer: NgramProposer | None = None,  # or any proposer (`speculative`)
+        proposer: NgramProposer | None = None,  # or any proposer (`engine/spec/`)
     ) -> None:
         self.blocks = block_manager
         self.clock = clock  # the clock of requests' arrival_time; tests stop it
@@ -61,7 +62,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}  # reserved, prompt KV arriving from elsewhere
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
-        self.proposer = proposer  # speculative decoding (engine/speculative.py); None: off
+        self.proposer = proposer  # speculative decoding (engine/spec/); None: off
         self.draft_budget = DraftBudget(proposer.num_tokens) if proposer is not None else None
         self.num_drafts = 0  # drafts verified (one a request a step), since start
         self.num_drafted = 0  # draft tokens verified, since start
@@ -123,7 +124,7 @@ class Scheduler:
 
     def _propose(self) -> None:
         """Drafts for the running requests that decode one token and may speculate, cut to the
-        tokens expected to pay for their rows (`draft_budget`)."""
+        tokens expected to pay for their rows (`engine/spec/budget.py`)."""
         drafting, rows, window = [], 0, self.proposer.window
         for req in self.running:
             if req.num_tokens - req.num_computed_tokens != 1:

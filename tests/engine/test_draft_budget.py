@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.draft_budget import FIRST_RATE, Acceptance, DraftBudget, StepCosts
+from pdserve.engine.spec.budget import FIRST_RATE, Acceptance, DraftBudget, StepCosts
 
 
 def budget_with_costs(seconds_at: dict[int, float], max_tokens: int = 4) -> DraftBudget:

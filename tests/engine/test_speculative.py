@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
-from pdserve.engine.speculative import NgramProposer, speculates, verified
+from pdserve.engine.spec.ngram import NgramProposer
+from pdserve.engine.spec.verify import speculates, verified
 from pdserve.engine.request import Request
 from tests.factories import assert_engine_idle, make_llm
 from tests.worker.cluster import prompt
@@ -218,7 +219,7 @@ def test_stop_strings_and_several_completions_end_where_they_end_without_specula
 
 
 def test_the_suffix_index_drafts_the_clear_majority_follower_of_the_longest_known_tail():
-    from pdserve.engine.suffix_proposer import SuffixIndex
+    from pdserve.engine.spec.suffix import SuffixIndex
 
     index = SuffixIndex()
     index.add([1, 2, 3, 4, 5, 6])

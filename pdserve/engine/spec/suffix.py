@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
-from pdserve.engine.speculative import NgramProposer
+from pdserve.engine.spec.ngram import NgramProposer
 
 INDEX_CAPACITY = 1 << 17  # n-grams kept, at most: ~20 MB
 MIN_SHARE = 0.5  # a follower is drafted only if more than this share of the n-gram's followers were it

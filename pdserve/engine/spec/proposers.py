@@ -1,9 +1,11 @@
-"""The proposer of each `--speculative` method (`speculative.py` says what a proposer is)."""
+"""The proposer of each `--speculative` method (`engine/spec/__init__.py` says what a proposer is)."""
 
 from __future__ import annotations
 
-from pdserve.engine.speculative import SPECULATIVE_METHODS, NgramProposer
-from pdserve.engine.suffix_proposer import SuffixProposer
+from pdserve.engine.spec.ngram import NgramProposer
+from pdserve.engine.spec.suffix import SuffixProposer
+
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
 def make_proposer(method: str, num_tokens: int) -> NgramProposer | SuffixProposer | None:
