@@ -59,6 +59,22 @@ def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
     return LLM(str(model_dir), **args)
 
 
+def every_draft_verified(engine) -> Any:
+    """Leaves an engine's draft budget without step timings, so that it verifies every draft:
+    acceptance counts then depend on the tokens alone, not on this machine's timing (the budget's
+    own decisions are tested in tests/engine/test_draft_budget.py). Returns the engine."""
+    engine.scheduler.observe_step = lambda rows, seconds: None
+    return engine
+
+
+def make_speculating_llm(model_dir: Path, **engine_args: Any) -> LLM:
+    """`make_llm` with speculative decoding (ngram unless `speculative` says otherwise), every
+    draft verified (`every_draft_verified`)."""
+    llm = make_llm(model_dir, **{"speculative": "ngram", **engine_args})
+    every_draft_verified(llm.engine)
+    return llm
+
+
 def engine_config(model_dir: Path, role: str, **overrides: Any) -> EngineConfig:
     """A worker's engine: the tiny model's defaults, prefill in chunks of 32 tokens."""
     args = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
-from tests.factories import assert_engine_idle, make_llm
+from tests.factories import assert_engine_idle, every_draft_verified, make_llm
 
 NEW_TOKENS = 12
 SYSTEM = list(range(200, 224))  # a shared 24-token prefix (6 blocks of 4)
@@ -50,6 +50,7 @@ def test_greedy_matches_transformers(tiny_llama, reference, scenario, speculativ
         "preemption": dict(kv_cache_memory=40 * 2048, max_num_batched_tokens=64),
     }[scenario]
     llm = make_llm(tiny_llama, speculative=speculative, **args)
+    every_draft_verified(llm.engine)
     prompts = mixed_prompts()
     got, _ = generate(llm, prompts)
     for p, tokens in zip(prompts, got):

@@ -12,7 +12,7 @@ from pdserve import SamplingParams
 from pdserve.engine.spec.ngram import NgramProposer
 from pdserve.engine.spec.verify import speculates, verified
 from pdserve.engine.request import Request
-from tests.factories import assert_engine_idle, make_llm
+from tests.factories import assert_engine_idle, every_draft_verified, make_llm, make_speculating_llm
 from tests.worker.cluster import prompt
 
 
@@ -57,7 +57,7 @@ def test_greedy_output_equals_decoding_one_token_at_a_time(tiny_llama, plain, nu
     (a batch mixing verifying and plain rows), with stops on length."""
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
-    fast = make_llm(tiny_llama, speculative="ngram", num_speculative_tokens=num_tokens)
+    fast = make_speculating_llm(tiny_llama, num_speculative_tokens=num_tokens)
     free = fast.engine.block_manager.num_free_blocks
     got = [o.outputs[0].token_ids for o in fast.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
     assert got == want
@@ -73,14 +73,14 @@ def test_stops_and_sampled_batch_mates_are_unchanged(tiny_llama, plain):
     seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     want = plain.generate(prompts, [greedy, seeded, greedy, seeded])
-    fast = make_llm(tiny_llama, speculative="ngram")
+    fast = make_speculating_llm(tiny_llama)
     got = fast.generate(prompts, [greedy, seeded, greedy, seeded])
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
 
 
 def test_an_aborted_speculating_request_leaves_no_block(tiny_llama):
-    fast = make_llm(tiny_llama, speculative="ngram")
+    fast = make_speculating_llm(tiny_llama)
     engine = fast.engine
     free = engine.block_manager.num_free_blocks
     rid = engine.add_request(None, {"prompt_token_ids": PROMPTS[2]},
@@ -103,6 +103,7 @@ def test_a_disaggregated_decode_worker_speculates_and_keeps_the_tokens(tiny_llam
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = plain.generate([{"prompt_token_ids": tokens}], sp)[0].outputs[0].token_ids
     with Cluster(tiny_llama, "tcp", decode={"speculative": method}) as c:
+        every_draft_verified(c.d.worker.engine)
         got = [t for line in c.stream(tokens, max_tokens=40) for t in line["outputs"][0]["token_ids"]]
         assert got == want
         assert c.d.worker.stats().kv_landed == 1
@@ -133,7 +134,7 @@ def test_seeded_and_penalized_requests_give_the_tokens_they_give_without_specula
     decoding one at a time, while drafts are accepted."""
     prompts = [{"prompt_token_ids": PROMPTS[2]}] * len(params)
     want = [o.outputs[0] for o in plain.generate(prompts, params)]
-    fast = make_llm(tiny_llama, speculative="ngram", num_speculative_tokens=3)
+    fast = make_speculating_llm(tiny_llama, num_speculative_tokens=3)
     free = fast.engine.block_manager.num_free_blocks
     got = [o.outputs[0] for o in fast.generate(prompts, params)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -176,7 +177,7 @@ def test_structured_requests_draft_only_what_their_structure_allows(tiny_llama, 
     sp = SamplingParams(temperature=0, max_tokens=30, structure=structure)
     prompt_ids = plain.get_tokenizer().encode(text)
     want = plain.generate([{"prompt_token_ids": prompt_ids}], sp)[0].outputs[0]
-    fast = make_llm(tiny_llama, speculative="ngram")
+    fast = make_speculating_llm(tiny_llama)
     free = fast.engine.block_manager.num_free_blocks
     got = fast.generate([{"prompt_token_ids": prompt_ids}], sp)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
@@ -186,7 +187,7 @@ def test_structured_requests_draft_only_what_their_structure_allows(tiny_llama, 
 
 def test_a_request_that_opts_out_is_never_drafted(tiny_llama, plain):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculate=False)
-    fast = make_llm(tiny_llama, speculative="ngram")
+    fast = make_speculating_llm(tiny_llama)
     got = fast.generate([{"prompt_token_ids": PROMPTS[2]}], sp)[0].outputs[0].token_ids
     assert got == plain.generate([{"prompt_token_ids": PROMPTS[2]}], sp)[0].outputs[0].token_ids
     assert fast.engine.scheduler.num_drafted == 0
@@ -206,7 +207,7 @@ def test_stop_strings_and_several_completions_end_where_they_end_without_specula
     stop = free_text[len(free_text) // 2 : len(free_text) // 2 + 3]
     settings = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
                 SamplingParams(temperature=0.7, seed=9, n=3, logit_bias=FEW, max_tokens=30, ignore_eos=True)]
-    fast = make_llm(tiny_llama, speculative="ngram")
+    fast = make_speculating_llm(tiny_llama)
     free = fast.engine.block_manager.num_free_blocks
     for sp in settings:
         want = plain.generate(prompts, sp)[0].outputs
@@ -241,7 +242,7 @@ def test_suffix_decoding_drafts_what_an_earlier_request_wrote(tiny_llama, plain)
     want = plain.generate(prompts, sp)[0].outputs[0].token_ids
     kept = {}
     for method in ("ngram", "suffix"):
-        fast = make_llm(tiny_llama, speculative=method)
+        fast = make_speculating_llm(tiny_llama, speculative=method)
         assert fast.generate(prompts, sp)[0].outputs[0].token_ids == want
         before = fast.engine.scheduler.num_accepted
         assert fast.generate(prompts, sp)[0].outputs[0].token_ids == want

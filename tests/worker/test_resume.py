@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve import SamplingParams
-from tests.factories import make_llm
+from tests.factories import every_draft_verified, make_llm
 from tests.worker.cluster import Cluster, WorkerServer, prompt
 
 SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77},
@@ -87,6 +87,8 @@ def moved(tiny_llama, tokens: list[int], sampling: dict, cut: int, **engine) -> 
     workers' engine settings."""
     hot = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, **engine)
     cool = WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, **engine)
+    for w in (hot, cool):
+        every_draft_verified(w.worker.engine)
     try:
         done, entries = [], []
         with httpx.Client(timeout=60) as http:
