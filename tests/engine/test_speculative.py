@@ -209,12 +209,16 @@ def test_stop_strings_and_several_completions_end_where_they_end_without_specula
                 SamplingParams(temperature=0.7, seed=9, n=3, logit_bias=FEW, max_tokens=30, ignore_eos=True)]
     fast = make_speculating_llm(tiny_llama)
     free = fast.engine.block_manager.num_free_blocks
+    outputs = []
     for sp in settings:
         want = plain.generate(prompts, sp)[0].outputs
         got = fast.generate(prompts, sp)[0].outputs
         assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [(o.text, o.token_ids, o.finish_reason)
                                                                           for o in want]
-    assert got[0].finish_reason == "length" and want[0].text != free_text
+        outputs.append(got)
+    stopped, several = outputs
+    assert stopped[0].finish_reason == "stop" and stopped[0].text == free_text[: free_text.index(stop)]
+    assert len(several) == 3 and all(o.finish_reason == "length" for o in several)
     assert fast.engine.scheduler.num_accepted > 0
     assert fast.engine.block_manager.num_free_blocks == free
 
