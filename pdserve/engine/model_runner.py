@@ -97,8 +97,10 @@ class ModelRunner:
         at = 0
         for row, count in heads:
             req = step.requests[row]
-            new = verified(req.draft, tokens[at : at + count]) if count > 1 else [tokens[at]]
-            sampled[row] = new if count > 1 else new[0]
+            if count > 1:
+                new = sampled[row] = verified(req.draft, tokens[at : at + count])
+            else:
+                new, sampled[row] = tokens[at : at + 1], tokens[at]
             if entries[at] is not None:
                 req.pending_logprobs = entries[at : at + len(new)]
             if row in seeded:  # its generator drew for every position: as if it drew for the kept ones

@@ -63,7 +63,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.proposer = proposer  # speculative decoding (engine/spec/); None: off
-        self.draft_budget = DraftBudget(proposer.num_tokens) if proposer is not None else None
+        self.draft_budget = DraftBudget() if proposer is not None else None
         self.num_drafts = 0  # drafts verified (one a request a step), since start
         self.num_drafted = 0  # draft tokens verified, since start
         self.num_accepted = 0  # of those, kept
@@ -332,7 +332,7 @@ class Scheduler:
         return status is not None
 
     def _take_verified(self, req: Request, draft: list[int], tokens: list[int]) -> None:
-        """A verified draft's new tokens (`speculative.verified`), one at a time as decoding would
+        """A verified draft's new tokens (`spec.verify.verified`), one at a time as decoding would
         have taken them (a stop ends it there); only the KV of the last token and the drafts kept
         counts as computed."""
         self.num_drafts += 1
@@ -341,7 +341,7 @@ class Scheduler:
         self.num_accepted += len(tokens) - 1
         # a verifying step costs more than a plain one: a request whose drafts keep missing waits
         # twice as long each time (up to MAX_DRAFT_PAUSE steps) before it proposes again
-        req.draft_misses = 0 if len(tokens) > 1 else req.draft_misses + 1
+        req.draft_misses = 0 if len(tokens) > 1 else min(req.draft_misses + 1, MAX_DRAFT_PAUSE.bit_length())
         req.draft_pause = min(MAX_DRAFT_PAUSE, (1 << req.draft_misses) - 1)
         for i, token in enumerate(tokens):
             if self._take(req, token, i):

@@ -9,8 +9,8 @@ import pytest
 from pdserve.engine.spec.budget import FIRST_RATE, Acceptance, DraftBudget, StepCosts
 
 
-def budget_with_costs(seconds_at: dict[int, float], max_tokens: int = 4) -> DraftBudget:
-    budget = DraftBudget(max_tokens)
+def budget_with_costs(seconds_at: dict[int, float]) -> DraftBudget:
+    budget = DraftBudget()
     for rows, seconds in seconds_at.items():
         budget.costs.observe(rows, seconds)
     return budget
@@ -22,7 +22,7 @@ def sure(rate: float, tries: float = 1000.0) -> Acceptance:
 
 
 def test_before_any_step_is_measured_every_draft_is_verified():
-    budget = DraftBudget(4)
+    budget = DraftBudget()
     assert budget.cut([([1, 2, 3], Acceptance(), False), ([4], sure(0.0), False)], rows=2) == [3, 1]
 
 
@@ -68,7 +68,7 @@ def test_a_probe_verifies_its_first_token_whatever_the_price():
 
 
 def test_a_requests_rate_starts_at_the_engines_and_follows_its_own_drafts():
-    budget = DraftBudget(4)
+    budget = DraftBudget()
     fresh = Acceptance()
     assert budget.rate(fresh) == pytest.approx(FIRST_RATE)
     copying = Acceptance()

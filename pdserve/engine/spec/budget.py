@@ -23,6 +23,7 @@ sure, and a row count whose step costs a jump more (a new block of tile rows) is
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -54,9 +55,12 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
+        self._counts: list[int] = []  # the row counts measured, in order
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
+        if old is None:
+            bisect.insort(self._counts, rows)
         self.seconds[rows] = seconds if old is None else old + COST_MEMORY * (seconds - old)
 
     def at(self, rows: int) -> float | None:
@@ -65,17 +69,16 @@ class StepCosts:
         before any step was measured."""
         if rows in self.seconds:
             return self.seconds[rows]
-        if not self.seconds:
+        counts = self._counts
+        if not counts:
             return None
-        counts = sorted(self.seconds)
-        below = [r for r in counts if r < rows]
-        above = [r for r in counts if r > rows]
-        if below and above:
-            lo, hi = below[-1], above[0]
-        elif len(below) >= 2:
-            lo, hi = below[-2], below[-1]
+        at = bisect.bisect(counts, rows)  # counts[:at] are below rows, counts[at:] above
+        if 0 < at < len(counts):
+            lo, hi = counts[at - 1], counts[at]
+        elif at >= 2:
+            lo, hi = counts[at - 2], counts[at - 1]
         else:
-            return self.seconds[(above or below)[0]]
+            return self.seconds[counts[0] if at == 0 else counts[-1]]
         slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
         return self.seconds[lo] + slope * (rows - lo)
 
@@ -83,8 +86,7 @@ class StepCosts:
 class DraftBudget:
     """The engine's acceptance and step costs, and the cut of each step's drafts they imply."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens  # a draft's length at most
+    def __init__(self) -> None:
         self.costs = StepCosts()
         self.engine = Acceptance()
 
