@@ -13,8 +13,8 @@ multi-token chunks (prefills) are computed one by one.
 Where the step runs pdserve's kernels (`AttentionMetadata.kernels`), the layer writes the new K/V
 itself (with rotary, in one call) and `attend_cached` reads the cache: decodes in one kernel call
 for all rows, each over its own context (no padding, no gather); prefill chunks in one call each
-where the CPU has AMX tiles (bfloat16, blocks of 16 tokens or more: `prefill_attention`), as above
-elsewhere.
+where the CPU has AMX tiles or AVX512-BF16 dot products (bfloat16, blocks of 16 tokens or more:
+`prefill_attention`), as above elsewhere.
 
 Under `torch.compile` the attention is one opaque operator (`pdserve::paged_attention`) that reads
 the step's metadata from `step_metadata(...)`: a compiled graph then depends on the number of

@@ -1,7 +1,8 @@
 """pdserve's per-token kernels (norm, SiLU times up, rotary with the cache write, decode attention)
 against torch's operators, on every instruction set this CPU runs, in float32 and bfloat16; prefill
-attention on AMX tiles where the CPU has them."""
+attention by each of its kernels the CPU runs (AMX tiles, AVX512-BF16 dot products)."""
 
+import functools
 import os
 import threading
 
@@ -111,17 +112,27 @@ def test_decode_attention_reads_each_rows_own_context(kernels, dtype, head_dim, 
 @pytest.fixture
 def amx_kernels():
     kernels = native.load()
-    if kernels is None or not kernels.prefill_attention_available:
-        pytest.skip("prefill attention on AMX tiles: this CPU (or build) has no AMX for bfloat16")
+    if kernels is None or not kernels.qmatmul_amx_available:
+        pytest.skip("attention on AMX tiles: this CPU (or build) has no AMX for bfloat16")
     return kernels
+
+
+@pytest.fixture(params=list(native.PREFILL_ATTENTION_KINDS))
+def prefill(request):
+    """pdserve's prefill attention by each of its kernels this CPU runs: AMX tiles, AVX512-BF16 dot
+    products (an AMX CPU runs both), as a function of the kernel's arguments."""
+    kernels = native.load()
+    if kernels is None or request.param not in kernels.prefill_attention_kinds:
+        needs = "AMX for bfloat16" if request.param == "tiles" else "AVX512-BF16"
+        pytest.skip(f"prefill attention in {request.param}: this CPU (or build) has no {needs}")
+    return functools.partial(kernels.prefill_attention, kind=request.param)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 # (context, chunk): a whole prompt of partial blocks; a chunk after cached tokens; one token; one
 # whole block of queries past a long context
 @pytest.mark.parametrize("context_len,query_len", [(77, 77), (300, 45), (40, 1), (545, 16)])
-def test_prefill_attention_on_amx_tiles_is_causal_over_the_paged_context(amx_kernels, head_dim, context_len,
-                                                                          query_len):
+def test_prefill_attention_is_causal_over_the_paged_context(prefill, head_dim, context_len, query_len):
     block, g = 16, torch.Generator().manual_seed(5)
     blocks_needed = -(-context_len // block)
     # stale values (even NaN) past the context in its last block must not reach the output
@@ -133,7 +144,7 @@ def test_prefill_attention_on_amx_tiles_is_causal_over_the_paged_context(amx_ker
     qkv = torch.randn(query_len, H + 2 * KV, head_dim, generator=g).to(torch.bfloat16)
     q = qkv[:, :H]  # strided, as qkv's q heads are
     out = torch.full((query_len, H, head_dim), float("nan"), dtype=torch.bfloat16)
-    amx_kernels.prefill_attention(q, cache, block, table, context_len, head_dim**-0.5, out)
+    prefill(q, cache, block, table, context_len, head_dim**-0.5, out)
     slots = (table.repeat_interleave(block) * block + torch.arange(block).repeat(blocks_needed))[:context_len]
     k, v = (cache[slots, i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
     seen = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)
@@ -144,7 +155,7 @@ def test_prefill_attention_on_amx_tiles_is_causal_over_the_paged_context(amx_ker
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("order", ["rising", "falling"])
-def test_prefill_attention_follows_scores_that_rise_or_fall_along_the_keys(amx_kernels, head_dim, order):
+def test_prefill_attention_follows_scores_that_rise_or_fall_along_the_keys(prefill, head_dim, order):
     """Rising scores move each query's running maximum past the rescale threshold step after step
     (its output rescaled many times); falling ones set it at the first key and never move it."""
     context_len, block, g = 200, 16, torch.Generator().manual_seed(7)
@@ -158,7 +169,7 @@ def test_prefill_attention_follows_scores_that_rise_or_fall_along_the_keys(amx_k
     cache = torch.cat([cache, torch.zeros(block - context_len % block, 2, KV, head_dim, dtype=torch.bfloat16)])
     q = (direction + 0.1 * torch.randn(context_len, H, head_dim, generator=g)).to(torch.bfloat16)
     out = torch.empty(context_len, H, head_dim, dtype=torch.bfloat16)
-    amx_kernels.prefill_attention(q, cache, block, table, context_len, head_dim**-0.5, out)
+    prefill(q, cache, block, table, context_len, head_dim**-0.5, out)
     k, v = (cache[:context_len, i].float().transpose(0, 1).repeat_interleave(H // KV, 0) for i in (0, 1))
     seen = torch.ones(context_len, context_len, dtype=torch.bool).tril()
     ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=seen, scale=head_dim**-0.5)
@@ -214,17 +225,20 @@ def test_decode_attention_on_amx_tiles_follows_scores_that_rise_or_fall(amx_kern
         torch.testing.assert_close(out[r].float().view(H, head_dim), ref.squeeze(1), atol=2**-7, rtol=2**-7)
 
 
-def test_prefill_attention_runs_only_where_amx_does(amx_kernels):
-    for name in amx_kernels.supported:
-        assert amx_kernels.with_isa(name).prefill_attention_available == (name == "avx512_vnni")
+def test_prefill_attention_runs_only_with_the_avx512_variant(prefill):
+    kernels = prefill.func.__self__
+    for name in kernels.supported:
+        assert kernels.with_isa(name).prefill_attention_available == (name == "avx512_vnni")
     q = torch.randn(4, H, 32).to(torch.bfloat16)
     out = torch.empty_like(q)
-    with pytest.raises(RuntimeError, match="refused"):  # blocks of 8 tokens: a tile's 16 keys span two
-        amx_kernels.prefill_attention(q, torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 8, torch.tensor([0]),
-                                      4, 1.0, out)
+    with pytest.raises(RuntimeError, match="refused"):  # blocks of 8 tokens: a group of 16 keys spans two
+        prefill(q, torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 8, torch.tensor([0]), 4, 1.0, out)
     with pytest.raises(ValueError, match="whole heads"):
-        amx_kernels.prefill_attention(q.transpose(1, 2), torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 16,
-                                      torch.tensor([0]), 4, 1.0, out)
+        prefill(q.transpose(1, 2), torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 16, torch.tensor([0]), 4, 1.0,
+                out)
+    with pytest.raises(ValueError, match="one of tiles, vectors"):
+        kernels.prefill_attention(q, torch.zeros(16, 2, KV, 32, dtype=torch.bfloat16), 16, torch.tensor([0]), 4, 1.0,
+                                  out, kind="gpu")
 
 
 def test_what_the_kernels_cannot_take_is_refused(kernels):

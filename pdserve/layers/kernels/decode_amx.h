@@ -95,7 +95,7 @@ static void damx_step_scores(const struct damx_state *st, int64_t KV, int64_t D,
 }
 
 /* Each head's weights for the step into p (row h: 32 bfloat16), its running maximum moved (and
- * its sums rescaled) where a score passes it by more than AMX_RESCALE_LOG2. */
+ * its sums rescaled) where a score passes it by more than PF_RESCALE_LOG2. */
 static void damx_step_weights(const struct damx_state *st, int64_t H, int64_t KV, int64_t D, const int64_t *slots,
                               float scale) {
     const int64_t G = H / KV;
@@ -111,7 +111,7 @@ static void damx_step_weights(const struct damx_state *st, int64_t H, int64_t KV
             x[half] = in[half] ? _mm512_mask_mul_ps(none, in[half], _mm512_i32gather_ps(column, s + half * 256, 4), sc)
                                : none;
         const float most = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
-        if (most > st->top[h] + AMX_RESCALE_LOG2) {
+        if (most > st->top[h] + PF_RESCALE_LOG2) {
             if (st->top[h] > -INFINITY) { /* nothing to rescale before the first weight */
                 const float alpha = exp2f(st->top[h] - most);
                 st->sum[h] *= alpha;
@@ -124,7 +124,7 @@ static void damx_step_weights(const struct damx_state *st, int64_t H, int64_t KV
         const __m512 top = _mm512_set1_ps(st->top[h]);
         __m512 total = _mm512_setzero_ps();
         for (int half = 0; half < 2; half++) {
-            const __m512 w = _mm512_maskz_mov_ps(in[half], amx_exp2(_mm512_sub_ps(x[half], top)));
+            const __m512 w = _mm512_maskz_mov_ps(in[half], pf_exp2(_mm512_sub_ps(x[half], top)));
             const __m512i bits = bf16_bits_avx512(w);
             total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
             _mm256_storeu_si256((__m256i *)(st->p + h * DAMX_KEYS + half * 16), _mm512_cvtepi32_epi16(bits));
@@ -180,7 +180,7 @@ static void damx_attend(const uint16_t *q, int64_t H, int64_t KV, int64_t D, con
     const struct damx_state st = damx_state_in(work, H, KV, D);
     for (int64_t h = 0; h < H; h++) st.top[h] = -INFINITY, st.sum[h] = 0.0f;
     memset(st.acc, 0, H * D * sizeof(float));
-    for (int64_t g = 0; g < KV; g++) amx_pack_queries(q + g * G * D, D, G, D, st.qt + g * (D / 2) * 16);
+    for (int64_t g = 0; g < KV; g++) pf_pack_queries(q + g * G * D, D, G, D, st.qt + g * (D / 2) * 16);
     damx_configure(G);
     int64_t slots[DAMX_KEYS];
     for (int64_t s0 = jb / DAMX_KEYS * DAMX_KEYS; s0 < je; s0 += DAMX_KEYS) {
@@ -195,7 +195,7 @@ static void damx_attend(const uint16_t *q, int64_t H, int64_t KV, int64_t D, con
         damx_step_weights(&st, H, KV, D, slots, scale);
         damx_step_values(&st, H, KV, D, cache, slots);
     }
-    float o[AMX_MAX_HEAD_DIM];
+    float o[PF_MAX_HEAD_DIM];
     for (int64_t h = 0; h < H; h++) {
         for (int64_t t = 0; t < D / 16; t++)
             for (int64_t n = 0; n < 16; n++) o[damx_dim(t, n)] = st.acc[h * D + t * 16 + n];

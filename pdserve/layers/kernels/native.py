@@ -1,5 +1,6 @@
 """pdserve's own CPU kernels (`qmatmul.c`: quantized matmuls; `ops.c`: the per-token operations of
-a decoder layer, decode attention, and prefill attention on AMX tiles where the CPU has them): built
+a decoder layer, decode attention, and prefill attention on AMX tiles or in AVX512-BF16 dot
+products where the CPU has them): built
 with the system's C compiler on first use, cached on disk, and loaded with ctypes.
 
 The library holds a variant per instruction set (portable C, AVX2, AVX-512 VNNI, AVX-VNNI) and
@@ -32,12 +33,13 @@ from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "prefill_amx.h",
-            "qmatmul_amx.h", "decode_amx.h")
+_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "attention_bf16.h",
+            "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
 ISA_ENV = "PDSERVE_CPU_ISA"
+PREFILL_ATTENTION_KINDS = {"tiles": 2, "vectors": 1}  # the C bits, the faster first
 
 
 def cache_dir() -> Path:
@@ -55,9 +57,15 @@ class NativeKernels:
         return ISA_NAMES[self.isa]
 
     @property
+    def prefill_attention_kinds(self) -> tuple[str, ...]:
+        """The kernels `prefill_attention` can run here, the faster first: "tiles" (AMX), "vectors"
+        (AVX512-BF16 dot products); each with the AVX-512 variant only."""
+        bits = _prefill_attention_kinds(self.lib, self.isa)
+        return tuple(name for name, bit in PREFILL_ATTENTION_KINDS.items() if bits & bit)
+
+    @property
     def prefill_attention_available(self) -> bool:
-        """Whether `prefill_attention` runs here (AMX tiles, with the AVX-512 variant)."""
-        return _prefill_attention_available(self.lib, self.isa)
+        return bool(self.prefill_attention_kinds)
 
     def with_isa(self, name: str) -> NativeKernels:
         """The same library running the variant `name` (one this CPU supports)."""
@@ -161,24 +169,29 @@ class NativeKernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_size: int, table: torch.Tensor,
-                          context_len: int, scale: float, out: torch.Tensor) -> None:
+                          context_len: int, scale: float, out: torch.Tensor, kind: str | None = None) -> None:
         """A prefill chunk's causal attention into `out` ([chunk tokens, heads, head_dim] bfloat16;
         its rows may be strided): q [chunk tokens, heads, head_dim] (rows may be strided) are the
         last positions of a context of `context_len` tokens whose K/V are in kv_cache at the blocks
-        of `table` (int64), the chunk's own included. Query i sees keys up to its own position."""
+        of `table` (int64), the chunk's own included. Query i sees keys up to its own position.
+        `kind`: one of `prefill_attention_kinds` (default: the first)."""
+        kinds = self.prefill_attention_kinds
+        kind = kind or (kinds[0] if kinds else "vectors")
+        if kind not in PREFILL_ATTENTION_KINDS:
+            raise ValueError(f"prefill attention runs as one of {', '.join(PREFILL_ATTENTION_KINDS)}, not {kind!r}")
         tokens, heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim:
             raise ValueError("pdserve's prefill attention takes rows of whole heads side by side")
         _contiguous(kv_cache, table)
         _check(self.lib.pd_prefill_attention(
-            self.isa, torch.get_num_threads(), q.data_ptr(), q.stride(0), tokens, heads, kv_cache.shape[2], head_dim,
+            self.isa, torch.get_num_threads(), PREFILL_ATTENTION_KINDS[kind], q.data_ptr(), q.stride(0), tokens, heads, kv_cache.shape[2], head_dim,
             kv_cache.data_ptr(), block_size, table.data_ptr(), context_len, scale, out.data_ptr(), out.stride(0)),
             "prefill_attention")
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_attention_available(lib: ctypes.CDLL, isa: int) -> bool:
-    return bool(lib.pd_prefill_attention_available(isa))
+def _prefill_attention_kinds(lib: ctypes.CDLL, isa: int) -> int:
+    return lib.pd_prefill_attention_kinds(isa)
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,13 +232,14 @@ def load() -> NativeKernels | None:
     lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     lib.pd_rotary_store.argtypes = [i32, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]
-    lib.pd_prefill_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr, i64]
-    lib.pd_prefill_attention_available.argtypes = [i32]
+    lib.pd_prefill_attention.argtypes = [i32, i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr,
+                                         i64]
+    lib.pd_prefill_attention_kinds.argtypes = [i32]
     lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx_available.argtypes = [i32]
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_prefill_attention", "pd_prefill_attention_available", "pd_qmatmul_amx",
+    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32

@@ -4,7 +4,8 @@
  * hundred values: at batch 1 that overhead, not the arithmetic, is their cost. Here each is one
  * call. x and y are float32 or bfloat16; threads come from OpenMP as in qmatmul.c. Where the CPU
  * has AMX: prefill attention (prefill_amx.h) and quantized products of a decode batch
- * (qmatmul_amx.h) on its tiles.
+ * (qmatmul_amx.h) on its tiles; where it has AVX512-BF16 without AMX, prefill attention in its dot
+ * products (prefill_bf16.h).
  *
  * Entry points return 0, or -1 for arguments they do not take (the caller then uses torch). */
 #define _GNU_SOURCE /* sched_getaffinity, pthread_setaffinity_np */
@@ -70,7 +71,12 @@ static int64_t attention_parts(int64_t R, int64_t row_tasks, const int64_t *lens
 #undef VEC_LANES
 #pragma GCC pop_options
 
-/* AMX intrinsics: GCC 11, clang 12. */
+/* AVX512-BF16 intrinsics: GCC 10, clang 9; AMX: GCC 11, clang 12. */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define PD_BF16 1
+#include "attention_bf16.h"
+#include "prefill_bf16.h"
+#endif
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define PD_AMX 1
 #include "prefill_amx.h"
@@ -106,7 +112,7 @@ int pd_rotary_store(int isa, int threads, void *qkv, int64_t T, int64_t H, int64
     DISPATCH(isa, rotary_store, threads, qkv, T, H, KV, D, cos, sin, cache, slots, bf16);
 }
 
-int pd_prefill_attention_available(int isa);
+static int amx_available(int isa);
 
 int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                         int64_t D, const void *cache, int64_t block_size, const int64_t *tables, int64_t max_blocks,
@@ -117,7 +123,7 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
     for (int64_t r = 0; r < R; r++)
         if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
 #ifdef PD_AMX
-    if (bf16 && pd_prefill_attention_available(isa) && D % 32 == 0 && D <= AMX_MAX_HEAD_DIM && H / KV <= 16 &&
+    if (bf16 && amx_available(isa) && D % 32 == 0 && D <= PF_MAX_HEAD_DIM && H / KV <= 16 &&
         block_size % 16 == 0 &&
         !amx_decode_attention(threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens, scale,
                               out))
@@ -127,7 +133,8 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
              scale, out, bf16);
 }
 
-int pd_prefill_attention_available(int isa) {
+/* Where this CPU has AMX for bfloat16 and the AVX-512 variant runs. */
+static int amx_available(int isa) {
 #ifdef PD_AMX
     return isa == ISA_AVX512VNNI && pd_isa_supported(isa) && amx_usable();
 #else
@@ -136,32 +143,43 @@ int pd_prefill_attention_available(int isa) {
 #endif
 }
 
-/* A prefill chunk's causal attention (bfloat16) on AMX tiles: -1 where this CPU, build or shape
- * does not take it (the caller then uses torch). q [query_len rows of q_stride, H * D used], out
- * [query_len rows of out_stride]; the chunk's K/V already in the cache. */
-int pd_prefill_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t query_len, int64_t H,
-                         int64_t KV, int64_t D, const void *cache, int64_t block_size, const int64_t *table,
-                         int64_t ctx, float scale, void *out, int64_t out_stride) {
-    if (!pd_prefill_attention_available(isa) || threads < 1 || KV < 1 || H % KV || D < 32 || D % 32 ||
-        query_len < 1 || query_len > ctx || block_size % 16)
-        return -1;
-#ifdef PD_AMX
-    if (D > AMX_MAX_HEAD_DIM) return -1;
-    return amx_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale, out,
-                                 out_stride);
-#else
-    return -1;
+enum { PREFILL_VECTORS = 1, PREFILL_TILES = 2 };
+
+/* The kernels of prefill attention this CPU and build run with the variant `isa`, a bit each:
+ * PREFILL_VECTORS (AVX512-BF16 dot products, prefill_bf16.h), PREFILL_TILES (AMX, prefill_amx.h). */
+int pd_prefill_attention_kinds(int isa) {
+    int kinds = 0;
+#ifdef PD_BF16
+    if (isa == ISA_AVX512VNNI && pd_isa_supported(isa) && bf16_dot_usable()) kinds |= PREFILL_VECTORS;
 #endif
+    if (amx_available(isa)) kinds |= PREFILL_TILES;
+    return kinds;
 }
 
-int pd_qmatmul_amx_available(int isa) {
+/* A prefill chunk's causal attention (bfloat16) by the kernel `kind` (one of the bits above): -1
+ * where this CPU, build or shape does not take it (the caller then uses torch). q [query_len rows
+ * of q_stride, H * D used], out [query_len rows of out_stride]; the chunk's K/V already in the cache. */
+int pd_prefill_attention(int isa, int threads, int kind, const void *q, int64_t q_stride, int64_t query_len,
+                         int64_t H, int64_t KV, int64_t D, const void *cache, int64_t block_size, const int64_t *table,
+                         int64_t ctx, float scale, void *out, int64_t out_stride) {
+    if (!(pd_prefill_attention_kinds(isa) & kind) || threads < 1 || KV < 1 || H % KV || D < 32 || D % 32 ||
+        query_len < 1 || query_len > ctx || block_size % 16)
+        return -1;
+#ifdef PD_BF16
+    if (D > PF_MAX_HEAD_DIM) return -1;
 #ifdef PD_AMX
-    return pd_prefill_attention_available(isa);
-#else
-    (void)isa;
-    return 0;
+    if (kind == PREFILL_TILES)
+        return amx_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale,
+                                     out, out_stride);
 #endif
+    if (kind == PREFILL_VECTORS)
+        return bf_prefill_attention(threads, q, q_stride, query_len, H, KV, D, cache, block_size, table, ctx, scale,
+                                    out, out_stride);
+#endif
+    return -1;
 }
+
+int pd_qmatmul_amx_available(int isa) { return amx_available(isa); }
 
 /* y[M, N] = x[M, K] @ w^T for a 4- or 8-bit weight in qmatmul.c's format, x and y bfloat16, on AMX
  * tiles: -1 where this CPU, build or shape does not take it. */

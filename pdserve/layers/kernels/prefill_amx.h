@@ -1,18 +1,12 @@
 /* Causal attention of a prefill chunk over the paged KV cache on AMX tiles (bfloat16 products,
- * float32 sums), included by ops.c after its AVX-512 variant, whose vector helpers it uses.
+ * float32 sums), in the layouts of attention_bf16.h.
  *
  * torch's CPU flash attention needs the context gathered out of the paged cache, packs K and V
  * for every query block and head, and computes whole key blocks of 512 past the diagonal. This
  * kernel reads K from the cache in place, packs each KV head's V once per call straight from the
  * block table (shared by the query heads of that KV head), and stops each query block at its last
- * visible key (32 keys at a time). A task is 16 queries of one head: scores for 32 keys (two
- * 16 x 16 tiles), an online softmax in AVX-512 vectors, then P.V into the running output (held in
- * tiles for heads of up to 64), rescaled only when a score passes the running maximum by 2^8. Queries are the chunk's tokens, the last `query_len`
- * positions of the context; query i sees keys 0 .. context_len - query_len + i. */
-
-#define AMX_QROWS 16 /* queries a tile holds */
-#define AMX_KEYS 32  /* keys a step takes: two score tiles, one P.V product's depth */
-#define AMX_MAX_HEAD_DIM 256
+ * visible key (32 keys at a time). A task's scores for 32 keys are two 16 x 16 tiles, its online
+ * softmax runs in AVX-512 vectors, and its running output is held in tiles for heads of up to 64. */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
@@ -33,60 +27,6 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* Products are taken transposed, so that a vector holds one key's (or one head dimension's)
- * values for the 16 queries of a task, and the online softmax is lane-wise arithmetic with no
- * sum or maximum across lanes: scores^T = K . Q^T (K read from the cache in place: the 16 slots
- * of an aligned group of keys lie at one stride), output^T = V^T . P^T. */
-
-/* V^T of KV head g for the 32 keys of step b, 16 head dimensions (dc) a tile: row d holds that
- * dimension of the 32 keys. */
-static inline uint16_t *amx_v_tile(uint16_t *vpack, int64_t g, int64_t b, int64_t dc, int64_t steps, int64_t D) {
-    return vpack + ((g * steps + b) * (D / 16) + dc) * 512;
-}
-
-static void amx_pack_values(const uint16_t *cache, int64_t KV, int64_t D, int64_t block_size, const int64_t *table,
-                            int64_t ctx, int64_t steps, uint16_t *vpack, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < KV * steps; task++) {
-        const int64_t g = task / steps, b = task % steps;
-        for (int64_t n = 0; n < AMX_KEYS; n++) {
-            const int64_t key = b * AMX_KEYS + n;
-            const uint16_t *v = NULL; /* keys past the context weigh zero: their values must be 0, not stale */
-            if (key < ctx) v = cache + ((table[key / block_size] * block_size + key % block_size) * 2 * KV + KV + g) * D;
-            for (int64_t d = 0; d < D; d++) amx_v_tile(vpack, g, b, d / 16, steps, D)[(d % 16) * 32 + n] = v ? v[d] : 0;
-        }
-    }
-}
-
-/* Q^T of the task's 16 queries as the right operand: for each 32 head dimensions c, row dp holds
- * pair dp of each query. */
-static void amx_pack_queries(const uint16_t *q, int64_t q_stride, int64_t rows, int64_t D, uint32_t *qt) {
-    memset(qt, 0, D / 32 * 256 * 4);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *pairs = (const uint32_t *)(q + r * q_stride);
-        for (int64_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + r] = pairs[i];
-    }
-}
-
-/* 2^x for the softmax weights (x <= AMX_RESCALE_LOG2; far below zero it gives 0): a degree-4
- * polynomial on the fraction and the exponent applied by scalef, within 5e-5 relative: weights
- * become bfloat16, 4e-3 apart. */
-static inline __m512 amx_exp2(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f)); /* also maps NaN (-inf - -inf, masked later) */
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.618129e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The running maximum a query's weights are taken against moves only when a score passes it by
- * more than this (log2 units): weights stay below 2^8, and the output is rescaled rarely. */
-#define AMX_RESCALE_LOG2 8.0f
-
 /* The output^T of a task with D <= 64 stays in tiles 3, 5, 6, 7 (16 head dimensions each) across
  * its steps; larger heads go through memory a product at a time. */
 #define AMX_OUT_TILES 4
@@ -105,16 +45,6 @@ static inline void amx_out_load(const float *acc, int64_t tiles) {
     if (tiles > 3) _tile_loadd(7, acc + 768, 64);
 }
 
-/* The weights of two keys (p0, p1: a lane per query) as bfloat16 pairs, p0's in the low half of
- * each 32 bits: the operand P^T takes. The CPU's own conversion (AVX512-BF16, which every CPU
- * with AMX has: amx_usable requires it) rounds to nearest even as f32_to_bf16 does, subnormals to
- * zero: one instruction and a permute, against about fifteen in plain AVX-512. */
-static inline __m512i amx_pairs_bf16(__m512 p0, __m512 p1) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-}
-
 /* One task: queries r0 .. r0 + rows - 1 of the chunk for head h. */
 static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int64_t G, int64_t KV, int64_t D,
                              int64_t r0, int64_t rows, int64_t first_pos, const uint16_t *cache, int64_t block_size,
@@ -122,9 +52,9 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
                              int64_t out_stride) {
     const int64_t g = h / G, slot_bytes = 2 * KV * D * 2, dtiles = D / 16;
     const int in_tiles = dtiles <= AMX_OUT_TILES;
-    float scores[AMX_KEYS * 16], part[2 * 16 * 16], acc[AMX_MAX_HEAD_DIM * 16];
-    uint32_t qt[AMX_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
-    amx_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
+    float scores[PF_KEYS * 16], part[2 * 16 * 16], acc[PF_MAX_HEAD_DIM * 16];
+    uint32_t qt[PF_MAX_HEAD_DIM / 2 * 16], pt[16 * 16];
+    pf_pack_queries(q + r0 * q_stride + h * D, q_stride, rows, D, qt);
     memset(acc, 0, D * 16 * sizeof(float));
     if (in_tiles) amx_out_load(acc, dtiles);
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
@@ -133,10 +63,10 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
                                                                                           10, 11, 12, 13, 14, 15);
     const __mmask16 present = rows == 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
     const int64_t base = first_pos + r0; /* query r's position is base + r */
-    const int64_t last_pos = base + rows - 1, last = last_pos / AMX_KEYS; /* the last step any query sees */
+    const int64_t last_pos = base + rows - 1, last = last_pos / PF_KEYS; /* the last step any query sees */
     for (int64_t b = 0; b <= last; b++) {
         for (int half = 0; half < 2; half++) {
-            const int64_t key = b * AMX_KEYS + half * 16;
+            const int64_t key = b * PF_KEYS + half * 16;
             _tile_zero(2);
             if (key <= last_pos) { /* else past the context (and its block table): masked out below */
                 const char *k = (const char *)(cache + ((table[key / block_size] * block_size + key % block_size)
@@ -151,46 +81,46 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
         }
         /* key j is seen by the queries at positions >= j (all of them below the diagonal); none
          * sees keys past the context */
-        const int below = b * AMX_KEYS + AMX_KEYS - 1 <= base;
-        __m512 s[AMX_KEYS], step_top = _mm512_set1_ps(-INFINITY);
-        __mmask16 seen[AMX_KEYS];
-        for (int j = 0; j < AMX_KEYS; j++) {
-            const float behind = (float)(b * AMX_KEYS + j - base); /* the first query (lane) that sees key j */
+        const int below = b * PF_KEYS + PF_KEYS - 1 <= base;
+        __m512 s[PF_KEYS], step_top = _mm512_set1_ps(-INFINITY);
+        __mmask16 seen[PF_KEYS];
+        for (int j = 0; j < PF_KEYS; j++) {
+            const float behind = (float)(b * PF_KEYS + j - base); /* the first query (lane) that sees key j */
             seen[j] = below ? present : _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
             s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_loadu_ps(scores + j * 16), sc);
             step_top = _mm512_max_ps(step_top, s[j]);
         }
-        if (_mm512_cmp_ps_mask(step_top, _mm512_add_ps(top, _mm512_set1_ps(AMX_RESCALE_LOG2)), _CMP_GT_OQ)) {
+        if (_mm512_cmp_ps_mask(step_top, _mm512_add_ps(top, _mm512_set1_ps(PF_RESCALE_LOG2)), _CMP_GT_OQ)) {
             const __m512 new_top = _mm512_max_ps(top, step_top);
             /* nothing to rescale before a query's first weight; rows not present stay at -inf */
             const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                                     amx_exp2(_mm512_sub_ps(top, new_top)));
+                                                     pf_exp2(_mm512_sub_ps(top, new_top)));
             sum = _mm512_mul_ps(sum, alpha);
             if (in_tiles) amx_out_store(acc, dtiles);
             for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16), alpha));
             if (in_tiles) amx_out_load(acc, dtiles);
             top = new_top;
         }
-        for (int j = 0; j < AMX_KEYS; j += 2) { /* P^T as pairs of keys, the right operand of V^T . P^T */
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], amx_exp2(_mm512_sub_ps(s[j], top)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], amx_exp2(_mm512_sub_ps(s[j + 1], top)));
+        for (int j = 0; j < PF_KEYS; j += 2) { /* P^T as pairs of keys, the right operand of V^T . P^T */
+            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], pf_exp2(_mm512_sub_ps(s[j], top)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], pf_exp2(_mm512_sub_ps(s[j + 1], top)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(pt + (j / 2) * 16, amx_pairs_bf16(p0, p1));
+            _mm512_storeu_si512(pt + (j / 2) * 16, pf_pairs_bf16(p0, p1));
         }
         _tile_loadd(4, pt, 64);
         if (in_tiles) {
-            _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 0, steps, D), 64);
+            _tile_loadd(0, pf_v_tile((uint16_t *)vpack, g, b, 0, steps, D), 64);
             _tile_dpbf16ps(3, 0, 4);
             if (dtiles > 1) {
-                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 1, steps, D), 64);
+                _tile_loadd(0, pf_v_tile((uint16_t *)vpack, g, b, 1, steps, D), 64);
                 _tile_dpbf16ps(5, 0, 4);
             }
             if (dtiles > 2) {
-                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 2, steps, D), 64);
+                _tile_loadd(0, pf_v_tile((uint16_t *)vpack, g, b, 2, steps, D), 64);
                 _tile_dpbf16ps(6, 0, 4);
             }
             if (dtiles > 3) {
-                _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, 3, steps, D), 64);
+                _tile_loadd(0, pf_v_tile((uint16_t *)vpack, g, b, 3, steps, D), 64);
                 _tile_dpbf16ps(7, 0, 4);
             }
             continue;
@@ -198,8 +128,8 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
         for (int64_t dc = 0; dc < dtiles; dc += 2) {
             _tile_zero(6);
             _tile_zero(7);
-            _tile_loadd(5, amx_v_tile((uint16_t *)vpack, g, b, dc, steps, D), 64);
-            _tile_loadd(0, amx_v_tile((uint16_t *)vpack, g, b, dc + 1, steps, D), 64);
+            _tile_loadd(5, pf_v_tile((uint16_t *)vpack, g, b, dc, steps, D), 64);
+            _tile_loadd(0, pf_v_tile((uint16_t *)vpack, g, b, dc + 1, steps, D), 64);
             _tile_dpbf16ps(6, 5, 4);
             _tile_dpbf16ps(7, 0, 4);
             _tile_stored(6, part, 64);
@@ -211,7 +141,7 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
         }
     }
     if (in_tiles) amx_out_store(acc, dtiles);
-    float inv[16], row[AMX_MAX_HEAD_DIM];
+    float inv[16], row[PF_MAX_HEAD_DIM];
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t d = 0; d < D; d++) row[d] = acc[d * 16 + r] * inv[r];
@@ -223,18 +153,18 @@ static void amx_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int
 static int amx_prefill_attention(int threads, const uint16_t *q, int64_t q_stride, int64_t query_len, int64_t H,
                                  int64_t KV, int64_t D, const uint16_t *cache, int64_t block_size,
                                  const int64_t *table, int64_t ctx, float scale, uint16_t *out, int64_t out_stride) {
-    const int64_t steps = (ctx + AMX_KEYS - 1) / AMX_KEYS, G = H / KV;
-    uint16_t *vpack = malloc(KV * steps * AMX_KEYS * D * 2);
+    const int64_t steps = (ctx + PF_KEYS - 1) / PF_KEYS, G = H / KV;
+    uint16_t *vpack = malloc(KV * steps * PF_KEYS * D * 2);
     if (!vpack) return -2;
-    amx_pack_values(cache, KV, D, block_size, table, ctx, steps, vpack, threads);
-    const int64_t qblocks = (query_len + AMX_QROWS - 1) / AMX_QROWS, first_pos = ctx - query_len;
+    pf_pack_values(cache, KV, D, block_size, table, ctx, steps, vpack, threads);
+    const int64_t qblocks = (query_len + PF_QROWS - 1) / PF_QROWS, first_pos = ctx - query_len;
 #pragma omp parallel num_threads(threads)
     {
         amx_configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < H * qblocks; task++) { /* the longest (last) query blocks first */
-            const int64_t h = task % H, qb = qblocks - 1 - task / H, r0 = qb * AMX_QROWS;
-            const int64_t rows = query_len - r0 < AMX_QROWS ? query_len - r0 : AMX_QROWS;
+            const int64_t h = task % H, qb = qblocks - 1 - task / H, r0 = qb * PF_QROWS;
+            const int64_t rows = query_len - r0 < PF_QROWS ? query_len - r0 : PF_QROWS;
             amx_attend_block(q, q_stride, h, G, KV, D, r0, rows, first_pos, cache, block_size, table, vpack, steps,
                              scale, out, out_stride);
         }
