@@ -424,6 +424,14 @@ static inline __attribute__((always_inline)) void FN(attend_task)(
         if (D % VEC_LANES == 0) {
             for (; j + 8 <= je; j += 8) {
                 const char *kv[8];
+                if (!half) /* K and V of the tokens 32 on, into this core's L2 (the V pass rereads them
+                            * there): from memory the cores' own fetches came at half the rate of L3's */
+                    for (int64_t ahead = j + 32; ahead < j + 40 && ahead < je; ahead++) {
+                        const char *slot = FN(slot_row)(cache, table[ahead / block_size] * block_size
+                                                               + ahead % block_size, 0, KV, kv0, D, bf16);
+                        for (int64_t line = 0; line < (KV + nkv) * D * es; line += 64)
+                            _mm_prefetch(slot + line, _MM_HINT_T1);
+                    }
                 for (int b = 0; b < 8; b++) kv[b] = FN(slot_row)(cache, next_slot(&at), half, KV, kv0, D, bf16);
                 if (!half && bf16) FN(score8)(qf, kv, nq, G, D, 1, scale, p + j - jb, len);
                 else if (!half) FN(score8)(qf, kv, nq, G, D, 0, scale, p + j - jb, len);
