@@ -7,16 +7,19 @@ stored in float16 as GGUF does:
 A GGUF file stored with those rules re-quantizes to exactly its own values from its dequantized
 weights (a group's extremes are its q=0 and q=15 levels, or +-127), so serving it this way loses
 nothing. The product runs in pdserve's own kernels (`kernels/qmatmul.c`: activations quantized to
-int8 per group of 32, byte dot products with VNNI or AVX2; on a CPU with AMX, batches of bfloat16
-rows on its tiles, `kernels/qmatmul_amx.h`) where they build; otherwise 4-bit weights run torch's
-CPU int4 kernel and 8-bit ones are expanded to the activation dtype at load.
+int8 per group of 32, byte dot products with VNNI or AVX2; with AVX-512 VNNI, batches of rows on a
+copy of a 4-bit weight repacked in panels of 16 output columns, `kernels/qmatmul_panel.h`; on a CPU
+with AMX, batches of bfloat16 rows on its tiles, `kernels/qmatmul_amx.h`) where they build;
+otherwise 4-bit weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activation
+dtype at load.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +33,7 @@ log = logging.getLogger("pdserve.kernels")
 GROUP_SIZE = 32
 BITS = (4, 8)
 _CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
-_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
+_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles (or panels) may overtake byte dot products
 
 
 @dataclass(slots=True)
@@ -40,8 +43,10 @@ class DenseProducts:
     Byte dot products win while a step has few rows (decode: the weight's bytes are the cost),
     but their arithmetic grows with the rows. On a CPU with AMX, bfloat16 rows from `tile_rows` up
     run on its tiles, the weight expanded a group at a time as it is read (a decode batch: the
-    weight's own bytes, at tile speed). A prefill chunk's hundreds of rows are arithmetic, which the
-    math library's float GEMM does fastest: from `min_rows` rows up a product runs dense, on the
+    weight's own bytes, at tile speed). With AVX-512 VNNI, rows from `panel_rows` up run on the
+    4-bit weight's panels (16 output columns a vector: a group's scaling and unpacking serve 16
+    columns and 8 rows). A prefill chunk's hundreds of rows are arithmetic, which the math
+    library's float GEMM may do faster: from `min_rows` rows up a product runs dense, on the
     weight expanded either once and kept (`keep`: where the model's expanded weights fit the memory
     set aside for them, `dense_memory_budget`) or at each product into one buffer the model's
     layers share (a step runs them one after another). Both thresholds are measured on this CPU
@@ -49,6 +54,7 @@ class DenseProducts:
 
     min_rows: int | None = None  # None: no product runs dense
     tile_rows: int | None = None  # None: no product runs on AMX tiles
+    panel_rows: int | None = None  # None: no product runs on panels
     keep: bool = False
     _buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
@@ -80,6 +86,7 @@ class QuantizedWeight:
     kernels: NativeKernels
     dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's weights
     expanded: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # kept copies (`dense.keep`)
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `kernels.q4_panel_pack`'s copy
 
     @property
     def out_features(self) -> int:
@@ -97,7 +104,15 @@ class QuantizedWeight:
             return self.matmul_dense(x)
         if self.dense.tile_rows is not None and rows >= self.dense.tile_rows and x.dtype == torch.bfloat16:
             return self.matmul_tiles(x)
+        if self.panels is not None and self.dense.panel_rows is not None and rows >= self.dense.panel_rows:
+            return self.matmul_panels(x)
+        return self.matmul_bytes(x)
+
+    def matmul_bytes(self, x: torch.Tensor) -> torch.Tensor:  # byte dot products, a row's K in the lanes
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
+
+    def matmul_panels(self, x: torch.Tensor) -> torch.Tensor:  # byte dot products, 16 columns in the lanes
+        return self.kernels.q4_panel_matmul(x.contiguous(), self.panels, self.out_features)
 
     def matmul_tiles(self, x: torch.Tensor) -> torch.Tensor:  # bfloat16 rows, on AMX tiles
         return self.kernels.qmatmul_amx(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
@@ -183,7 +198,10 @@ def quantize(weight: torch.Tensor, bits: int, dtype: torch.dtype,
             return dequantize_reference(weight, 4).to(dtype)
         groups = q.view(q.shape[0], -1, GROUP_SIZE).to(torch.uint8)
         packed = (groups[..., : GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2 :] << 4)).view(q.shape[0], -1)
-        return QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels)
+        weight = QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels)
+        if kernels.q4_panels_available and weight.out_features % 16 == 0:
+            weight.panels = kernels.q4_panel_pack(weight.qs, weight.scales, weight.mins, weight.out_features)
+        return weight
     q, scale = quantize_8bit(weight)
     if kernels is None:
         return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(q.shape).to(dtype)
@@ -207,34 +225,41 @@ def dequantize_reference(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(weight.shape)
 
 
-def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None]:
+def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None, int | None]:
     """`DenseProducts`' thresholds on this CPU now, for weights of one shape (a model's layers): the
-    fewest rows from which products run faster on AMX tiles than on byte dot products (None: no
-    tiles here, or never faster), and from which they run faster dense than on either (None: at no
-    size measured). Each candidate is timed over all `weights` in turn, as a step reads them (one
-    weight timed again and again sits in the cache, which flatters the larger dense copy), best of
-    a few runs: about a second for a small model."""
+    fewest rows from which products run faster on AMX tiles, and on panels, than on byte dot
+    products (None: no tiles or panels here, or never faster), and from which they run faster
+    dense than on any of those (None: at no size measured). Each candidate is timed over all
+    `weights` in turn, as a step reads them (one weight timed again and again sits in the cache,
+    which flatters the larger dense copy), best of a few runs: about a second for a small model."""
     first = weights[0]
     x_of = lambda rows: torch.randn(rows, first.in_features).to(dtype)  # noqa: E731
-    dots = lambda w, x: w.kernels.qmatmul(x, w.bits, w.qs, w.scales, w.mins, w.out_features)  # noqa: E731
-    sweep = lambda product, x: best_seconds(lambda: [product(w, x) for w in weights])  # noqa: E731
-    tile_rows = None
-    if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:
+    sweep = lambda product, x, held=weights: best_seconds(lambda: [product(w, x) for w in held])  # noqa: E731
+
+    def overtakes(product: Callable[[QuantizedWeight, torch.Tensor], torch.Tensor], name: str) -> int | None:
         for rows in _TILE_CALIBRATION_ROWS:
             x = x_of(rows)
-            tiles, dot = sweep(QuantizedWeight.matmul_tiles, x), sweep(dots, x)
-            if tiles < dot:
-                log.info("quantized weights: products of %d rows or more run on AMX tiles (%.2f ms against %.2f ms "
-                         "for %d weights)", rows, tiles * 1e3, dot * 1e3, len(weights))
-                tile_rows = rows
-                break
+            faster, dot = sweep(product, x), sweep(QuantizedWeight.matmul_bytes, x)
+            if faster < dot:
+                log.info("quantized weights: products of %d rows or more run on %s (%.2f ms against %.2f ms for %d "
+                         "weights)", rows, name, faster * 1e3, dot * 1e3, len(weights))
+                return rows
+        return None
+
+    tile_rows = panel_rows = None
+    if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:
+        tile_rows = overtakes(QuantizedWeight.matmul_tiles, "AMX tiles")
+    if all(w.panels is not None for w in weights):
+        panel_rows = overtakes(QuantizedWeight.matmul_panels, "panels")
+    probe = DenseProducts(tile_rows=tile_rows, panel_rows=panel_rows)  # the products without dense ones
+    probes = [replace(w, dense=probe) for w in weights]
     for rows in _CALIBRATION_ROWS:
         x = x_of(rows)
-        on_tiles = tile_rows is not None and rows >= tile_rows
-        quantized = sweep(QuantizedWeight.matmul_tiles if on_tiles else dots, x)
+        quantized = sweep(QuantizedWeight.matmul, x, probes)
         dense = sweep(QuantizedWeight.matmul_dense, x)
         if dense < quantized:
             log.info("quantized weights: products of %d rows or more run dense (%.2f ms against %.2f ms for %d "
                      "weights)", rows, dense * 1e3, quantized * 1e3, len(weights))
-            return tile_rows, rows
-    return tile_rows, None
+            return tile_rows, panel_rows, rows
+    log.info("quantized weights: no product measured runs faster dense (up to %d rows)", _CALIBRATION_ROWS[-1])
+    return tile_rows, panel_rows, None

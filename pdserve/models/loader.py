@@ -122,7 +122,8 @@ def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
         w.dense = dense
     layers = [w for name, w in quantized if name != "lm_head"] or [w for _, w in quantized]
     largest = max(layers, key=lambda w: w.qs.numel())
-    dense.tile_rows, dense.min_rows = calibrate([w for w in layers if w.qs.shape == largest.qs.shape], dtype)
+    dense.tile_rows, dense.panel_rows, dense.min_rows = calibrate(
+        [w for w in layers if w.qs.shape == largest.qs.shape], dtype)
 
 
 def _bits(quantization: str | None, stored: list[int | None]) -> int | None:

@@ -22,7 +22,10 @@ from pdserve.layers.quant import QuantizedWeight
 
 class _QWeight(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int64), ("qs", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("mins", ctypes.c_void_p)]
+                ("mins", ctypes.c_void_p), ("panels", ctypes.c_void_p), ("panel_scales", ctypes.c_void_p),
+                ("panel_mins", ctypes.c_void_p)]
+
+_BYTES, _TILES, _PANELS = 0, 1, 2  # where the stack's products run (ops.c's STACK_*)
 
 
 class _Layer(ctypes.Structure):
@@ -31,7 +34,9 @@ class _Layer(ctypes.Structure):
 
 
 def _qweight(w: QuantizedWeight) -> _QWeight:
-    return _QWeight(w.bits, w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr())
+    panels = (None, None, None) if w.panels is None else tuple(t.data_ptr() for t in w.panels)
+    return _QWeight(w.bits, w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
+                    *panels)
 
 
 class NativeDecode:
@@ -82,12 +87,16 @@ class NativeDecode:
         slots, tables, lens = meta.slot_mapping, meta.decode_tables, meta.decode_lens
         if not all(t.is_contiguous() for t in (x, slots, tables, lens, kv_caches)):
             raise ValueError("pd_decode_stack takes contiguous tensors")
-        tiles = dense.tile_rows is not None and rows >= dense.tile_rows and dtype == torch.bfloat16
+        on = _BYTES  # as QuantizedWeight.matmul chooses
+        if dense.tile_rows is not None and rows >= dense.tile_rows and dtype == torch.bfloat16:
+            on = _TILES
+        elif dense.panel_rows is not None and rows >= dense.panel_rows and kernels.q4_panels_available:
+            on = _PANELS
         first = self.model.layers[0]
         rc = kernels.lib.pd_decode_stack(
             kernels.isa, torch.get_num_threads(), ctypes.addressof(self.layers), len(self.layers), rows,
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            first.input_layernorm.eps, first.self_attn.scale, int(tiles),
+            first.input_layernorm.eps, first.self_attn.scale, on,
             *(t.data_ptr() for t in (x, delta, h, qkv, att, gate_up, act, cos, sin, kv_caches)),
             kv_caches[0].numel() * kv_caches.element_size(), slots.data_ptr(), meta.block_size, tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), int(dtype == torch.bfloat16))

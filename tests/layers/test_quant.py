@@ -94,9 +94,52 @@ def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dty
     few = held.matmul(x[:7])
     assert not torch.equal(few, dense[:7])
     torch.testing.assert_close(few.float(), dense[:7].float(), atol=0.3, rtol=0.05)
-    tile_rows, min_rows = calibrate([held, held], dtype)  # measured now: any answer is a valid one, and it is used
+    # measured now: any answer is a valid one, and it is used
+    tile_rows, panel_rows, min_rows = calibrate([held, held], dtype)
     assert min_rows is None or min_rows >= 1
     assert tile_rows is None or (dtype == torch.bfloat16 and held.kernels.qmatmul_amx_available)
+    assert panel_rows is None or held.panels is not None
+
+
+needs_panels = pytest.mark.skipif(native.load() is None or not native.load().q4_panels_available,
+                                  reason="4-bit products on panels: this CPU (or build) has no AVX-512 VNNI")
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 608])  # an even and an odd number of groups of 32
+@pytest.mark.parametrize("rows", [1, 7, 8, 19])  # blocks of 8 rows: partial, whole, and both
+def test_products_on_panels_are_the_byte_products_summed_in_another_order(dtype, in_features, rows):
+    kernels = native.load()
+    g = torch.Generator().manual_seed(rows + in_features)
+    held = quantize(torch.randn(48, in_features, generator=g), 4, torch.float32, kernels)  # three panels
+    assert held.panels is not None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    panels, dots = held.matmul_panels(x), held.matmul_bytes(x)
+    # the same int8 activations and integer group sums, scaled and added in another order
+    tol = 1e-4 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(panels.float(), dots.float(), atol=tol, rtol=tol)
+    # a row's product does not depend on its batch mates
+    alone = torch.cat([held.matmul_panels(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(panels, alone)
+    held.dense = DenseProducts(panel_rows=rows)
+    assert torch.equal(held.matmul(x), panels)
+
+
+@needs_kernels
+def test_only_4bit_weights_of_whole_panels_get_a_panel_copy_and_only_with_avx512_vnni():
+    kernels = native.load()
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(9))
+    assert quantize(w, 4, torch.float32, kernels).panels is None  # 40 outputs: not whole panels of 16
+    assert quantize(w[:32], 8, torch.float32, kernels).panels is None
+    for name in kernels.supported:
+        held = quantize(w[:32], 4, torch.float32, kernels.with_isa(name))
+        assert (held.panels is not None) == (name == "avx512_vnni")
+    if kernels.q4_panels_available:
+        held = quantize(w[:32], 4, torch.float32, kernels)
+        with pytest.raises(RuntimeError, match="refused"):  # outputs in panels of 16
+            kernels.q4_panel_pack(held.qs[:24].contiguous(), held.scales[:24].contiguous(),
+                                  held.mins[:24].contiguous(), 24)
 
 
 @needs_kernels

@@ -72,6 +72,24 @@ def test_the_stack_runs_products_on_amx_tiles_where_the_model_would(tiny_llama):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_runs_products_on_panels_where_the_model_would(tiny_llama, dtype):
+    if not native.load().q4_panels_available:
+        pytest.skip("4-bit products on panels: this CPU (or build) has no AVX-512 VNNI")
+    llm = make_llm(tiny_llama, dtype=dtype, quantization="int4", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))
+    dense = model.layers[0].mlp.down_proj.dense
+    dense.tile_rows, dense.panel_rows, dense.min_rows = None, 2, None
+    model.use_decode_stack = False
+    modules, _ = _steps(llm, PROMPTS, 3)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS, 3)
+    assert count == 3
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)
+
+
 def test_the_modules_run_where_the_stack_cannot(tiny_models):
     # query/key norms (Qwen3), and weights not quantized: no stack at all
     assert make_llm(tiny_models["qwen3"], quantization="int4").engine.runner.model.decode_stack() is None
@@ -92,7 +110,8 @@ def test_every_kernel_variant_runs_the_stack_as_the_modules_do(tiny_llama, isa):
     llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4", enable_prefix_caching=False)
     runner = llm.engine.runner
     runner.kernels = native.load().with_isa(isa)
-    runner.model.layers[0].mlp.down_proj.dense.tile_rows = None  # AMX tiles only with the AVX-512 variant
+    dense = runner.model.layers[0].mlp.down_proj.dense
+    dense.tile_rows = dense.panel_rows = None  # AMX tiles and panels only with the AVX-512 variant
     runner.model.layers[0].mlp.down_proj.dense.min_rows = None
     runner.model.use_decode_stack = False
     modules, _ = _steps(llm, PROMPTS[:2], 3)

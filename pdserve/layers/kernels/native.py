@@ -33,8 +33,8 @@ from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "dequant.c", "ops.c", "ops_body.h", "attention_bf16.h",
-            "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h")
+_SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "qmatmul_panel.h", "dequant.c", "ops.c", "ops_body.h",
+            "attention_bf16.h", "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
@@ -87,6 +87,41 @@ class NativeKernels:
                                f"{bits}-bit, x {tuple(x.shape)}, {out_features} outputs")
         return y
 
+
+    @property
+    def q4_panels_available(self) -> bool:
+        """Whether `q4_panel_matmul` runs here (the AVX-512 VNNI variant)."""
+        return self.isa_name == "avx512_vnni"
+
+    def q4_panel_pack(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4-bit weight (`qmatmul`'s layout) repacked for `q4_panel_matmul`: its bytes in panels of
+        16 output rows, its scales and minimums as float32. out_features must be a multiple of 16."""
+        in_features = scales.shape[1] * 32
+        _contiguous(qs, scales, mins)
+        packed = torch.empty(out_features * in_features // 2, dtype=torch.uint8)
+        pd = torch.empty(out_features * in_features // 32, dtype=torch.float32)
+        pm = torch.empty_like(pd)
+        _check(self.lib.pd_q4_panel_pack(qs.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features,
+                                         in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr()),
+               "q4_panel_pack")
+        return packed, pd, pm
+
+    def q4_panel_matmul(self, x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        out_features: int) -> torch.Tensor:
+        """`qmatmul` of a 4-bit weight packed by `q4_panel_pack`, columns in the lanes: x [rows, in]
+        float32 or bfloat16 (contiguous) -> [rows, out] in x's dtype."""
+        rows, in_features = x.shape
+        _contiguous(x)
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        packed, pd, pm = panels
+        rc = self.lib.pd_q4_panel_matmul(self.isa, torch.get_num_threads(), x.data_ptr(), x.dtype == torch.bfloat16,
+                                         rows, in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr(),
+                                         out_features, y.data_ptr())
+        if rc:
+            raise RuntimeError(f"pd_q4_panel_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
+                               f"x {tuple(x.shape)}, {out_features} outputs")
+        return y
 
     @property
     def qmatmul_amx_available(self) -> bool:
@@ -235,11 +270,14 @@ def load() -> NativeKernels | None:
     lib.pd_prefill_attention.argtypes = [i32, i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr,
                                          i64]
     lib.pd_prefill_attention_kinds.argtypes = [i32]
+    lib.pd_q4_panel_pack.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.pd_q4_panel_matmul.argtypes = [i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx_available.argtypes = [i32]
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx",
+    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_q4_panel_pack",
+                 "pd_q4_panel_matmul",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32

@@ -200,17 +200,30 @@ int pd_qmatmul_amx(int isa, int threads, int bits, const void *x, int64_t M, int
 int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *qs,
                const uint16_t *wd, const uint16_t *wm, int64_t N, void *y);
 
-/* A quantized weight (qmatmul.c's format) and one decoder layer's weights, for pd_decode_stack. */
-struct pd_qweight { int64_t bits; const void *qs, *scales, *mins; };
+int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed,
+                       const float *pd, const float *pm, int64_t N, void *y);
+
+/* A quantized weight (qmatmul.c's format, and its panel copy or NULLs) and one decoder layer's
+ * weights, for pd_decode_stack. */
+struct pd_qweight {
+    int64_t bits;
+    const void *qs, *scales, *mins;
+    const uint8_t *panels;
+    const float *panel_scales, *panel_mins;
+};
 struct pd_layer {
     const void *input_norm, *post_norm; /* in the activations' dtype */
     const void *qkv_bias;               /* NULL: none */
     struct pd_qweight qkv, o, gate_up, down;
 };
 
-static int stack_product(int isa, int threads, int tiles, const struct pd_qweight *w, const void *x, int bf16,
+enum { STACK_BYTES = 0, STACK_TILES = 1, STACK_PANELS = 2 }; /* where a stack's products run */
+
+static int stack_product(int isa, int threads, int on, const struct pd_qweight *w, const void *x, int bf16,
                          int64_t M, int64_t K, int64_t N, void *y) {
-    if (tiles) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
+    if (on == STACK_TILES) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
+    if (on == STACK_PANELS && w->panels)
+        return pd_q4_panel_matmul(isa, threads, x, bf16, M, K, w->panels, w->panel_scales, w->panel_mins, N, y);
     return pd_qmatmul(isa, threads, (int)w->bits, x, bf16, M, K, w->qs, w->scales, w->mins, N, y);
 }
 
@@ -231,10 +244,11 @@ static void add_bias(void *y, const void *bias, int64_t T, int64_t N, int bf16) 
  * same order as the model's layers run them one call at a time: input x [T, H] (the embeddings;
  * the final x and delta, whose sum the final norm takes, are left in x and delta), scratch h
  * [T, H], qkv [T, (heads + 2 kv_heads) D], att [T, heads D], gu [T, 2 I], s [T, I]. Each layer's
- * cache is `layer_bytes` after the one before. Products on AMX tiles where `tiles`, else byte dot
- * products. At batch 1 the model's calls cost more than its arithmetic: this is one call. */
+ * cache is `layer_bytes` after the one before. Products where `on` says (STACK_*: a weight without
+ * panels runs byte products). At batch 1 the model's calls cost more than its arithmetic: this is
+ * one call. */
 int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t L, int64_t T, int64_t H,
-                    int64_t heads, int64_t kv_heads, int64_t D, int64_t I, float eps, float scale, int tiles, void *x,
+                    int64_t heads, int64_t kv_heads, int64_t D, int64_t I, float eps, float scale, int on, void *x,
                     void *delta, void *h, void *qkv, void *att, void *gu, void *s, const void *cos, const void *sin,
                     void *cache, int64_t layer_bytes, const int64_t *slots, int64_t block_size, const int64_t *tables,
                     int64_t max_blocks, const int64_t *lens, int bf16) {
@@ -244,16 +258,16 @@ int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t
         const struct pd_layer *w = layers + i;
         char *layer_cache = (char *)cache + i * layer_bytes;
         int rc = pd_rms_norm(isa, threads, x, i ? delta : NULL, w->input_norm, eps, T, H, h, bf16);
-        if (!rc) rc = stack_product(isa, threads, tiles, &w->qkv, h, bf16, T, H, width, qkv);
+        if (!rc) rc = stack_product(isa, threads, on, &w->qkv, h, bf16, T, H, width, qkv);
         if (!rc && w->qkv_bias) add_bias(qkv, w->qkv_bias, T, width, bf16);
         if (!rc) rc = pd_rotary_store(isa, threads, qkv, T, heads, kv_heads, D, cos, sin, layer_cache, slots, bf16);
         if (!rc) rc = pd_decode_attention(isa, threads, qkv, width, T, heads, kv_heads, D, layer_cache, block_size,
                                           tables, max_blocks, lens, scale, att, bf16);
-        if (!rc) rc = stack_product(isa, threads, tiles, &w->o, att, bf16, T, q_size, H, delta);
+        if (!rc) rc = stack_product(isa, threads, on, &w->o, att, bf16, T, q_size, H, delta);
         if (!rc) rc = pd_rms_norm(isa, threads, x, delta, w->post_norm, eps, T, H, h, bf16);
-        if (!rc) rc = stack_product(isa, threads, tiles, &w->gate_up, h, bf16, T, H, 2 * I, gu);
+        if (!rc) rc = stack_product(isa, threads, on, &w->gate_up, h, bf16, T, H, 2 * I, gu);
         if (!rc) rc = pd_silu_mul(isa, threads, gu, T, I, s, bf16);
-        if (!rc) rc = stack_product(isa, threads, tiles, &w->down, s, bf16, T, I, H, delta);
+        if (!rc) rc = stack_product(isa, threads, on, &w->down, s, bf16, T, I, H, delta);
         if (rc) return rc;
     }
     return 0;

@@ -17,6 +17,8 @@
  */
 #include "common.h"
 
+#include <omp.h>
+
 #define GROUP 32
 #define TILE 4                     /* weight rows computed together: one activation load for four */
 #define PARALLEL_QUANTIZE (1 << 16) /* activations below this many values are quantized on one thread */
@@ -135,6 +137,18 @@ static void gemm_portable(const struct qmm *a) {
 #undef WIDE
 #define WIDE 1 /* 512-bit vectors for the bulk of each row */
 #include "qmatmul_simd.h"
+#include "qmatmul_panel.h"
+
+/* A batch's activations quantized in natural order (the panel kernel's), a row per task. */
+static void panel_quantize(const struct qmm *a) {
+    const int64_t G = a->K / GROUP;
+#pragma omp parallel for num_threads(a->M * a->K >= PARALLEL_QUANTIZE ? a->threads : 1) schedule(static)
+    for (int64_t m = 0; m < a->M; m++) {
+        const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
+                                    : (const void *)((const float *)a->x + m * a->K);
+        quantize_row_avx512vnni(row, a->x_bf16, a->K, 0, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
+    }
+}
 #undef WIDE
 #define WIDE 0
 #undef DOT_ACC
@@ -192,4 +206,47 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
     }
     free(a.xq), free(a.xd), free(a.xs);
     return 0;
+}
+
+/* A 4-bit weight (the layout above) repacked for the panel kernel (qmatmul_panel.h): packed
+ * [N / 16, K / 32, 256] bytes, pd and pm [N / 16, K / 32, 16] float32 scales and minimums. */
+int pd_q4_panel_pack(const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                     uint8_t *packed, float *pd, float *pm) {
+    if (N < 1 || N % PANEL || K < GROUP || K % GROUP) return -1;
+    const int64_t G = K / GROUP;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t g = 0; g < G; g++)
+            for (int l = 0; l < PANEL; l++) {
+                const int64_t n = p * PANEL + l, at = (p * G + g) * PANEL + l;
+                const uint8_t *src = qs + (n * G + g) * (GROUP / 2); /* elements 0-15 low, 16-31 high */
+                pd[at] = half_to_float(wd[n * G + g]);
+                pm[at] = half_to_float(wm[n * G + g]);
+                for (int i = 0; i < 4; i++)
+                    for (int b = 0; b < 4; b++) {
+                        const int k0 = 8 * i + b, k1 = k0 + 4;
+                        const uint8_t q0 = k0 < 16 ? src[k0] & 15 : src[k0 - 16] >> 4;
+                        const uint8_t q1 = k1 < 16 ? src[k1] & 15 : src[k1 - 16] >> 4;
+                        packed[(p * G + g) * 256 + i * 64 + l * 4 + b] = (uint8_t)(q0 | q1 << 4);
+                    }
+            }
+    return 0;
+}
+
+/* y = x @ w^T for a 4-bit weight packed by pd_q4_panel_pack, with the AVX-512 VNNI variant only:
+ * 0, -1 for what it does not take, -2 when out of memory. */
+int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed,
+                       const float *pd, const float *pm, int64_t N, void *y) {
+    if (isa != ISA_AVX512VNNI || !pd_isa_supported(isa) || M < 0 || N < 1 || N % PANEL || K < GROUP ||
+        K % GROUP || threads < 1)
+        return -1;
+    if (M == 0) return 0;
+    const int64_t G = K / GROUP;
+    struct qmm a = {4, threads, x_bf16, M, K, N, x, NULL, NULL, NULL, y, NULL, NULL, NULL};
+    a.xq = malloc(M * K);
+    a.xd = malloc(M * G * sizeof(float));
+    a.xs = malloc(M * G * sizeof(float));
+    if (a.xq && a.xd && a.xs) panel_quantize(&a), panel_gemm(&a, packed, pd, pm);
+    const int rc = a.xq && a.xd && a.xs ? 0 : -2;
+    free(a.xq), free(a.xd), free(a.xs);
+    return rc;
 }
