@@ -7,7 +7,8 @@ attention of every layer: no product's timing sees that. On a 2-vCPU Xeon with A
 put the dense products at 8 rows, yet decode steps on AMX tiles in one call were 10-12% faster from
 8 to 32 rows (16 rows: 37 against 41 ms). So where both are possible the engine times decode steps
 of each kind, taking turns, at the calibrated count and at each doubling up to 64 rows, and the
-dense products start at the first count where their steps are faster.
+dense products start at the first count where their steps are faster. The same holds for products
+on panels (AVX-512 VNNI without AMX).
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ def settle_dense_rows(engine) -> None:
     if stack is None or engine.runner.kernels is None:
         return
     dense = stack.dense
-    if dense.tile_rows is None or dense.min_rows is None or engine.dtype != torch.bfloat16:
+    if dense.min_rows is None:
+        return
+    if dense.tile_rows is not None and engine.dtype == torch.bfloat16:
+        batch_rows, on = dense.tile_rows, "AMX tiles"
+    elif dense.panel_rows is not None:
+        batch_rows, on = dense.panel_rows, "panels"
+    else:
         return
     limit = min(MAX_TILE_ROWS, engine.config.max_num_seqs)
-    calibrated, rows = dense.min_rows, max(dense.min_rows, dense.tile_rows)
+    calibrated, rows = dense.min_rows, max(dense.min_rows, batch_rows)
     while rows <= limit:
         dense_s, tiles_s = _decode_seconds(engine, dense, rows, calibrated)
-        log.info("decode steps of %d rows: %.1f ms with dense products, %.1f ms in one call on AMX tiles",
-                 rows, dense_s * 1e3, tiles_s * 1e3)
+        log.info("decode steps of %d rows: %.1f ms with dense products, %.1f ms in one call on %s",
+                 rows, dense_s * 1e3, tiles_s * 1e3, on)
         if dense_s <= tiles_s:
             break
         rows *= 2

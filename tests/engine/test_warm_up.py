@@ -52,22 +52,27 @@ def test_warming_up_runs_each_matmul_at_every_row_count_its_kernels_pad_to(tiny_
             assert id(weight) not in seen
 
 
-def test_warming_up_settles_where_decode_batches_turn_dense_from_whole_steps(tiny_llama, caplog):
+@pytest.mark.parametrize("on", ["tiles", "panels"])
+def test_warming_up_settles_where_decode_batches_turn_dense_from_whole_steps(tiny_llama, caplog, on):
     from pdserve.layers.kernels import native
 
     kernels = native.load()
-    if kernels is None or not kernels.qmatmul_amx_available:
+    if on == "tiles" and (kernels is None or not kernels.qmatmul_amx_available):
         pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
+    if on == "panels" and (kernels is None or not kernels.q4_panels_available):
+        pytest.skip("4-bit products on panels: this CPU (or build) has no AVX-512 VNNI")
     llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4", max_num_seqs=8)
     model = llm.engine.runner.model
     dense = model.decode_stack().dense
-    dense.tile_rows, dense.min_rows = 2, 2  # as a calibration may leave them: dense from the tiles' first count
+    # as a calibration may leave them: dense from the first count the batch kernel serves
+    dense.tile_rows, dense.panel_rows = (2, None) if on == "tiles" else (None, 2)
+    dense.min_rows = 2
     with caplog.at_level("INFO", logger="pdserve.engine"):
         llm.engine.warm_up()
     # timed, both ways, at 2, 4 and 8 rows until the dense steps won; measured now, so any
     # doubling (or 9: tiles at every count up to the engine's most sequences) is a valid answer
     assert dense.min_rows in (2, 4, 8, 9)
-    assert "decode steps of 2 rows" in caplog.text
+    assert "decode steps of 2 rows" in caplog.text and ("AMX tiles" if on == "tiles" else "on panels") in caplog.text
     assert_engine_idle(llm)
     assert llm.engine.num_aborted == 0 and llm.engine.num_failed == 0
 
