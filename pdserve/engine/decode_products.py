@@ -8,7 +8,7 @@ put the dense products at 8 rows, yet decode steps on AMX tiles in one call were
 8 to 32 rows (16 rows: 37 against 41 ms). So where both are possible the engine times decode steps
 of each kind, taking turns, at the calibrated count and at each doubling up to 64 rows, and the
 dense products start at the first count where their steps are faster. The same holds for products
-on panels (AVX-512 VNNI without AMX).
+on panels (AVX2 or VNNI, without AMX).
 """
 
 from __future__ import annotations

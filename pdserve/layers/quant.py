@@ -7,7 +7,7 @@ stored in float16 as GGUF does:
 A GGUF file stored with those rules re-quantizes to exactly its own values from its dequantized
 weights (a group's extremes are its q=0 and q=15 levels, or +-127), so serving it this way loses
 nothing. The product runs in pdserve's own kernels (`kernels/qmatmul.c`: activations quantized to
-int8 per group of 32, byte dot products with VNNI or AVX2; with AVX-512 VNNI, batches of rows on a
+int8 per group of 32, byte dot products with VNNI or AVX2; batches of rows on a
 copy of a 4-bit weight repacked in panels of 16 output columns, `kernels/qmatmul_panel.h`; on a CPU
 with AMX, batches of bfloat16 rows on its tiles, `kernels/qmatmul_amx.h`) where they build;
 otherwise 4-bit weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activation
@@ -43,8 +43,8 @@ class DenseProducts:
     Byte dot products win while a step has few rows (decode: the weight's bytes are the cost),
     but their arithmetic grows with the rows. On a CPU with AMX, bfloat16 rows from `tile_rows` up
     run on its tiles, the weight expanded a group at a time as it is read (a decode batch: the
-    weight's own bytes, at tile speed). With AVX-512 VNNI, rows from `panel_rows` up run on the
-    4-bit weight's panels (16 output columns a vector: a group's scaling and unpacking serve 16
+    weight's own bytes, at tile speed). With AVX2 or VNNI, rows from `panel_rows` up run on the
+    4-bit weight's panels (16 output columns a vector's lanes: a group's scaling and unpacking serve 16
     columns and 8 rows). A prefill chunk's hundreds of rows are arithmetic, which the math
     library's float GEMM may do faster: from `min_rows` rows up a product runs dense, on the
     weight expanded either once and kept (`keep`: where the model's expanded weights fit the memory

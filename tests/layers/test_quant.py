@@ -101,16 +101,12 @@ def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dty
     assert panel_rows is None or held.panels is not None
 
 
-needs_panels = pytest.mark.skipif(native.load() is None or not native.load().q4_panels_available,
-                                  reason="4-bit products on panels: this CPU (or build) has no AVX-512 VNNI")
-
-
-@needs_panels
+@pytest.mark.parametrize("isa", [p for p in kernel_isa_params() if p.values[0] != "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [576, 608])  # an even and an odd number of groups of 32
-@pytest.mark.parametrize("rows", [1, 7, 8, 19])  # blocks of 8 rows: partial, whole, and both
-def test_products_on_panels_are_the_byte_products_summed_in_another_order(dtype, in_features, rows):
-    kernels = native.load()
+@pytest.mark.parametrize("rows", [1, 7, 8, 19])  # blocks of 4 or 8 rows: partial, whole, and both
+def test_products_on_panels_are_the_byte_products_summed_in_another_order(isa, dtype, in_features, rows):
+    kernels = native.load().with_isa(isa)
     g = torch.Generator().manual_seed(rows + in_features)
     held = quantize(torch.randn(48, in_features, generator=g), 4, torch.float32, kernels)  # three panels
     assert held.panels is not None
@@ -127,14 +123,14 @@ def test_products_on_panels_are_the_byte_products_summed_in_another_order(dtype,
 
 
 @needs_kernels
-def test_only_4bit_weights_of_whole_panels_get_a_panel_copy_and_only_with_avx512_vnni():
+def test_only_4bit_weights_of_whole_panels_get_a_panel_copy_and_only_with_simd_kernels():
     kernels = native.load()
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(9))
     assert quantize(w, 4, torch.float32, kernels).panels is None  # 40 outputs: not whole panels of 16
     assert quantize(w[:32], 8, torch.float32, kernels).panels is None
     for name in kernels.supported:
         held = quantize(w[:32], 4, torch.float32, kernels.with_isa(name))
-        assert (held.panels is not None) == (name == "avx512_vnni")
+        assert (held.panels is not None) == (name != "portable")
     if kernels.q4_panels_available:
         held = quantize(w[:32], 4, torch.float32, kernels)
         with pytest.raises(RuntimeError, match="refused"):  # outputs in panels of 16

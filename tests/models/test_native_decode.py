@@ -75,7 +75,7 @@ def test_the_stack_runs_products_on_amx_tiles_where_the_model_would(tiny_llama):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_stack_runs_products_on_panels_where_the_model_would(tiny_llama, dtype):
     if not native.load().q4_panels_available:
-        pytest.skip("4-bit products on panels: this CPU (or build) has no AVX-512 VNNI")
+        pytest.skip("4-bit products on panels: this CPU (or build) has no AVX2")
     llm = make_llm(tiny_llama, dtype=dtype, quantization="int4", enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))

@@ -90,8 +90,8 @@ class NativeKernels:
 
     @property
     def q4_panels_available(self) -> bool:
-        """Whether `q4_panel_matmul` runs here (the AVX-512 VNNI variant)."""
-        return self.isa_name == "avx512_vnni"
+        """Whether `q4_panel_matmul` runs here (a SIMD variant: AVX2, AVX-VNNI, AVX-512 VNNI)."""
+        return self.isa_name != "portable"
 
     def q4_panel_pack(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

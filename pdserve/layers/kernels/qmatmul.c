@@ -22,6 +22,8 @@
 #define GROUP 32
 #define TILE 4                     /* weight rows computed together: one activation load for four */
 #define PARALLEL_QUANTIZE (1 << 16) /* activations below this many values are quantized on one thread */
+#define PANEL 16                   /* output columns of a panel (qmatmul_panel.h) */
+#define PANEL_GROUP_BYTES 256      /* a panel's 16 columns x 32 values of a group, two a byte */
 
 struct qmm {
     int bits, threads, x_bf16;
@@ -125,6 +127,7 @@ static void gemm_portable(const struct qmm *a) {
 #define KSUF _avx2
 #define DOT_ACC(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
 #include "qmatmul_simd.h"
+#include "qmatmul_panel.h"
 #undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options
@@ -138,17 +141,6 @@ static void gemm_portable(const struct qmm *a) {
 #define WIDE 1 /* 512-bit vectors for the bulk of each row */
 #include "qmatmul_simd.h"
 #include "qmatmul_panel.h"
-
-/* A batch's activations quantized in natural order (the panel kernel's), a row per task. */
-static void panel_quantize(const struct qmm *a) {
-    const int64_t G = a->K / GROUP;
-#pragma omp parallel for num_threads(a->M * a->K >= PARALLEL_QUANTIZE ? a->threads : 1) schedule(static)
-    for (int64_t m = 0; m < a->M; m++) {
-        const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
-                                    : (const void *)((const float *)a->x + m * a->K);
-        quantize_row_avx512vnni(row, a->x_bf16, a->K, 0, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
-    }
-}
 #undef WIDE
 #define WIDE 0
 #undef DOT_ACC
@@ -161,6 +153,9 @@ static void panel_quantize(const struct qmm *a) {
 #define KSUF _avxvnni
 #define DOT_ACC(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
 #include "qmatmul_simd.h"
+#define PANEL_DPBUSD _mm256_dpbusd_avx_epi32
+#include "qmatmul_panel.h"
+#undef PANEL_DPBUSD
 #undef DOT_ACC
 #undef KSUF
 #pragma GCC pop_options
@@ -226,18 +221,18 @@ int pd_q4_panel_pack(const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, 
                         const int k0 = 8 * i + b, k1 = k0 + 4;
                         const uint8_t q0 = k0 < 16 ? src[k0] & 15 : src[k0 - 16] >> 4;
                         const uint8_t q1 = k1 < 16 ? src[k1] & 15 : src[k1 - 16] >> 4;
-                        packed[(p * G + g) * 256 + i * 64 + l * 4 + b] = (uint8_t)(q0 | q1 << 4);
+                        packed[(p * G + g) * PANEL_GROUP_BYTES + i * 64 + l * 4 + b] = (uint8_t)(q0 | q1 << 4);
                     }
             }
     return 0;
 }
 
-/* y = x @ w^T for a 4-bit weight packed by pd_q4_panel_pack, with the AVX-512 VNNI variant only:
- * 0, -1 for what it does not take, -2 when out of memory. */
+/* y = x @ w^T for a 4-bit weight packed by pd_q4_panel_pack, with a SIMD variant (AVX2, AVX-VNNI,
+ * AVX-512 VNNI): 0, -1 for what it does not take, -2 when out of memory. */
 int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed,
                        const float *pd, const float *pm, int64_t N, void *y) {
-    if (isa != ISA_AVX512VNNI || !pd_isa_supported(isa) || M < 0 || N < 1 || N % PANEL || K < GROUP ||
-        K % GROUP || threads < 1)
+    if (isa == ISA_PORTABLE || !pd_isa_supported(isa) || M < 0 || N < 1 || N % PANEL || K < GROUP || K % GROUP ||
+        threads < 1)
         return -1;
     if (M == 0) return 0;
     const int64_t G = K / GROUP;
@@ -245,7 +240,13 @@ int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t 
     a.xq = malloc(M * K);
     a.xd = malloc(M * G * sizeof(float));
     a.xs = malloc(M * G * sizeof(float));
-    if (a.xq && a.xd && a.xs) panel_quantize(&a), panel_gemm(&a, packed, pd, pm);
+    if (a.xq && a.xd && a.xs) {
+        switch (isa) {
+        case ISA_AVX512VNNI: panel_quantize_avx512vnni(&a), panel_gemm_avx512vnni(&a, packed, pd, pm); break;
+        case ISA_AVXVNNI: panel_quantize_avxvnni(&a), panel_gemm_avxvnni(&a, packed, pd, pm); break;
+        default: panel_quantize_avx2(&a), panel_gemm_avx2(&a, packed, pd, pm);
+        }
+    }
     const int rc = a.xq && a.xd && a.xs ? 0 : -2;
     free(a.xq), free(a.xd), free(a.xs);
     return rc;
