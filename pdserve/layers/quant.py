@@ -33,7 +33,8 @@ log = logging.getLogger("pdserve.kernels")
 GROUP_SIZE = 32
 BITS = (4, 8)
 _CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
-_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles (or panels) may overtake byte dot products
+_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
+_PANEL_CALIBRATION_ROWS = (1, 2, 4, 8, 16)  # and panels (at one row too: no expansion to pay for)
 
 
 @dataclass(slots=True)
@@ -236,8 +237,9 @@ def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int |
     x_of = lambda rows: torch.randn(rows, first.in_features).to(dtype)  # noqa: E731
     sweep = lambda product, x, held=weights: best_seconds(lambda: [product(w, x) for w in held])  # noqa: E731
 
-    def overtakes(product: Callable[[QuantizedWeight, torch.Tensor], torch.Tensor], name: str) -> int | None:
-        for rows in _TILE_CALIBRATION_ROWS:
+    def overtakes(product: Callable[[QuantizedWeight, torch.Tensor], torch.Tensor], name: str,
+                  candidates: tuple[int, ...]) -> int | None:
+        for rows in candidates:
             x = x_of(rows)
             faster, dot = sweep(product, x), sweep(QuantizedWeight.matmul_bytes, x)
             if faster < dot:
@@ -248,9 +250,9 @@ def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int |
 
     tile_rows = panel_rows = None
     if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:
-        tile_rows = overtakes(QuantizedWeight.matmul_tiles, "AMX tiles")
+        tile_rows = overtakes(QuantizedWeight.matmul_tiles, "AMX tiles", _TILE_CALIBRATION_ROWS)
     if all(w.panels is not None for w in weights):
-        panel_rows = overtakes(QuantizedWeight.matmul_panels, "panels")
+        panel_rows = overtakes(QuantizedWeight.matmul_panels, "panels", _PANEL_CALIBRATION_ROWS)
     probe = DenseProducts(tile_rows=tile_rows, panel_rows=panel_rows)  # the products without dense ones
     probes = [replace(w, dense=probe) for w in weights]
     for rows in _CALIBRATION_ROWS:
