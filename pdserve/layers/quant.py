@@ -87,7 +87,7 @@ class QuantizedWeight:
     kernels: NativeKernels
     dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's weights
     expanded: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # kept copies (`dense.keep`)
-    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `kernels.q4_panel_pack`'s copy
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `kernels.panel_pack`'s copy
 
     @property
     def out_features(self) -> int:
@@ -113,7 +113,7 @@ class QuantizedWeight:
         return self.kernels.qmatmul(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
 
     def matmul_panels(self, x: torch.Tensor) -> torch.Tensor:  # byte dot products, 16 columns in the lanes
-        return self.kernels.q4_panel_matmul(x.contiguous(), self.panels, self.out_features)
+        return self.kernels.panel_matmul(x.contiguous(), self.bits, self.panels, self.out_features)
 
     def matmul_tiles(self, x: torch.Tensor) -> torch.Tensor:  # bfloat16 rows, on AMX tiles
         return self.kernels.qmatmul_amx(x.contiguous(), self.bits, self.qs, self.scales, self.mins, self.out_features)
@@ -199,14 +199,19 @@ def quantize(weight: torch.Tensor, bits: int, dtype: torch.dtype,
             return dequantize_reference(weight, 4).to(dtype)
         groups = q.view(q.shape[0], -1, GROUP_SIZE).to(torch.uint8)
         packed = (groups[..., : GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2 :] << 4)).view(q.shape[0], -1)
-        weight = QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels)
-        if kernels.q4_panels_available and weight.out_features % 16 == 0:
-            weight.panels = kernels.q4_panel_pack(weight.qs, weight.scales, weight.mins, weight.out_features)
-        return weight
+        return _with_panels(QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels))
     q, scale = quantize_8bit(weight)
     if kernels is None:
         return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(q.shape).to(dtype)
-    return QuantizedWeight(8, q.contiguous(), scale.half(), None, kernels)
+    return _with_panels(QuantizedWeight(8, q.contiguous(), scale.half(), None, kernels))
+
+
+def _with_panels(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` with its panel copy, where its kernels run panels of its bits and shape."""
+    if weight.kernels.panels_available(weight.bits) and weight.out_features % 16 == 0:
+        weight.panels = weight.kernels.panel_pack(weight.bits, weight.qs, weight.scales, weight.mins,
+                                                  weight.out_features)
+    return weight
 
 
 def _torch_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> Int4Weight:

@@ -43,9 +43,10 @@ class NativeDecode:
     """The model's layers as `pd_decode_stack` takes them, built once; None from `of` where the
     model's layers cannot run there (see the module's docstring)."""
 
-    def __init__(self, model, layers: ctypes.Array) -> None:
+    def __init__(self, model, layers: ctypes.Array, bits: set[int]) -> None:
         self.model = model
         self.layers = layers  # the structs hold pointers into the model's weights, which it keeps
+        self.bits = bits  # of the layers' weights
         self.dense = model.layers[0].mlp.gate_up_proj.dense
 
     @classmethod
@@ -53,16 +54,17 @@ class NativeDecode:
         cfg = model.cfg
         if cfg.qk_norm:
             return None
-        structs = []
+        structs, bits = [], set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(w, QuantizedWeight) for w in weights):
                 return None
+            bits.update(w.bits for w in weights)
             bias = attn.qkv_bias
             norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
             structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(), *(_qweight(w) for w in weights)))
-        return cls(model, (_Layer * len(structs))(*structs))
+        return cls(model, (_Layer * len(structs))(*structs), bits)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers can run here: a decode-only step on pdserve's kernels whose
@@ -90,7 +92,8 @@ class NativeDecode:
         on = _BYTES  # as QuantizedWeight.matmul chooses
         if dense.tile_rows is not None and rows >= dense.tile_rows and dtype == torch.bfloat16:
             on = _TILES
-        elif dense.panel_rows is not None and rows >= dense.panel_rows and kernels.q4_panels_available:
+        elif (dense.panel_rows is not None and rows >= dense.panel_rows
+              and all(kernels.panels_available(b) for b in self.bits)):
             on = _PANELS
         first = self.model.layers[0]
         rc = kernels.lib.pd_decode_stack(

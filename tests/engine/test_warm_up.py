@@ -59,7 +59,7 @@ def test_warming_up_settles_where_decode_batches_turn_dense_from_whole_steps(tin
     kernels = native.load()
     if on == "tiles" and (kernels is None or not kernels.qmatmul_amx_available):
         pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
-    if on == "panels" and (kernels is None or not kernels.q4_panels_available):
+    if on == "panels" and (kernels is None or not kernels.panels_available(4)):
         pytest.skip("4-bit products on panels: this CPU (or build) has no AVX2")
     llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int4", max_num_seqs=8)
     model = llm.engine.runner.model

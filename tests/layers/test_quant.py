@@ -102,13 +102,16 @@ def test_products_of_many_rows_run_dense_on_the_values_the_weight_stands_for(dty
 
 
 @pytest.mark.parametrize("isa", [p for p in kernel_isa_params() if p.values[0] != "portable"])
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [576, 608])  # an even and an odd number of groups of 32
 @pytest.mark.parametrize("rows", [1, 7, 8, 19])  # blocks of 4 or 8 rows: partial, whole, and both
-def test_products_on_panels_are_the_byte_products_summed_in_another_order(isa, dtype, in_features, rows):
+def test_products_on_panels_are_the_byte_products_summed_in_another_order(isa, bits, dtype, in_features, rows):
     kernels = native.load().with_isa(isa)
+    if not kernels.panels_available(bits):
+        pytest.skip(f"{bits}-bit products on panels: the {isa} kernels have none")
     g = torch.Generator().manual_seed(rows + in_features)
-    held = quantize(torch.randn(48, in_features, generator=g), 4, torch.float32, kernels)  # three panels
+    held = quantize(torch.randn(48, in_features, generator=g), bits, torch.float32, kernels)  # three panels
     assert held.panels is not None
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     panels, dots = held.matmul_panels(x), held.matmul_bytes(x)
@@ -123,44 +126,21 @@ def test_products_on_panels_are_the_byte_products_summed_in_another_order(isa, d
 
 
 @needs_kernels
-def test_only_4bit_weights_of_whole_panels_get_a_panel_copy_and_only_with_simd_kernels():
+def test_only_weights_of_whole_panels_get_a_panel_copy_and_only_where_their_kernels_run_them():
     kernels = native.load()
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(9))
     assert quantize(w, 4, torch.float32, kernels).panels is None  # 40 outputs: not whole panels of 16
-    assert quantize(w[:32], 8, torch.float32, kernels).panels is None
     for name in kernels.supported:
-        held = quantize(w[:32], 4, torch.float32, kernels.with_isa(name))
-        assert (held.panels is not None) == (name != "portable")
-    if kernels.q4_panels_available:
+        for bits in (4, 8):
+            held = quantize(w[:32], bits, torch.float32, kernels.with_isa(name))
+            assert (held.panels is not None) == (name != "portable" and (bits == 4 or "vnni" in name))
+    if kernels.panels_available(4):
         held = quantize(w[:32], 4, torch.float32, kernels)
         with pytest.raises(RuntimeError, match="refused"):  # outputs in panels of 16
-            kernels.q4_panel_pack(held.qs[:24].contiguous(), held.scales[:24].contiguous(),
-                                  held.mins[:24].contiguous(), 24)
+            kernels.panel_pack(4, held.qs[:24].contiguous(), held.scales[:24].contiguous(),
+                               held.mins[:24].contiguous(), 24)
 
 
-@needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 17, 64, 100])
-def test_products_on_amx_tiles_use_the_dense_paths_bfloat16_weight(bits, rows):
-    kernels = native.load()
-    if not kernels.qmatmul_amx_available:
-        pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
-    for name in kernels.supported:  # the AVX-512 variant's: a lower one asked for runs without tiles
-        assert kernels.with_isa(name).qmatmul_amx_available == (name == "avx512_vnni")
-    g = torch.Generator().manual_seed(bits * rows)
-    held = quantize(torch.randn(40, 96, generator=g), bits, torch.float32, kernels)  # 40: a partial tile
-    x = torch.randn(rows, 96, generator=g).bfloat16()
-    got = held.kernels.qmatmul_amx(x, bits, held.qs, held.scales, held.mins, 40)
-    weight = kernels.dequantize(bits, held.qs, held.scales, held.mins, torch.empty(40, 96, dtype=torch.bfloat16))
-    # the same bfloat16 weight as the dense path's, float32 sums in another order, one rounding
-    torch.testing.assert_close(got.float(), x.float() @ weight.float().t(), atol=2e-2, rtol=2**-7)
-    held.dense = DenseProducts(tile_rows=1)
-    assert torch.equal(held.matmul(x), got)
-    with pytest.raises(ValueError, match="bfloat16"):
-        kernels.qmatmul_amx(x.float(), bits, held.qs, held.scales, held.mins, 40)
-
-
-@needs_kernels
 def test_a_kept_expansion_gives_the_products_of_the_shared_buffer():
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(5))
     shared, kept = (quantize(w, 4, torch.float32, native.load()) for _ in range(2))

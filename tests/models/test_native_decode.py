@@ -73,10 +73,11 @@ def test_the_stack_runs_products_on_amx_tiles_where_the_model_would(tiny_llama):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_stack_runs_products_on_panels_where_the_model_would(tiny_llama, dtype):
-    if not native.load().q4_panels_available:
-        pytest.skip("4-bit products on panels: this CPU (or build) has no AVX2")
-    llm = make_llm(tiny_llama, dtype=dtype, quantization="int4", enable_prefix_caching=False)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_stack_runs_products_on_panels_where_the_model_would(tiny_llama, dtype, bits):
+    if not native.load().panels_available(bits):
+        pytest.skip(f"{bits}-bit products on panels: this CPU (or build) has no {'AVX2' if bits == 4 else 'VNNI'}")
+    llm = make_llm(tiny_llama, dtype=dtype, quantization=f"int{bits}", enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))
     dense = model.layers[0].mlp.down_proj.dense

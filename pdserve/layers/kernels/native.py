@@ -88,39 +88,40 @@ class NativeKernels:
         return y
 
 
-    @property
-    def q4_panels_available(self) -> bool:
-        """Whether `q4_panel_matmul` runs here (a SIMD variant: AVX2, AVX-VNNI, AVX-512 VNNI)."""
-        return self.isa_name != "portable"
+    def panels_available(self, bits: int) -> bool:
+        """Whether `panel_matmul` runs `bits`-bit weights here: 4-bit with a SIMD variant (AVX2,
+        AVX-VNNI, AVX-512 VNNI), 8-bit with a VNNI one."""
+        return _panels_available(self.lib, self.isa, bits)
 
-    def q4_panel_pack(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                      out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A 4-bit weight (`qmatmul`'s layout) repacked for `q4_panel_matmul`: its bytes in panels of
-        16 output rows, its scales and minimums as float32. out_features must be a multiple of 16."""
+    def panel_pack(self, bits: int, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4- or 8-bit weight (`qmatmul`'s layout) repacked for `panel_matmul`: its bytes in panels of
+        16 output rows, its scales as float32, and its minimums (4-bit, float32) or corrections
+        (8-bit, int32). out_features must be a multiple of 16."""
         in_features = scales.shape[1] * 32
-        _contiguous(qs, scales, mins)
-        packed = torch.empty(out_features * in_features // 2, dtype=torch.uint8)
+        _contiguous(qs, scales, *(() if mins is None else (mins,)))
+        packed = torch.empty(out_features * in_features * bits // 8, dtype=torch.uint8)
         pd = torch.empty(out_features * in_features // 32, dtype=torch.float32)
-        pm = torch.empty_like(pd)
-        _check(self.lib.pd_q4_panel_pack(qs.data_ptr(), scales.data_ptr(), mins.data_ptr(), out_features,
-                                         in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr()),
-               "q4_panel_pack")
+        pm = torch.empty_like(pd, dtype=torch.float32 if bits == 4 else torch.int32)
+        _check(self.lib.pd_panel_pack(bits, qs.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                                      out_features, in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr()),
+               "panel_pack")
         return packed, pd, pm
 
-    def q4_panel_matmul(self, x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        out_features: int) -> torch.Tensor:
-        """`qmatmul` of a 4-bit weight packed by `q4_panel_pack`, columns in the lanes: x [rows, in]
-        float32 or bfloat16 (contiguous) -> [rows, out] in x's dtype."""
+    def panel_matmul(self, x: torch.Tensor, bits: int, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     out_features: int) -> torch.Tensor:
+        """`qmatmul` of a weight packed by `panel_pack`, columns in the lanes: x [rows, in] float32 or
+        bfloat16 (contiguous) -> [rows, out] in x's dtype."""
         rows, in_features = x.shape
         _contiguous(x)
         y = torch.empty(rows, out_features, dtype=x.dtype)
         packed, pd, pm = panels
-        rc = self.lib.pd_q4_panel_matmul(self.isa, torch.get_num_threads(), x.data_ptr(), x.dtype == torch.bfloat16,
-                                         rows, in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr(),
-                                         out_features, y.data_ptr())
+        rc = self.lib.pd_panel_matmul(self.isa, torch.get_num_threads(), bits, x.data_ptr(),
+                                      x.dtype == torch.bfloat16, rows, in_features, packed.data_ptr(), pd.data_ptr(),
+                                      pm.data_ptr(), out_features, y.data_ptr())
         if rc:
-            raise RuntimeError(f"pd_q4_panel_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
-                               f"x {tuple(x.shape)}, {out_features} outputs")
+            raise RuntimeError(f"pd_panel_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
+                               f"{bits}-bit, x {tuple(x.shape)}, {out_features} outputs")
         return y
 
     @property
@@ -230,6 +231,11 @@ def _prefill_attention_kinds(lib: ctypes.CDLL, isa: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _panels_available(lib: ctypes.CDLL, isa: int, bits: int) -> bool:
+    return bool(lib.pd_panels_available(isa, bits))
+
+
+@functools.lru_cache(maxsize=None)
 def _qmatmul_amx_available(lib: ctypes.CDLL, isa: int) -> bool:
     return bool(lib.pd_qmatmul_amx_available(isa))
 
@@ -270,14 +276,15 @@ def load() -> NativeKernels | None:
     lib.pd_prefill_attention.argtypes = [i32, i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr,
                                          i64]
     lib.pd_prefill_attention_kinds.argtypes = [i32]
-    lib.pd_q4_panel_pack.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
-    lib.pd_q4_panel_matmul.argtypes = [i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.pd_panel_pack.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.pd_panel_matmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.pd_panels_available.argtypes = [i32, i32]
     lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx_available.argtypes = [i32]
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_q4_panel_pack",
-                 "pd_q4_panel_matmul",
+    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
+                 "pd_panel_matmul", "pd_panels_available",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32

@@ -200,16 +200,17 @@ int pd_qmatmul_amx(int isa, int threads, int bits, const void *x, int64_t M, int
 int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *qs,
                const uint16_t *wd, const uint16_t *wm, int64_t N, void *y);
 
-int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed,
-                       const float *pd, const float *pm, int64_t N, void *y);
+int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
+                    const float *pd, const void *pm, int64_t N, void *y);
 
 /* A quantized weight (qmatmul.c's format, and its panel copy or NULLs) and one decoder layer's
  * weights, for pd_decode_stack. */
 struct pd_qweight {
     int64_t bits;
     const void *qs, *scales, *mins;
-    const uint8_t *panels;
-    const float *panel_scales, *panel_mins;
+    const void *panels;
+    const float *panel_scales;
+    const void *panel_mins; /* 4-bit: float32 minimums; 8-bit: int32 corrections */
 };
 struct pd_layer {
     const void *input_norm, *post_norm; /* in the activations' dtype */
@@ -223,7 +224,8 @@ static int stack_product(int isa, int threads, int on, const struct pd_qweight *
                          int64_t M, int64_t K, int64_t N, void *y) {
     if (on == STACK_TILES) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
     if (on == STACK_PANELS && w->panels)
-        return pd_q4_panel_matmul(isa, threads, x, bf16, M, K, w->panels, w->panel_scales, w->panel_mins, N, y);
+        return pd_panel_matmul(isa, threads, (int)w->bits, x, bf16, M, K, w->panels, w->panel_scales, w->panel_mins,
+                               N, y);
     return pd_qmatmul(isa, threads, (int)w->bits, x, bf16, M, K, w->qs, w->scales, w->mins, N, y);
 }
 

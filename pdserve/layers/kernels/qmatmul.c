@@ -24,6 +24,7 @@
 #define PARALLEL_QUANTIZE (1 << 16) /* activations below this many values are quantized on one thread */
 #define PANEL 16                   /* output columns of a panel (qmatmul_panel.h) */
 #define PANEL_GROUP_BYTES 256      /* a panel's 16 columns x 32 values of a group, two a byte */
+#define PANEL8_GROUP_BYTES 512     /* the same, a byte each (8-bit weights) */
 
 struct qmm {
     int bits, threads, x_bf16;
@@ -203,40 +204,60 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
     return 0;
 }
 
-/* A 4-bit weight (the layout above) repacked for the panel kernel (qmatmul_panel.h): packed
- * [N / 16, K / 32, 256] bytes, pd and pm [N / 16, K / 32, 16] float32 scales and minimums. */
-int pd_q4_panel_pack(const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                     uint8_t *packed, float *pd, float *pm) {
-    if (N < 1 || N % PANEL || K < GROUP || K % GROUP) return -1;
+/* A 4- or 8-bit weight (the layouts above) repacked for the panel kernel (qmatmul_panel.h):
+ *   4-bit: packed [N / 16, K / 32, 256] bytes, pd and pm [N / 16, K / 32, 16] float32 scales and
+ *          minimums;
+ *   8-bit: packed [N / 16, K / 32, 512]: block i, lane l, byte b holds weight row 16 p + l's element
+ *          g * 32 + 4 i + b; pd the float32 scales, pm int32 corrections (-128 times each column's
+ *          group sum: the activations are biased by 128 to be unsigned bytes). */
+int pd_panel_pack(int bits, const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                  void *packed, float *pd, void *pm) {
+    if ((bits != 4 && bits != 8) || (bits == 4 && !wm) || N < 1 || N % PANEL || K < GROUP || K % GROUP) return -1;
     const int64_t G = K / GROUP;
     for (int64_t p = 0; p < N / PANEL; p++)
         for (int64_t g = 0; g < G; g++)
             for (int l = 0; l < PANEL; l++) {
                 const int64_t n = p * PANEL + l, at = (p * G + g) * PANEL + l;
-                const uint8_t *src = qs + (n * G + g) * (GROUP / 2); /* elements 0-15 low, 16-31 high */
                 pd[at] = half_to_float(wd[n * G + g]);
-                pm[at] = half_to_float(wm[n * G + g]);
+                if (bits == 8) {
+                    const int8_t *src = (const int8_t *)qs + n * K + g * GROUP;
+                    int32_t sum = 0;
+                    for (int k = 0; k < GROUP; k++) {
+                        ((int8_t *)packed)[(p * G + g) * PANEL8_GROUP_BYTES + (k / 4) * 64 + l * 4 + k % 4] = src[k];
+                        sum += src[k];
+                    }
+                    ((int32_t *)pm)[at] = -128 * sum;
+                    continue;
+                }
+                const uint8_t *src = (const uint8_t *)qs + (n * G + g) * (GROUP / 2); /* 0-15 low, 16-31 high */
+                ((float *)pm)[at] = half_to_float(wm[n * G + g]);
                 for (int i = 0; i < 4; i++)
                     for (int b = 0; b < 4; b++) {
                         const int k0 = 8 * i + b, k1 = k0 + 4;
                         const uint8_t q0 = k0 < 16 ? src[k0] & 15 : src[k0 - 16] >> 4;
                         const uint8_t q1 = k1 < 16 ? src[k1] & 15 : src[k1 - 16] >> 4;
-                        packed[(p * G + g) * PANEL_GROUP_BYTES + i * 64 + l * 4 + b] = (uint8_t)(q0 | q1 << 4);
+                        ((uint8_t *)packed)[(p * G + g) * PANEL_GROUP_BYTES + i * 64 + l * 4 + b] = (uint8_t)(q0 | q1 << 4);
                     }
             }
     return 0;
 }
 
-/* y = x @ w^T for a 4-bit weight packed by pd_q4_panel_pack, with a SIMD variant (AVX2, AVX-VNNI,
- * AVX-512 VNNI): 0, -1 for what it does not take, -2 when out of memory. */
-int pd_q4_panel_matmul(int isa, int threads, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed,
-                       const float *pd, const float *pm, int64_t N, void *y) {
-    if (isa == ISA_PORTABLE || !pd_isa_supported(isa) || M < 0 || N < 1 || N % PANEL || K < GROUP || K % GROUP ||
-        threads < 1)
+/* Whether the variant `isa` runs panels of `bits`-bit weights: 4-bit with any SIMD variant, 8-bit
+ * with the VNNI ones (AVX2's maddubs would saturate on the biased bytes). */
+int pd_panels_available(int isa, int bits) {
+    if (!pd_isa_supported(isa) || isa == ISA_PORTABLE) return 0;
+    return bits == 4 || (bits == 8 && (isa == ISA_AVX512VNNI || isa == ISA_AVXVNNI));
+}
+
+/* y = x @ w^T for a weight packed by pd_panel_pack: 0, -1 for what it does not take, -2 when out
+ * of memory. */
+int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
+                    const float *pd, const void *pm, int64_t N, void *y) {
+    if (!pd_panels_available(isa, bits) || M < 0 || N < 1 || N % PANEL || K < GROUP || K % GROUP || threads < 1)
         return -1;
     if (M == 0) return 0;
     const int64_t G = K / GROUP;
-    struct qmm a = {4, threads, x_bf16, M, K, N, x, NULL, NULL, NULL, y, NULL, NULL, NULL};
+    struct qmm a = {bits, threads, x_bf16, M, K, N, x, NULL, NULL, NULL, y, NULL, NULL, NULL};
     a.xq = malloc(M * K);
     a.xd = malloc(M * G * sizeof(float));
     a.xs = malloc(M * G * sizeof(float));

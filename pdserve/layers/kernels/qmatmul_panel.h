@@ -1,4 +1,4 @@
-/* 4-bit products with output columns in the lanes, for batches of rows: included by qmatmul.c once
+/* 4- and 8-bit products with output columns in the lanes, for batches of rows: included by qmatmul.c once
  * per instruction set after qmatmul_simd.h (KSUF, DOT_ACC and WIDE as there).
  *
  * qmatmul_simd.h puts a row's K values in the lanes: each group of 32 ends in a sum across lanes,
@@ -6,7 +6,7 @@
  * a vector holds output columns of a panel of 16 weight rows (all 16 in a 512-bit vector, 8 in each
  * half of a 256-bit pass), so one group's scaling serves all of them, and a group's unpacked
  * weights serve a block of activation rows held in registers. The weights are repacked once, at
- * load (`pd_q4_panel_pack`):
+ * load (`pd_panel_pack`; 8-bit weights as described there):
  *   panel p, group g: 4 blocks of 16 lanes x 4 bytes; block i, lane l, byte b holds weight row
  *   16 p + l's element g * 32 + 8 i + b in its low nibble and g * 32 + 8 i + 4 + b in its high one;
  *   scales and minimums widened to float32, [panel, group, 16].
@@ -73,6 +73,40 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
     }
     for (int r = 0; r < rows; r++) FN(panel_store)(a->y, (m0 + r) * a->N + p * PANEL, acc[r], a->x_bf16);
 }
+
+/* 8-bit weights: the activations biased to unsigned bytes (x + 128) against the signed weights;
+ * each column's group sum starts at its correction, -128 times the sum of its weights. */
+static inline __attribute__((always_inline)) void FN(panel8_block)(const struct qmm *a, const int8_t *packed,
+                                                                   const float *pd, const int32_t *pc, int64_t p,
+                                                                   int64_t m0, int rows) {
+    const int64_t G = a->K / GROUP;
+    __m512 acc[PANEL_ROWS];
+    for (int r = 0; r < PANEL_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    const int8_t *w = packed + p * G * PANEL8_GROUP_BYTES;
+    for (int64_t g = 0; g < G; g++, w += PANEL8_GROUP_BYTES) {
+        __m512i q[8];
+        for (int i = 0; i < 8; i++) q[i] = _mm512_loadu_si512(w + i * 64);
+        const __m512 d = _mm512_loadu_ps(pd + (p * G + g) * PANEL);
+        const __m512i c = _mm512_loadu_si512(pc + (p * G + g) * PANEL);
+        for (int r = 0; r < PANEL_ROWS; r++) {
+            if (r >= rows) break;
+            const int64_t m = m0 + r;
+            const int32_t *x = (const int32_t *)(a->xq + m * a->K + g * GROUP);
+            __m512i s0 = _mm512_dpbusd_epi32(c, _mm512_set1_epi32(x[0]), q[0]);
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(x[1]), q[1]);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x[2]), q[2]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x[3]), q[3]);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x[4]), q[4]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x[5]), q[5]);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x[6]), q[6]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x[7]), q[7]);
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a->xd[m * G + g])), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) FN(panel_store)(a->y, (m0 + r) * a->N + p * PANEL, acc[r], a->x_bf16);
+}
+#define PANEL8 1 /* this variant has 8-bit panels */
 #else
 #define PANEL_ROWS 4 /* 16 vector registers: 8 unpacked weights, 4 rows' sums and the scales */
 
@@ -133,11 +167,43 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
             FN(panel_store)(a->y, (m0 + r) * a->N + p * PANEL + half * 8, acc[r], a->x_bf16);
     }
 }
+#ifdef PANEL_DPBUSD
+/* 8-bit weights, as above, one half of the panel's columns a pass. */
+static inline __attribute__((always_inline)) void FN(panel8_block)(const struct qmm *a, const int8_t *packed,
+                                                                   const float *pd, const int32_t *pc, int64_t p,
+                                                                   int64_t m0, int rows) {
+    const int64_t G = a->K / GROUP;
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[PANEL_ROWS];
+        for (int r = 0; r < PANEL_ROWS; r++) acc[r] = _mm256_setzero_ps();
+        const int8_t *w = packed + p * G * PANEL8_GROUP_BYTES + half * 32;
+        for (int64_t g = 0; g < G; g++, w += PANEL8_GROUP_BYTES) {
+            __m256i q[8];
+            for (int i = 0; i < 8; i++) q[i] = _mm256_loadu_si256((const __m256i *)(w + i * 64));
+            const __m256 d = _mm256_loadu_ps(pd + (p * G + g) * PANEL + half * 8);
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(pc + (p * G + g) * PANEL + half * 8));
+            for (int r = 0; r < PANEL_ROWS; r++) {
+                if (r >= rows) break;
+                const int64_t m = m0 + r;
+                const int32_t *x = (const int32_t *)(a->xq + m * a->K + g * GROUP);
+                __m256i sum = c;
+                for (int j = 0; j < 8; j++) sum = PANEL_DPBUSD(sum, _mm256_set1_epi32(x[j]), q[j]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a->xd[m * G + g])),
+                                         acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            FN(panel_store)(a->y, (m0 + r) * a->N + p * PANEL + half * 8, acc[r], a->x_bf16);
+    }
+}
+#define PANEL8 1
+#endif
 #endif
 
 /* Each thread takes a range of panels and runs every block of rows over them: its panels' weights
- * stay in its own cache while the activations stream. */
-static void FN(panel_gemm)(const struct qmm *a, const uint8_t *packed, const float *pd, const float *pm) {
+ * stay in its own cache while the activations stream. pm: the 4-bit minimums (float32) or the 8-bit
+ * corrections (int32). */
+static void FN(panel_gemm)(const struct qmm *a, const void *packed, const float *pd, const void *pm) {
     const int64_t panels = a->N / PANEL;
 #pragma omp parallel num_threads(a->threads)
     {
@@ -146,6 +212,13 @@ static void FN(panel_gemm)(const struct qmm *a, const uint8_t *packed, const flo
         for (int64_t m0 = 0; m0 < a->M; m0 += PANEL_ROWS) {
             const int rows = a->M - m0 < PANEL_ROWS ? (int)(a->M - m0) : PANEL_ROWS;
             for (int64_t p = p0; p < p1; p++) {
+#ifdef PANEL8
+                if (a->bits == 8) {
+                    if (rows == PANEL_ROWS) FN(panel8_block)(a, packed, pd, pm, p, m0, PANEL_ROWS);
+                    else FN(panel8_block)(a, packed, pd, pm, p, m0, rows);
+                    continue;
+                }
+#endif
                 if (rows == PANEL_ROWS) FN(panel_block)(a, packed, pd, pm, p, m0, PANEL_ROWS);
                 else FN(panel_block)(a, packed, pd, pm, p, m0, rows);
             }
@@ -153,18 +226,25 @@ static void FN(panel_gemm)(const struct qmm *a, const uint8_t *packed, const flo
     }
 }
 
-/* A batch's activations quantized in natural order (the panel kernel's), a row per task. */
+/* A batch's activations quantized in natural order (the panel kernel's), a row per task; for 8-bit
+ * weights biased to unsigned bytes (x + 128: the sign bit flipped). */
 static void FN(panel_quantize)(const struct qmm *a) {
     const int64_t G = a->K / GROUP;
 #pragma omp parallel for num_threads(a->M * a->K >= PARALLEL_QUANTIZE ? a->threads : 1) schedule(static)
     for (int64_t m = 0; m < a->M; m++) {
         const void *row = a->x_bf16 ? (const void *)((const uint16_t *)a->x + m * a->K)
                                     : (const void *)((const float *)a->x + m * a->K);
-        FN(quantize_row)(row, a->x_bf16, a->K, 0, a->xq + m * a->K, a->xd + m * G, a->xs + m * G);
+        int8_t *q = a->xq + m * a->K;
+        FN(quantize_row)(row, a->x_bf16, a->K, 0, q, a->xd + m * G, a->xs + m * G);
+        if (a->bits == 8)
+            for (int64_t k = 0; k < a->K; k++) q[k] = (int8_t)((uint8_t)q[k] ^ 0x80);
     }
 }
 
 #undef PANEL_ROWS
+#ifdef PANEL8
+#undef PANEL8
+#endif
 #undef FN
 #undef CAT
 #undef CAT_
