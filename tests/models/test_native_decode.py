@@ -56,32 +56,23 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_models, vari
         assert torch.equal(a, b)
 
 
-def test_the_stack_runs_products_on_amx_tiles_where_the_model_would(tiny_llama):
-    if not native.load().qmatmul_amx_available:
+# AMX tiles (bfloat16 rows), and panels of 4- and 8-bit weights in either dtype
+@pytest.mark.parametrize("on,bits,dtype", [("tiles", 8, "bfloat16"), ("panels", 4, "float32"),
+                                           ("panels", 4, "bfloat16"), ("panels", 8, "float32"),
+                                           ("panels", 8, "bfloat16")])
+def test_the_stack_runs_batch_products_where_the_model_would(tiny_llama, on, bits, dtype):
+    kernels = native.load()
+    if on == "tiles" and not kernels.qmatmul_amx_available:
         pytest.skip("quantized products on AMX tiles: this CPU (or build) has no AMX with AVX-512 BF16")
-    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="int8", enable_prefix_caching=False)
-    model = llm.engine.runner.model
-    dense = model.layers[0].mlp.down_proj.dense
-    dense.tile_rows, dense.min_rows = 2, None
-    model.use_decode_stack = False
-    modules, _ = _steps(llm, PROMPTS, 3)
-    model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS, 3)
-    assert count == 3
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_stack_runs_products_on_panels_where_the_model_would(tiny_llama, dtype, bits):
-    if not native.load().panels_available(bits):
+    if on == "panels" and not kernels.panels_available(bits):
         pytest.skip(f"{bits}-bit products on panels: this CPU (or build) has no {'AVX2' if bits == 4 else 'VNNI'}")
     llm = make_llm(tiny_llama, dtype=dtype, quantization=f"int{bits}", enable_prefix_caching=False)
     model = llm.engine.runner.model
-    assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))
     dense = model.layers[0].mlp.down_proj.dense
-    dense.tile_rows, dense.panel_rows, dense.min_rows = None, 2, None
+    dense.tile_rows, dense.panel_rows = (2, None) if on == "tiles" else (None, 2)
+    dense.min_rows = None
+    if on == "panels":
+        assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))
     model.use_decode_stack = False
     modules, _ = _steps(llm, PROMPTS, 3)
     model.use_decode_stack = True

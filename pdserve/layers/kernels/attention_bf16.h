@@ -78,4 +78,51 @@ static inline __m512i pf_pairs_bf16(__m512 p0, __m512 p1) {
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 }
 
+/* A step's scores (s[j]: key b * PF_KEYS + j for the task's 16 queries, raw products) masked and
+ * scaled to log2 units: key j is seen by the queries at positions >= j (all of them below the
+ * diagonal), none sees keys past the context; query r's position is base + r. Returns the step's
+ * largest score per query; seen[j] says which queries see key j. */
+static inline __m512 pf_mask_scores(__m512 *s, __mmask16 *seen, int64_t b, int64_t base, __mmask16 present,
+                                    __m512 sc) {
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int below = b * PF_KEYS + PF_KEYS - 1 <= base;
+    __m512 step_top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < PF_KEYS; j++) {
+        const float behind = (float)(b * PF_KEYS + j - base); /* the first query (lane) that sees key j */
+        seen[j] = below ? present : _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
+        s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], s[j], sc);
+        step_top = _mm512_max_ps(step_top, s[j]);
+    }
+    return step_top;
+}
+
+/* The factor a task's sums are rescaled by when its running maximum moves from top to new_top
+ * (1 where nothing was summed yet: rows not present stay at -inf). */
+static inline __m512 pf_rescale(__m512 top, __m512 new_top) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                               pf_exp2(_mm512_sub_ps(top, new_top)));
+}
+
+/* The step's weights against the running maximum into pt (P^T: key pairs as bfloat16 pairs, a
+ * vector each), their sum added to *sum. */
+static inline void pf_step_weights(const __m512 *s, const __mmask16 *seen, __m512 top, __m512 *sum, uint32_t *pt) {
+    for (int j = 0; j < PF_KEYS; j += 2) {
+        const __m512 p0 = _mm512_maskz_mov_ps(seen[j], pf_exp2(_mm512_sub_ps(s[j], top)));
+        const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], pf_exp2(_mm512_sub_ps(s[j + 1], top)));
+        *sum = _mm512_add_ps(*sum, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(pt + (j / 2) * 16, pf_pairs_bf16(p0, p1));
+    }
+}
+
+/* A task's output^T (acc[d * 16 + r]) over its sums of weights, as bfloat16 rows of `out`. */
+static inline void pf_store_rows(const float *acc, __m512 sum, int64_t rows, int64_t D, uint16_t *out,
+                                 int64_t out_stride) {
+    float inv[16], row[PF_MAX_HEAD_DIM];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t d = 0; d < D; d++) row[d] = acc[d * 16 + r] * inv[r];
+        for (int64_t d = 0; d < D; d += 16) store_row_avx512(out + r * out_stride, d, _mm512_loadu_ps(row + d), 1);
+    }
+}
+
 #pragma GCC pop_options

@@ -57,8 +57,7 @@ static void bf_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int6
     memset(acc, 0, D * 16 * sizeof(float));
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     /* scores in log2 units: the weights are powers of two */
-    const __m512 sc = _mm512_set1_ps(scale * 1.4426950408889634f), lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                                          10, 11, 12, 13, 14, 15);
+    const __m512 sc = _mm512_set1_ps(scale * 1.4426950408889634f);
     const __mmask16 present = rows == 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
     const int64_t base = first_pos + r0; /* query r's position is base + r */
     const int64_t last_pos = base + rows - 1, last = last_pos / PF_KEYS; /* the last step any query sees */
@@ -73,42 +72,19 @@ static void bf_attend_block(const uint16_t *q, int64_t q_stride, int64_t h, int6
             const uint16_t *k = cache + ((table[key / block_size] * block_size + key % block_size) * 2 * KV + g) * D;
             bf_scores16(qt, k, slot_stride, D, s + half * 16);
         }
-        /* key j is seen by the queries at positions >= j (all of them below the diagonal); none
-         * sees keys past the context */
-        const int below = b * PF_KEYS + PF_KEYS - 1 <= base;
-        __m512 step_top = _mm512_set1_ps(-INFINITY);
         __mmask16 seen[PF_KEYS];
-        for (int j = 0; j < PF_KEYS; j++) {
-            const float behind = (float)(b * PF_KEYS + j - base); /* the first query (lane) that sees key j */
-            seen[j] = below ? present : _mm512_cmp_ps_mask(lane, _mm512_set1_ps(behind), _CMP_GE_OQ) & present;
-            s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], s[j], sc);
-            step_top = _mm512_max_ps(step_top, s[j]);
-        }
+        const __m512 step_top = pf_mask_scores(s, seen, b, base, present, sc);
         if (_mm512_cmp_ps_mask(step_top, _mm512_add_ps(top, _mm512_set1_ps(PF_RESCALE_LOG2)), _CMP_GT_OQ)) {
-            const __m512 new_top = _mm512_max_ps(top, step_top);
-            /* nothing to rescale before a query's first weight; rows not present stay at -inf */
-            const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                                     pf_exp2(_mm512_sub_ps(top, new_top)));
+            const __m512 new_top = _mm512_max_ps(top, step_top), alpha = pf_rescale(top, new_top);
             sum = _mm512_mul_ps(sum, alpha);
             for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16), alpha));
             top = new_top;
         }
-        for (int j = 0; j < PF_KEYS; j += 2) {
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], pf_exp2(_mm512_sub_ps(s[j], top)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], pf_exp2(_mm512_sub_ps(s[j + 1], top)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(pt + (j / 2) * 16, pf_pairs_bf16(p0, p1));
-        }
+        pf_step_weights(s, seen, top, &sum, pt);
         for (int64_t dc = 0; dc < D / 16; dc++)
             bf_values16(pt, pf_v_tile((uint16_t *)vpack, g, b, dc, steps, D), acc + dc * 256);
     }
-    float inv[16], row[PF_MAX_HEAD_DIM];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t d = 0; d < D; d++) row[d] = acc[d * 16 + r] * inv[r];
-        for (int64_t d = 0; d < D; d += 16)
-            store_row_avx512(out + (r0 + r) * out_stride + h * D, d, _mm512_loadu_ps(row + d), 1);
-    }
+    pf_store_rows(acc, sum, rows, D, out + r0 * out_stride + h * D, out_stride);
 }
 
 static int bf_prefill_attention(int threads, const uint16_t *q, int64_t q_stride, int64_t query_len, int64_t H,
