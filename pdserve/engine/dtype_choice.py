@@ -8,8 +8,13 @@ machine times a short workload in each dtype and keeps the answer:
 
 1. Both candidates (float32, bfloat16) are built in turn, one at a time, as engines of their own
    with a small KV pool, and each runs the workload three times (the first untimed, since the
-   first step of a shape builds the math library's kernels): one prompt's prefill, one stream's
-   decode steps, a batch's decode steps. Each phase keeps its fastest run.
+   first step of a shape builds the math library's kernels): one long prompt's prefill, one
+   stream's decode steps, the decode steps of a batch with a few hundred tokens of context each
+   (their prompts untimed). Each phase keeps its fastest run. The prompts are long enough for
+   attention and the KV cache's bytes to count, as they do in serving: with products that cost the
+   same in either dtype (quantized weights on panels), a 256-token prompt and 16-token batch
+   contexts measured float32 as faster on a Zen 4 EPYC, where served bfloat16 had 1.6x its
+   throughput under 16 prompts of 400 tokens and a 0.6x first token for 1000.
 2. bfloat16 is kept only where it is at least `BFLOAT16_MARGIN` faster over the three phases
    (the geometric mean of their ratios); otherwise float32, which is exact. A bfloat16 engine
    that fails to build or run on this CPU is logged and leaves float32.
@@ -51,11 +56,12 @@ MAX_MEASURED_PARAMETERS = 2_000_000_000  # beyond this the workload alone takes 
 MAX_CACHED_CHOICES = 64  # the cache file keeps the newest this many
 ROUNDS = 3  # of the workload per candidate; the first is not timed
 
-# The workload, in tokens: small enough to take a few seconds on two cores for the default model
-PREFILL_TOKENS = 256
+# The workload, in tokens: about ten seconds on two cores for the default model, once a machine
+PREFILL_TOKENS = 1024
 DECODE_STEPS = 16  # of one stream
-BATCH, BATCH_STEPS = 8, 8  # streams of a decode batch, and its steps
-PROMPT_TOKENS = 16  # of each decoding stream
+PROMPT_TOKENS = 16  # of the one stream
+BATCH, BATCH_STEPS = 8, 8  # streams of a decode batch, and its timed steps
+BATCH_PROMPT_TOKENS = 192  # of each stream of the batch: its context
 
 
 def cache_file() -> Path:
@@ -127,8 +133,9 @@ def choice_key(model: str, quantization: str | None) -> str:
 
     isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     overrides = [os.environ.get(name) for name in (ISA_ENV, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")]
+    workload = [PREFILL_TOKENS, DECODE_STEPS, PROMPT_TOKENS, BATCH, BATCH_STEPS, BATCH_PROMPT_TOKENS]
     blob = json.dumps([cpu_model_name(), isa, aten_capability(), overrides, torch.__version__, pdserve.__version__,
-                       _model_identity(model), quantization])
+                       _model_identity(model), quantization, workload])
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -161,13 +168,19 @@ def _run_workload(engine) -> dict[str, float]:
     def prompt(n: int, seed: int) -> dict:
         return {"prompt_token_ids": [1 + (seed * 7919 + i * 31) % (vocab - 1) for i in range(n)]}
 
-    phases = {"prefill": [(prompt(PREFILL_TOKENS, 0), 1)],
+    longest = engine.max_model_len - 1  # a prompt leaves room for a token; a short model's are shorter
+    batch_context = min(BATCH_PROMPT_TOKENS, longest - BATCH_STEPS)
+    phases = {"prefill": [(prompt(min(PREFILL_TOKENS, longest), 0), 1)],
               "one stream": [(prompt(PROMPT_TOKENS, 1), DECODE_STEPS + 1)],
-              "batch": [(prompt(PROMPT_TOKENS, 2 + i), BATCH_STEPS + 1) for i in range(BATCH)]}
+              "batch": [(prompt(batch_context, 2 + i), BATCH_STEPS + 1) for i in range(BATCH)]}
     seconds = {}
     for phase, requests in phases.items():
         for request, max_tokens in requests:
             engine.add_request(None, request, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        if phase == "batch":  # its prompts untimed: the phase is the decode steps over their contexts
+            scheduler = engine.scheduler
+            while scheduler.waiting or any(not r.output_token_ids for r in scheduler.running):
+                engine.step()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -180,7 +193,7 @@ def _run_workload(engine) -> dict[str, float]:
 def _measuring(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
     """An engine like `config`'s for the workload alone: its own small KV pool, no prefix cache
     (every round computes), no compiled steps."""
-    tokens = 2 * (PREFILL_TOKENS + PROMPT_TOKENS + DECODE_STEPS + BATCH * (PROMPT_TOKENS + BATCH_STEPS))
+    tokens = 2 * (PREFILL_TOKENS + PROMPT_TOKENS + DECODE_STEPS + BATCH * (BATCH_PROMPT_TOKENS + BATCH_STEPS))
     kv_bytes = 2 * arch.num_layers * arch.kv_size * 4 * (tokens + BATCH * config.block_size)
     return EngineConfig(model=config.model, device=config.device, quantization=config.quantization,
                         kv_cache_memory=kv_bytes, block_size=config.block_size,
