@@ -8,7 +8,8 @@ A GGUF file stored with those rules re-quantizes to exactly its own values from 
 weights (a group's extremes are its q=0 and q=15 levels, or +-127), so serving it this way loses
 nothing. The product runs in pdserve's own kernels (`kernels/qmatmul.c`: activations quantized to
 int8 per group of 32, byte dot products with VNNI or AVX2; batches of rows on a
-copy of a 4-bit weight repacked in panels of 16 output columns, `kernels/qmatmul_panel.h`; on a CPU
+copy of the weight repacked in panels of 16 output columns (8-bit ones with VNNI only),
+`kernels/qmatmul_panel.h`; on a CPU
 with AMX, batches of bfloat16 rows on its tiles, `kernels/qmatmul_amx.h`) where they build;
 otherwise 4-bit weights run torch's CPU int4 kernel and 8-bit ones are expanded to the activation
 dtype at load.
@@ -45,8 +46,8 @@ class DenseProducts:
     but their arithmetic grows with the rows. On a CPU with AMX, bfloat16 rows from `tile_rows` up
     run on its tiles, the weight expanded a group at a time as it is read (a decode batch: the
     weight's own bytes, at tile speed). With AVX2 or VNNI, rows from `panel_rows` up run on the
-    4-bit weight's panels (16 output columns a vector's lanes: a group's scaling and unpacking serve 16
-    columns and 8 rows). A prefill chunk's hundreds of rows are arithmetic, which the math
+    weight's panels (16 output columns in a vector's lanes: a group's scaling and unpacking serve
+    16 columns and 4-8 rows; 8-bit weights with VNNI only). A prefill chunk's hundreds of rows are arithmetic, which the math
     library's float GEMM may do faster: from `min_rows` rows up a product runs dense, on the
     weight expanded either once and kept (`keep`: where the model's expanded weights fit the memory
     set aside for them, `dense_memory_budget`) or at each product into one buffer the model's
