@@ -96,13 +96,13 @@ class NativeKernels:
     def panel_pack(self, bits: int, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                    out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A 4- or 8-bit weight (`qmatmul`'s layout) repacked for `panel_matmul`: its bytes in panels of
-        16 output rows, its scales as float32, and its minimums (4-bit, float32) or corrections
-        (8-bit, int32). out_features must be a multiple of 16."""
+        16 output rows, its scales (float16), and its minimums (4-bit, float16) or corrections
+        (8-bit, int16). out_features must be a multiple of 16."""
         in_features = scales.shape[1] * 32
         _contiguous(qs, scales, *(() if mins is None else (mins,)))
         packed = torch.empty(out_features * in_features * bits // 8, dtype=torch.uint8)
-        pd = torch.empty(out_features * in_features // 32, dtype=torch.float32)
-        pm = torch.empty_like(pd, dtype=torch.float32 if bits == 4 else torch.int32)
+        pd = torch.empty(out_features * in_features // 32, dtype=torch.float16)
+        pm = torch.empty_like(pd, dtype=torch.float16 if bits == 4 else torch.int16)
         _check(self.lib.pd_panel_pack(bits, qs.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
                                       out_features, in_features, packed.data_ptr(), pd.data_ptr(), pm.data_ptr()),
                "panel_pack")

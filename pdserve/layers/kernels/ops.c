@@ -201,7 +201,7 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
                const uint16_t *wd, const uint16_t *wm, int64_t N, void *y);
 
 int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
-                    const float *pd, const void *pm, int64_t N, void *y);
+                    const uint16_t *pd, const void *pm, int64_t N, void *y);
 
 /* A quantized weight (qmatmul.c's format, and its panel copy or NULLs) and one decoder layer's
  * weights, for pd_decode_stack. */
@@ -209,8 +209,8 @@ struct pd_qweight {
     int64_t bits;
     const void *qs, *scales, *mins;
     const void *panels;
-    const float *panel_scales;
-    const void *panel_mins; /* 4-bit: float32 minimums; 8-bit: int32 corrections */
+    const uint16_t *panel_scales; /* float16 */
+    const void *panel_mins;       /* 4-bit: float16 minimums; 8-bit: int16 corrections */
 };
 struct pd_layer {
     const void *input_norm, *post_norm; /* in the activations' dtype */

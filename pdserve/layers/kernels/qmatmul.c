@@ -166,7 +166,7 @@ static void gemm_portable(const struct qmm *a) {
 /* Whether this CPU (and its operating system, which must save the wider registers) runs `isa`. */
 int pd_isa_supported(int isa) {
     __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     switch (isa) {
     case ISA_PORTABLE: return 1;
     case ISA_AVX2: return avx2;
@@ -205,20 +205,23 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
 }
 
 /* A 4- or 8-bit weight (the layouts above) repacked for the panel kernel (qmatmul_panel.h):
- *   4-bit: packed [N / 16, K / 32, 256] bytes, pd and pm [N / 16, K / 32, 16] float32 scales and
+ *   4-bit: packed [N / 16, K / 32, 256] bytes, pd and pm [N / 16, K / 32, 16] float16 scales and
  *          minimums;
  *   8-bit: packed [N / 16, K / 32, 512]: block i, lane l, byte b holds weight row 16 p + l's element
- *          g * 32 + 4 i + b; pd the float32 scales, pm int32 corrections (-128 times each column's
- *          group sum: the activations are biased by 128 to be unsigned bytes). */
+ *          g * 32 + 4 i + b; pd the float16 scales, pm int16 minus each column's group sum (the
+ *          kernel's correction is 128 times that: the activations are biased by 128 to be unsigned
+ *          bytes).
+ * Scales and minimums stay in float16, as the weight holds them: a decode step reads every byte of
+ * the panels, and float32 copies would add a fifth to a 4-bit weight's. */
 int pd_panel_pack(int bits, const void *qs, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                  void *packed, float *pd, void *pm) {
+                  void *packed, uint16_t *pd, void *pm) {
     if ((bits != 4 && bits != 8) || (bits == 4 && !wm) || N < 1 || N % PANEL || K < GROUP || K % GROUP) return -1;
     const int64_t G = K / GROUP;
     for (int64_t p = 0; p < N / PANEL; p++)
         for (int64_t g = 0; g < G; g++)
             for (int l = 0; l < PANEL; l++) {
                 const int64_t n = p * PANEL + l, at = (p * G + g) * PANEL + l;
-                pd[at] = half_to_float(wd[n * G + g]);
+                pd[at] = wd[n * G + g];
                 if (bits == 8) {
                     const int8_t *src = (const int8_t *)qs + n * K + g * GROUP;
                     int32_t sum = 0;
@@ -226,11 +229,11 @@ int pd_panel_pack(int bits, const void *qs, const uint16_t *wd, const uint16_t *
                         ((int8_t *)packed)[(p * G + g) * PANEL8_GROUP_BYTES + (k / 4) * 64 + l * 4 + k % 4] = src[k];
                         sum += src[k];
                     }
-                    ((int32_t *)pm)[at] = -128 * sum;
+                    ((int16_t *)pm)[at] = (int16_t)-sum;
                     continue;
                 }
                 const uint8_t *src = (const uint8_t *)qs + (n * G + g) * (GROUP / 2); /* 0-15 low, 16-31 high */
-                ((float *)pm)[at] = half_to_float(wm[n * G + g]);
+                ((uint16_t *)pm)[at] = wm[n * G + g];
                 for (int i = 0; i < 4; i++)
                     for (int b = 0; b < 4; b++) {
                         const int k0 = 8 * i + b, k1 = k0 + 4;
@@ -252,7 +255,7 @@ int pd_panels_available(int isa, int bits) {
 /* y = x @ w^T for a weight packed by pd_panel_pack: 0, -1 for what it does not take, -2 when out
  * of memory. */
 int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
-                    const float *pd, const void *pm, int64_t N, void *y) {
+                    const uint16_t *pd, const void *pm, int64_t N, void *y) {
     if (!pd_panels_available(isa, bits) || M < 0 || N < 1 || N % PANEL || K < GROUP || K % GROUP || threads < 1)
         return -1;
     if (M == 0) return 0;

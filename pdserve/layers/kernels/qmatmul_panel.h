@@ -9,7 +9,7 @@
  * load (`pd_panel_pack`; 8-bit weights as described there):
  *   panel p, group g: 4 blocks of 16 lanes x 4 bytes; block i, lane l, byte b holds weight row
  *   16 p + l's element g * 32 + 8 i + b in its low nibble and g * 32 + 8 i + 4 + b in its high one;
- *   scales and minimums widened to float32, [panel, group, 16].
+ *   scales and minimums in float16 as the weight stores them, [panel, group, 16] (widened in registers).
  * The byte products of the low (or high) nibbles with 4 activation bytes broadcast add each
  * column's sum of 4 products (a dpbusd with VNNI; with AVX2 maddubs pairs summed in 16 bits, at
  * most 8 * 2 * 15 * 127 = 30480, then one madd). Activations are quantized as for qmatmul_simd.h
@@ -38,14 +38,14 @@ static inline void FN(panel_store)(void *y, int64_t offset, __m512 v, int bf16) 
 
 /* y[m0 .. m0 + rows, 16 p .. 16 p + 16) for rows <= PANEL_ROWS. */
 static inline __attribute__((always_inline)) void FN(panel_block)(const struct qmm *a, const uint8_t *packed,
-                                                                  const float *pd, const float *pm, int64_t p,
+                                                                  const uint16_t *pd, const uint16_t *pm, int64_t p,
                                                                   int64_t m0, int rows) {
     const int64_t G = a->K / GROUP;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[PANEL_ROWS];
     for (int r = 0; r < PANEL_ROWS; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *w = packed + p * G * PANEL_GROUP_BYTES;
-    const float *wd = pd + p * G * PANEL, *wm = pm + p * G * PANEL;
+    const uint16_t *wd = pd + p * G * PANEL, *wm = pm + p * G * PANEL;
     for (int64_t g = 0; g < G; g++, w += PANEL_GROUP_BYTES) {
         __m512i q[8];
         for (int i = 0; i < 4; i++) {
@@ -53,7 +53,8 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
             q[2 * i] = _mm512_and_si512(v, low4);
             q[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
-        const __m512 d = _mm512_loadu_ps(wd + g * PANEL), mn = _mm512_loadu_ps(wm + g * PANEL);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + g * PANEL)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * PANEL)));
         for (int r = 0; r < PANEL_ROWS; r++) {
             if (r >= rows) break;
             const int64_t m = m0 + r;
@@ -75,9 +76,10 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
 }
 
 /* 8-bit weights: the activations biased to unsigned bytes (x + 128) against the signed weights;
- * each column's group sum starts at its correction, -128 times the sum of its weights. */
+ * each column's group sum starts at its correction, -128 times the sum of its weights (pc holds
+ * minus that sum, at most 32 x 127 in magnitude). */
 static inline __attribute__((always_inline)) void FN(panel8_block)(const struct qmm *a, const int8_t *packed,
-                                                                   const float *pd, const int32_t *pc, int64_t p,
+                                                                   const uint16_t *pd, const int16_t *pc, int64_t p,
                                                                    int64_t m0, int rows) {
     const int64_t G = a->K / GROUP;
     __m512 acc[PANEL_ROWS];
@@ -86,8 +88,9 @@ static inline __attribute__((always_inline)) void FN(panel8_block)(const struct 
     for (int64_t g = 0; g < G; g++, w += PANEL8_GROUP_BYTES) {
         __m512i q[8];
         for (int i = 0; i < 8; i++) q[i] = _mm512_loadu_si512(w + i * 64);
-        const __m512 d = _mm512_loadu_ps(pd + (p * G + g) * PANEL);
-        const __m512i c = _mm512_loadu_si512(pc + (p * G + g) * PANEL);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + (p * G + g) * PANEL)));
+        const __m512i c = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(pc + (p * G + g) * PANEL))), 7);
         for (int r = 0; r < PANEL_ROWS; r++) {
             if (r >= rows) break;
             const int64_t m = m0 + r;
@@ -128,7 +131,7 @@ static inline void FN(panel_store)(void *y, int64_t offset, __m256 v, int bf16) 
 
 /* y[m0 .. m0 + rows, 16 p + 8 half .. + 8) for rows <= PANEL_ROWS: columns of one half a pass. */
 static inline __attribute__((always_inline)) void FN(panel_block)(const struct qmm *a, const uint8_t *packed,
-                                                                  const float *pd, const float *pm, int64_t p,
+                                                                  const uint16_t *pd, const uint16_t *pm, int64_t p,
                                                                   int64_t m0, int rows) {
     const int64_t G = a->K / GROUP;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -136,7 +139,7 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
         __m256 acc[PANEL_ROWS];
         for (int r = 0; r < PANEL_ROWS; r++) acc[r] = _mm256_setzero_ps();
         const uint8_t *w = packed + p * G * PANEL_GROUP_BYTES + half * 32;
-        const float *wd = pd + p * G * PANEL + half * 8, *wm = pm + p * G * PANEL + half * 8;
+        const uint16_t *wd = pd + p * G * PANEL + half * 8, *wm = pm + p * G * PANEL + half * 8;
         for (int64_t g = 0; g < G; g++, w += PANEL_GROUP_BYTES) {
             __m256i q[8];
             for (int i = 0; i < 4; i++) {
@@ -144,7 +147,8 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
                 q[2 * i] = _mm256_and_si256(v, low4);
                 q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             }
-            const __m256 d = _mm256_loadu_ps(wd + g * PANEL), mn = _mm256_loadu_ps(wm + g * PANEL);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * PANEL)));
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * PANEL)));
             for (int r = 0; r < PANEL_ROWS; r++) {
                 if (r >= rows) break;
                 const int64_t m = m0 + r;
@@ -170,7 +174,7 @@ static inline __attribute__((always_inline)) void FN(panel_block)(const struct q
 #ifdef PANEL_DPBUSD
 /* 8-bit weights, as above, one half of the panel's columns a pass. */
 static inline __attribute__((always_inline)) void FN(panel8_block)(const struct qmm *a, const int8_t *packed,
-                                                                   const float *pd, const int32_t *pc, int64_t p,
+                                                                   const uint16_t *pd, const int16_t *pc, int64_t p,
                                                                    int64_t m0, int rows) {
     const int64_t G = a->K / GROUP;
     for (int half = 0; half < 2; half++) {
@@ -180,8 +184,10 @@ static inline __attribute__((always_inline)) void FN(panel8_block)(const struct 
         for (int64_t g = 0; g < G; g++, w += PANEL8_GROUP_BYTES) {
             __m256i q[8];
             for (int i = 0; i < 8; i++) q[i] = _mm256_loadu_si256((const __m256i *)(w + i * 64));
-            const __m256 d = _mm256_loadu_ps(pd + (p * G + g) * PANEL + half * 8);
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(pc + (p * G + g) * PANEL + half * 8));
+            const uint16_t *at = pd + (p * G + g) * PANEL + half * 8;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+            const __m256i c = _mm256_slli_epi32(
+                _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(pc + (p * G + g) * PANEL + half * 8))), 7);
             for (int r = 0; r < PANEL_ROWS; r++) {
                 if (r >= rows) break;
                 const int64_t m = m0 + r;
@@ -201,9 +207,9 @@ static inline __attribute__((always_inline)) void FN(panel8_block)(const struct 
 #endif
 
 /* Each thread takes a range of panels and runs every block of rows over them: its panels' weights
- * stay in its own cache while the activations stream. pm: the 4-bit minimums (float32) or the 8-bit
- * corrections (int32). */
-static void FN(panel_gemm)(const struct qmm *a, const void *packed, const float *pd, const void *pm) {
+ * stay in its own cache while the activations stream. pm: the 4-bit minimums (float16) or the 8-bit
+ * corrections (int16). */
+static void FN(panel_gemm)(const struct qmm *a, const void *packed, const uint16_t *pd, const void *pm) {
     const int64_t panels = a->N / PANEL;
 #pragma omp parallel num_threads(a->threads)
     {
