@@ -102,9 +102,14 @@ class EngineConfig:
         "(prompt lookup) and verify them in one step, as many as measured step costs and acceptance "
         "say pay: faster where the output repeats the input, the same tokens (seeded or greedy); "
         "suffix: as ngram, and also what recent requests on the worker wrote (agent loops, retries, "
-        "repeated questions)",
-        choices=("off", "ngram", "suffix"))
+        "repeated questions); draft:PATH: what a smaller model with the same tokenizer writes (a "
+        "directory or .gguf file; the served model itself makes a self-draft, in 4-bit weights on CPU), "
+        "run a few tokens ahead over a KV cache of its own")
     num_speculative_tokens: int = flag(8, "tokens proposed for a request at a step, at most")
+    draft_quantization: str = flag(
+        "auto", "the draft model's weights (--speculative draft:PATH): auto keeps a quantized file's "
+        "and makes a dense one 4-bit on CPU (a draft is cheap or it does not pay); int4, int8 or none",
+        choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -124,8 +129,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
-        if self.speculative not in ("off", "ngram", "suffix"):
-            raise ValueError(f"speculative must be off, ngram or suffix, got {self.speculative!r}")
+        draft_path = self.speculative.removeprefix("draft:") if self.speculative.startswith("draft:") else None
+        if self.speculative not in ("off", "ngram", "suffix") and not (draft_path and draft_path.strip()):
+            raise ValueError(f"speculative must be off, ngram, suffix or draft:PATH, got {self.speculative!r}")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                             f"got {self.draft_quantization!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be 1 to 64, got {self.num_speculative_tokens}")
         if self.decode_headroom_tokens < 0:

@@ -371,6 +371,7 @@ class WorkerStats(Message):
     drafts: Count = 0  # speculative decoding: drafts verified (one a request a step)
     draft_tokens: Count = 0  # their tokens
     draft_tokens_accepted: Count = 0  # of those, kept
+    draft_prompt_tokens: Count = 0  # prompt tokens a draft model computed on this worker
     uptime_s: Seconds = 0.0
     requests_aborted: Count = 0
     requests_failed: Count = 0

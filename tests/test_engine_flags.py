@@ -14,7 +14,8 @@ from pdserve.flags import Option, add_flags, flag, options
 
 MODEL = "some-model"
 # Values for flags whose type suggests none the config accepts.
-STRING_VALUES = {"model": "tiny", "dtype": "bfloat16", "device": "cuda", "kv_cache_memory": "512MiB"}
+STRING_VALUES = {"model": "tiny", "dtype": "bfloat16", "device": "cuda", "kv_cache_memory": "512MiB",
+                 "speculative": "draft:/models/small"}
 
 
 def non_default(o: Option) -> tuple[list[str], object]:

@@ -22,6 +22,7 @@ from pdserve.engine.isolation import run_isolating
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec.draft import DraftModelProposer
 from pdserve.engine.spec.proposers import make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
@@ -77,7 +78,10 @@ class LLMEngine:
             self.hooks,
             config.decode_headroom_tokens,
             config.max_queue_wait_s if config.shortest_prompt_first else None,
-            proposer=make_proposer(config.speculative, config.num_speculative_tokens),
+            proposer=make_proposer(config.speculative, config.num_speculative_tokens,
+                                   lambda path, k: DraftModelProposer.load(
+                                       path, config.draft_quantization, self.model_config, self.tokenizer,
+                                       self.dtype, device, config.block_size, config.kv_cache_memory // 4, k)),
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode)

@@ -47,7 +47,7 @@ class Scheduler:
         headroom_tokens: int = 0,
         shortest_first_max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-        proposer: NgramProposer | None = None,  # or any proposer (`engine/spec/`)
+        proposer: NgramProposer | None = None,  # or any proposer (`engine/spec/proposers.py`)
     ) -> None:
         self.blocks = block_manager
         self.clock = clock  # the clock of requests' arrival_time; tests stop it
@@ -125,7 +125,8 @@ class Scheduler:
     def _propose(self) -> None:
         """Drafts for the running requests that decode one token and may speculate, cut to the
         tokens expected to pay for their rows (`engine/spec/budget.py`)."""
-        drafting, rows, window = [], 0, self.proposer.window
+        self.proposer.retain(self.running)
+        wanted, rows = [], 0
         for req in self.running:
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
@@ -135,8 +136,10 @@ class Scheduler:
             if req.draft_pause:
                 req.draft_pause -= 1
                 continue
-            recent = req.token_ids(max(0, req.num_tokens - window), req.num_tokens)
-            req.draft = self.proposer.propose(recent, req.max_total_tokens - req.num_tokens - 1)
+            wanted.append((req, req.max_total_tokens - req.num_tokens - 1))
+        drafting = []
+        for (req, _), draft in zip(wanted, self.proposer.propose_all(wanted) if wanted else []):
+            req.draft = draft
             if req.matcher is not None:  # only what its structure allows can be sampled
                 req.draft = req.draft[: req.matcher.valid_prefix(req.draft)]
             if req.draft:
@@ -284,6 +287,8 @@ class Scheduler:
         self.running.remove(req)
         req.draft = []
         self.blocks.free(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -385,7 +390,9 @@ class Scheduler:
         req.status = status
         req.finished_time = self.clock()
         self.hooks.on_finished(req)
-        if self.proposer is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.proposer.finished(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.proposer.finished(req)
         self.blocks.free(req)
         return req

@@ -17,6 +17,7 @@ _HELP = {
     "drafts": "speculative decoding: drafts verified since start (one a request a step)",
     "draft_tokens": "speculative decoding: tokens proposed and verified since start",
     "draft_tokens_accepted": "speculative decoding: proposed tokens the model kept since start",
+    "draft_prompt_tokens": "speculative decoding: prompt tokens a draft model computed here since start",
     "draft_mean_accepted_length": "speculative decoding: tokens a verified draft gives on average "
                                   "(its kept tokens and the model's own next one)",
     "kv_landed": "prompts whose KV arrived from a prefill worker",
@@ -48,7 +49,7 @@ class _Snapshot:
                 yield family
 
 
-_BY_METHOD = ("drafts", "draft_tokens", "draft_tokens_accepted")
+_BY_METHOD = ("drafts", "draft_tokens", "draft_tokens_accepted", "draft_prompt_tokens")
 
 
 def render_metrics(stats: dict) -> str:

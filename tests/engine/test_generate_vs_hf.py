@@ -38,18 +38,24 @@ def generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs], outs
 
 
-@pytest.mark.parametrize("speculative", ["off", "ngram"])
+@pytest.mark.parametrize("speculative", ["off", "ngram", "draft"])
 @pytest.mark.parametrize("scenario", ["whole", "chunked", "preemption"])
 def test_greedy_matches_transformers(tiny_llama, reference, scenario, speculative):
     """With speculative decoding too: drafts verified beside chunks, and requests preempted with
-    draft slots allocated."""
+    draft slots allocated (the draft model: the tiny model's own 4-bit weights)."""
     args = {
         "whole": dict(max_num_batched_tokens=1024),
         "chunked": dict(max_num_batched_tokens=7),
         # 2 KiB per block: 40 blocks cannot hold all eight requests at full length
         "preemption": dict(kv_cache_memory=40 * 2048, max_num_batched_tokens=64),
     }[scenario]
-    llm = make_llm(tiny_llama, speculative=speculative, **args)
+    if speculative == "draft":  # its drafts take step budget from prefills: fewer requests overlap
+        args.update(speculative=f"draft:{tiny_llama}", draft_quantization="int4")
+        if scenario == "preemption":
+            args.update(kv_cache_memory=24 * 2048)
+    else:
+        args.update(speculative=speculative)
+    llm = make_llm(tiny_llama, **args)
     every_draft_verified(llm.engine)
     prompts = mixed_prompts()
     got, _ = generate(llm, prompts)

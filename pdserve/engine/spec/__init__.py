@@ -24,10 +24,13 @@ drawing only the kept positions leaves it.
 
 The modules: `ngram` (prompt lookup: where the output repeats its input, the tokens that followed
 the latest earlier occurrence of the last few tokens are likely to follow again), `suffix` (also
-what recent requests on the worker wrote), `proposers` (the proposer of each `--speculative`
-method), `budget` (how many draft tokens each request verifies at a step), `verify` (who drafts,
-and what a verified draft gives). A proposer has `num_tokens`, `window` (the context tokens it
-reads), `method`, `propose(tokens, limit)`, `finished(request)` (a request that ended here) and
-`forget()`. A structured request's draft is cut to the tokens its structure allows; a request may
+what recent requests on the worker wrote), `draft` (a draft model with the target's tokenizer,
+run a few tokens ahead over a KV cache of its own), `proposers` (the proposer of each
+`--speculative` method), `budget` (how many draft tokens each request verifies at a step),
+`verify` (who drafts, and what a verified draft gives). A proposer has `num_tokens`, `method`,
+`propose_all([(request, limit)])` (the drafts of each), `release(request)` (the request left the
+running set: finished, aborted or preempted), `retain(running)` (free what is held for requests not
+among them), `finished(request)` (a request that ended here; what it wrote may teach the proposer)
+and `forget()`. A structured request's draft is cut to the tokens its structure allows; a request may
 opt out (`SamplingParams.speculate`).
 """

@@ -47,9 +47,23 @@ class NgramProposer:
         return best
 
 
+    def propose_all(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        """`propose` for each (request, limit), over the request's last `window` tokens."""
+        return [self.propose(recent_tokens(req, self.window), limit) for req, limit in wanted]
+
+    def release(self, request: Request) -> None:
+        """Nothing is held for a request."""
+
+    def retain(self, running: list[Request]) -> None:
+        """Nothing is held for a request."""
+
     def finished(self, request: Request) -> None:
         """Prompt lookup learns nothing from requests that ended."""
 
     def forget(self) -> None:
         """Nothing learned to forget."""
 
+
+def recent_tokens(request: Request, window: int) -> list[int]:
+    """The request's last `window` tokens (prompt and output)."""
+    return request.token_ids(max(0, request.num_tokens - window), request.num_tokens)

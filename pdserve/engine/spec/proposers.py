@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+from pdserve.engine.spec.draft import DraftModelProposer
 from pdserve.engine.spec.ngram import NgramProposer
 from pdserve.engine.spec.suffix import SuffixProposer
 
-SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+DRAFT_PREFIX = "draft:"  # `--speculative draft:PATH`; the methods are checked by `EngineConfig`
+
+Proposer = NgramProposer | SuffixProposer | DraftModelProposer
 
 
-def make_proposer(method: str, num_tokens: int) -> NgramProposer | SuffixProposer | None:
-    """The proposer of a `--speculative` method; None for off."""
+def make_proposer(method: str, num_tokens: int,
+                  load_draft: Callable[[str, int], DraftModelProposer] | None = None) -> Proposer | None:
+    """The proposer of a `--speculative` method; None for off. `load_draft(path, num_tokens)` loads
+    a draft model (the engine's, which knows the target it drafts for)."""
     if method == "off":
         return None
     if method == "ngram":
         return NgramProposer(num_tokens)
     if method == "suffix":
         return SuffixProposer(num_tokens)
-    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    if not method.startswith(DRAFT_PREFIX):
+        raise ValueError(f"speculative must be off, ngram, suffix or draft:PATH, got {method!r}")
+    if load_draft is None:
+        raise ValueError("a draft model needs the engine that serves its target")
+    return load_draft(method[len(DRAFT_PREFIX):].strip(), num_tokens)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
-from pdserve.engine.spec.ngram import NgramProposer
+from pdserve.engine.spec.ngram import NgramProposer, recent_tokens
 
 INDEX_CAPACITY = 1 << 17  # n-grams kept, at most: ~20 MB
 MIN_SHARE = 0.5  # a follower is drafted only if more than this share of the n-gram's followers were it
@@ -93,6 +93,15 @@ class SuffixProposer:
             return own
         learned = self.index.propose(tokens, k)
         return learned if len(learned) > len(own) else own
+
+    def propose_all(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        return [self.propose(recent_tokens(req, self.window), limit) for req, limit in wanted]
+
+    def release(self, request: Request) -> None:
+        """What the index knows belongs to the worker: nothing is held for a request."""
+
+    def retain(self, running: list[Request]) -> None:
+        """Nothing is held for a request."""
 
     def finished(self, request: Request) -> None:
         if request.output_token_ids:
