@@ -137,6 +137,10 @@ class Scheduler:
                 req.draft_pause -= 1
                 continue
             wanted.append((req, req.max_total_tokens - req.num_tokens - 1))
+        seconds = self.proposer.draft_seconds  # a token ahead, for all requests at once: 0 for a free proposer
+        if wanted and seconds != 0:
+            ahead = self.draft_budget.lead(rows, len(wanted), seconds, self.proposer.num_tokens)
+            wanted = [(req, min(limit, ahead)) for req, limit in wanted] if ahead else []
         drafting = []
         for (req, _), draft in zip(wanted, self.proposer.propose_all(wanted) if wanted else []):
             req.draft = draft

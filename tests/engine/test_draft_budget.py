@@ -80,3 +80,29 @@ def test_a_requests_rate_starts_at_the_engines_and_follows_its_own_drafts():
     for _ in range(20):
         budget.verified(chatting, kept=0, drafted=3)
     assert budget.rate(chatting) < 0.35
+
+
+def test_a_costly_proposer_drafts_as_far_ahead_as_pays_and_sits_out_where_nothing_does():
+    """A step of 1-9 rows costs 10 ms plus 0.1 ms a row; the engine keeps 90% of draft tokens. A
+    draft model at 0.5 ms a token drafts far ahead; one costing a whole step (a self-draft of the
+    same size) could not pay even if every draft held, and sits out for MAX_PROBE_EVERY steps at a
+    time; one that would pay at a better rate drafts one token after PROBE_EVERY steps, then after
+    twice as many, so that its estimates follow at a bounded cost."""
+    from pdserve.engine.spec.budget import MAX_PROBE_EVERY, PROBE_EVERY
+
+    budget = budget_with_costs({rows: 0.010 + 0.0001 * rows for rows in range(1, 10)})
+    budget.engine = sure(0.9)
+    assert budget.lead(rows=1, drafting=1, draft_seconds=None, most=8) == 8  # not measured: drafting measures it
+    assert budget.lead(rows=1, drafting=1, draft_seconds=0.0005, most=8) == 8
+    cheap = budget.lead(rows=1, drafting=1, draft_seconds=0.004, most=8)
+    assert 1 <= cheap < 8  # each token ahead pays less than the one before
+    budget.engine = sure(0.3)  # drafts at 3 ms a token that would pay if more of them held
+    answers = [budget.lead(rows=1, drafting=1, draft_seconds=0.003, most=8) for _ in range(3 * PROBE_EVERY)]
+    assert answers == [0] * (PROBE_EVERY - 1) + [1] + [0] * (2 * PROBE_EVERY - 1) + [1]  # then twice as long
+    budget.engine = sure(0.9)
+    assert budget.lead(rows=1, drafting=1, draft_seconds=0.0005, most=8) == 8  # it pays again: probes reset
+    assert budget.probe_every == PROBE_EVERY
+    assert budget.lead(rows=1, drafting=1, draft_seconds=0.012, most=8) == 0  # as costly as a step: hopeless
+    assert budget.probe_every == MAX_PROBE_EVERY
+    budget.engine = sure(0.05)  # drafts that almost never hold: even a cheap draft sits out
+    assert budget.lead(rows=1, drafting=1, draft_seconds=0.0005, most=8) == 0

@@ -19,6 +19,14 @@ sure, and a row count whose step costs a jump more (a new block of tile rows) is
 - A request whose drafts missed waits before it proposes again (the scheduler's backoff); when it
   does, or before it has any history, its first draft token is verified whatever it costs: a
   probe, so that a request whose output turns repetitive is found out.
+- A proposer whose drafts cost time of their own (a draft model: a step of it for every draft
+  token, all drafting requests at once) is asked for as many tokens ahead as make the step and
+  its drafting give the most tokens a second (`lead`), priced by its measured seconds a token and
+  the engine's acceptance: none where its tokens cost more than they give, then one token after
+  `PROBE_EVERY` steps, so that the estimates follow the traffic, and after twice as many each
+  time the answer stays none (up to `MAX_PROBE_EVERY`, at once where not even drafts that are always
+  kept would pay: a draft model as large as the target): a probe costs more than its token, as the
+  draft model first catches up with what the requests wrote meanwhile (a new request's prompt).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ ENGINE_MEMORY = 0.98  # the engine's, over all requests' drafts
 PRIOR_DRAFTS = 2.0  # a request's rate counts the engine's as this many drafts of its own
 FIRST_RATE = 0.5  # the engine's rate before any draft was verified
 COST_MEMORY = 0.2  # weight of a new step's seconds in its row count's moving average
+PROBE_EVERY = 32  # steps a costly proposer sits out before it drafts a token again
+MAX_PROBE_EVERY = 4096  # ... where its drafts have not paid for a long time
 
 
 @dataclass(slots=True)
@@ -89,6 +99,35 @@ class DraftBudget:
     def __init__(self) -> None:
         self.costs = StepCosts()
         self.engine = Acceptance()
+        self.sat_out = 0  # steps in a row a costly proposer was asked for nothing
+        self.probe_every = PROBE_EVERY  # how many it sits out before a probe
+
+    def lead(self, rows: int, drafting: int, draft_seconds: float | None, most: int) -> int:
+        """How many tokens ahead a proposer that takes `draft_seconds` a token (for all `drafting`
+        requests at once) should draft, at most `most`, in a step of `rows` decode rows."""
+        base = self.costs.at(rows)
+        if base is None or draft_seconds is None:  # not measured yet: drafting measures it
+            return most
+        best_k = self._best_lead(rows, drafting, draft_seconds, most, self.engine.rate(FIRST_RATE, PRIOR_DRAFTS))
+        if best_k:
+            self.sat_out, self.probe_every = 0, PROBE_EVERY
+            return best_k
+        if not self._best_lead(rows, drafting, draft_seconds, most, 1.0):
+            self.probe_every = MAX_PROBE_EVERY  # not even drafts always kept would pay: only its cost may change
+        self.sat_out += 1
+        if self.sat_out < self.probe_every:
+            return 0
+        self.sat_out, self.probe_every = 0, min(2 * self.probe_every, MAX_PROBE_EVERY)
+        return 1
+
+    def _best_lead(self, rows: int, drafting: int, draft_seconds: float, most: int, rate: float) -> int:
+        best, best_k, gain = rows / self.costs.at(rows), 0, 0.0
+        for k in range(1, most + 1):
+            gain += drafting * rate ** k
+            speed = (rows + gain) / (self.costs.at(rows + drafting * k) + k * draft_seconds)
+            if speed > best:
+                best, best_k = speed, k
+        return best_k
 
     def rate(self, acceptance: Acceptance) -> float:
         return acceptance.rate(self.engine.rate(FIRST_RATE, PRIOR_DRAFTS), PRIOR_DRAFTS)

@@ -20,6 +20,7 @@ request's output as they are, whatever the draft model is.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.request import Request
+from pdserve.engine.spec.budget import COST_MEMORY
 from pdserve.engine.step import SchedulerOutput
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.loader import build_model, load_checkpoint
@@ -89,6 +91,7 @@ class DraftModelProposer:
         self.max_len = max_len  # positions the draft model takes
         self._sequences: dict[str, _Sequence] = {}
         self.prompt_tokens_computed = 0  # the requests' prompt tokens the draft model computed here
+        self.draft_seconds: float | None = None  # a decode step of the draft model, moving average
 
     @classmethod
     def load(cls, path: str | Path, quantization: str, target_config: ArchConfig, target_tokenizer: Tokenizer,
@@ -150,6 +153,10 @@ class DraftModelProposer:
                 drafts[i].append(token)
         return drafts  # each sequence ends at its next-to-last draft: the last is proposed, not fed
 
+    def _observe(self, seconds: float) -> None:
+        old = self.draft_seconds
+        self.draft_seconds = seconds if old is None else old + COST_MEMORY * (seconds - old)
+
     def release(self, request: Request) -> None:
         """The request left the running set: its draft-side KV is freed."""
         if self._sequences.pop(request.request_id, None) is not None:
@@ -197,6 +204,7 @@ class DraftModelProposer:
             step.num_new_tokens.append(counts[j])
             step.block_tables.append(self.blocks.block_table(sequences[j].request_id))
         step.num_decodes = sum(1 for n in counts if n == 1)
+        start = time.perf_counter()
         logits, heads = self.runner.forward(step)
         tokens: list[int | None] = [None] * len(sequences)
         if logits is not None:
@@ -210,4 +218,6 @@ class DraftModelProposer:
                 tokens[order[row]] = token
         for seq, n in zip(sequences, counts):
             seq.num_computed_tokens += n
+        if max(counts) <= 2:  # a step of drafting (not a prompt caught up): what a draft token costs
+            self._observe(time.perf_counter() - start)
         return tokens

@@ -21,6 +21,7 @@ class NgramProposer:
     min_ngram: int = 2
     window: int = 1024
     method = "ngram"
+    draft_seconds = 0.0  # a lookup in the request's own tokens: free beside a step
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """At most min(num_tokens, limit) drafts to follow `tokens` (prompt and output so far)."""

@@ -77,6 +77,7 @@ class SuffixProposer:
     lookup: NgramProposer = None  # type: ignore[assignment]
     index: SuffixIndex = field(default_factory=SuffixIndex)
     method = "suffix"
+    draft_seconds = 0.0  # lookups: free beside a step
 
     def __post_init__(self) -> None:
         if self.lookup is None:
