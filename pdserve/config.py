@@ -129,8 +129,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
-        draft_path = self.speculative.removeprefix("draft:") if self.speculative.startswith("draft:") else None
-        if self.speculative not in ("off", "ngram", "suffix") and not (draft_path and draft_path.strip()):
+        drafts = self.speculative.startswith("draft:") and self.speculative.removeprefix("draft:").strip()
+        if self.speculative not in ("off", "ngram", "suffix") and not drafts:
             raise ValueError(f"speculative must be off, ngram, suffix or draft:PATH, got {self.speculative!r}")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}; "

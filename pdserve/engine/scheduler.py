@@ -125,7 +125,6 @@ class Scheduler:
     def _propose(self) -> None:
         """Drafts for the running requests that decode one token and may speculate, cut to the
         tokens expected to pay for their rows (`engine/spec/budget.py`)."""
-        self.proposer.retain(self.running)
         wanted, rows = [], 0
         for req in self.running:
             if req.num_tokens - req.num_computed_tokens != 1:

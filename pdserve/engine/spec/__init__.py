@@ -29,8 +29,7 @@ run a few tokens ahead over a KV cache of its own), `proposers` (the proposer of
 `--speculative` method), `budget` (how many draft tokens each request verifies at a step),
 `verify` (who drafts, and what a verified draft gives). A proposer has `num_tokens`, `method`,
 `propose_all([(request, limit)])` (the drafts of each), `release(request)` (the request left the
-running set: finished, aborted or preempted), `retain(running)` (free what is held for requests not
-among them), `finished(request)` (a request that ended here; what it wrote may teach the proposer)
-and `forget()`. A structured request's draft is cut to the tokens its structure allows; a request may
+running set: finished, aborted, moved or preempted), `finished(request)` (a request that ended
+here; what it wrote may teach the proposer) and `forget()`. A structured request's draft is cut to the tokens its structure allows; a request may
 opt out (`SamplingParams.speculate`).
 """

@@ -8,8 +8,8 @@ the tokens the target verified since its last draft, one or two), then decodes t
 of them together, one batched step of the draft model a token. A draft the target rejected is
 dropped by moving the sequence's computed count back to the last token both agree on: its slots
 are written again. The draft's KV lives in its own block pool (a `BlockManager` without prefix
-caching), a sequence's blocks freed when its request leaves the running set (finished, aborted,
-preempted, moved); a request the pool has no room for does not draft.
+caching), a sequence's blocks freed when its request leaves the running set (the scheduler's
+`release`: finished, aborted, moved or preempted); a request the pool has no room for does not draft.
 
 A draft is the draft model's most likely token (after the request's `logit_bias`, which
 shapes the target's choice as much), one token and not a distribution, so the
@@ -82,7 +82,6 @@ class DraftModelProposer:
     """Proposes each request's next `num_tokens` tokens as the draft model would write them."""
 
     method = "draft"
-    window = 0  # reads the request itself, not a window of its tokens
 
     def __init__(self, runner: ModelRunner, blocks: BlockManager, num_tokens: int, max_len: int) -> None:
         self.runner = runner
@@ -161,13 +160,6 @@ class DraftModelProposer:
         """The request left the running set: its draft-side KV is freed."""
         if self._sequences.pop(request.request_id, None) is not None:
             self.blocks.release(request.request_id)
-
-    def retain(self, running: list[Request]) -> None:
-        """Free what is held for requests no longer running (whatever took them away)."""
-        live = {r.request_id for r in running}
-        for request_id in [r for r in self._sequences if r not in live]:
-            del self._sequences[request_id]
-            self.blocks.release(request_id)
 
     def finished(self, request: Request) -> None:
         """A draft model learns nothing from requests that ended."""

@@ -55,9 +55,6 @@ class NgramProposer:
     def release(self, request: Request) -> None:
         """Nothing is held for a request."""
 
-    def retain(self, running: list[Request]) -> None:
-        """Nothing is held for a request."""
-
     def finished(self, request: Request) -> None:
         """Prompt lookup learns nothing from requests that ended."""
 

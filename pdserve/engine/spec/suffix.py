@@ -101,9 +101,6 @@ class SuffixProposer:
     def release(self, request: Request) -> None:
         """What the index knows belongs to the worker: nothing is held for a request."""
 
-    def retain(self, running: list[Request]) -> None:
-        """Nothing is held for a request."""
-
     def finished(self, request: Request) -> None:
         if request.output_token_ids:
             tail = request.prompt_token_ids[-self.index.max_ngram :]
