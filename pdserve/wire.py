@@ -315,6 +315,11 @@ class PrefillLease(Message, kw_only=True):
     model_hash: ModelHash
     kv_transfer_dtype: KVTransferDtype = "auto"
     decode: DecodeOffers
+    # where the decode worker drafts with a draft model: the blocks its draft's KV of positions
+    # [0, end) goes to, and which draft (a prefill worker with another, or none, ships none)
+    draft_block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]],
+                                 Meta(max_length=MAX_SEQUENCE_TOKENS)] = []
+    draft_hash: ModelHash = ""
 
 
 class PrefillAccepted(Message):

@@ -264,6 +264,13 @@ class LLMEngine:
         self._landed.append(req)
         return True
 
+    @property
+    def draft_model(self) -> DraftModelProposer | None:
+        """The draft model this engine drafts with (`--speculative draft:PATH`), if any: a KV
+        transfer ships its KV beside the target's."""
+        proposer = self.scheduler.proposer
+        return proposer if isinstance(proposer, DraftModelProposer) else None
+
     def kv_failed(self, request_id: str) -> None:
         """The prompt's KV will not come: the request computes it here (the colocated path)."""
         self.scheduler.kv_failed(request_id)

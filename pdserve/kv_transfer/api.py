@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from pdserve.kv_transfer.base import KVLayout, Lease, TransferStatus
+from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferStatus
 from pdserve.outputs import TokenLogprobs
 
 # (request id, fence): the decode worker ended that lease; fence None: every lease of the request
@@ -39,7 +39,8 @@ class KVSender(Protocol):
         ...
 
     def write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
-        """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs."""
+        """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs
+        (layers past the model's are its draft model's, `DraftKV`)."""
         ...
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
@@ -84,4 +85,5 @@ class SenderFactory(Protocol):
         name: str = "prefill",
         encoding: str = "raw",
         on_peer_abort: PeerAbort = ...,
+        draft: DraftKV | None = None,
     ) -> KVSender: ...

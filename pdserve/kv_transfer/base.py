@@ -11,7 +11,8 @@ The interface is non-blocking on both sides:
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+import hashlib
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -79,13 +80,41 @@ class Lease:
     end: int  # number of prompt tokens
     deadline: float  # monotonic time after which decode stops waiting
     received: list[int] = field(default_factory=list)  # per layer: positions below this landed
+    # The draft model's KV, where the decode worker drafts with one (`DraftKV`): the blocks of its
+    # draft pool, written from position 0 (that pool caches no prefix), its layers numbered after
+    # the target's on the wire. Optional: a lease lands without it, and the draft computes it then.
+    draft_block_table: list[int] = field(default_factory=list)
+    draft_received: list[int] = field(default_factory=list)  # per draft layer, as `received`
 
-    def slot_runs(self, start: int, end: int) -> list[tuple[int, int]]:
-        return slot_runs(self.block_table, self.block_size, start, end)
+    def slot_runs(self, start: int, end: int, draft: bool = False) -> list[tuple[int, int]]:
+        return slot_runs(self.draft_block_table if draft else self.block_table, self.block_size, start, end)
 
     @property
     def complete(self) -> bool:
         return all(r == self.end for r in self.received)
+
+    @property
+    def draft_complete(self) -> bool:
+        """Whether the draft model's KV landed whole (there was some to land)."""
+        return bool(self.draft_received) and all(r == self.end for r in self.draft_received)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftKV:
+    """A draft model's paged KV cache beside the target's (`--speculative draft:PATH`): on the wire
+    its layers follow the target's (layer `num_layers + j` of a WRITE is its layer j), always raw.
+    `layout.model_hash` names the draft model and its weight format: two workers ship draft KV only
+    where theirs agree (a draft is verified, so a mismatch would cost speed, never correctness)."""
+
+    layout: KVLayout
+    cache: torch.Tensor  # [layers, slots, 2, kv_heads, head_dim]
+
+    @classmethod
+    def of(cls, cfg: ArchConfig, weights: str, cache: torch.Tensor) -> DraftKV:
+        """A draft model's KV, by its config and how its weights are held (e.g. "int4")."""
+        layout = KVLayout.of(cfg, cache.dtype)
+        name = hashlib.sha256(f"{layout.model_hash}:{weights}".encode()).hexdigest()
+        return cls(replace(layout, model_hash=name), cache)
 
 
 def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:

@@ -36,7 +36,9 @@ class InPlaceSender(QueuedSender):
         self._claims: dict[int, threading.Event] = {}
         self._claimed: dict[int, bool] = {}
 
-    def _max_layers_per_write(self, num_tokens: int) -> int:
+    def _max_layers_per_write(self, job: WriteJob) -> int:
+        if job.layers.start >= self.layout.num_layers:
+            return super()._max_layers_per_write(job)  # a draft model's KV, in the frame
         return self.layout.num_layers  # frames carry no payload: no size limit to respect
 
     def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
@@ -61,6 +63,10 @@ class InPlaceSender(QueuedSender):
 
     def _write(self, job: WriteJob) -> None:
         lease = job.lease
+        if job.layers.start >= self.layout.num_layers:  # a draft model's KV: small, sent in the frame
+            if self._claim(lease):
+                self._send_payload(job)
+            return
         dst_runs = self._runs_in_pool(lease, job.start, job.end)
         if not self._claim(lease):
             return

@@ -98,8 +98,9 @@ class LeaseTable:
 
     # -- engine thread -------------------------------------------------------------------------
 
-    def open(self, lease: Lease, num_layers: int) -> None:
+    def open(self, lease: Lease, num_layers: int, num_draft_layers: int = 0) -> None:
         lease.received = [lease.start] * num_layers  # per layer: high-water position
+        lease.draft_received = [0] * num_draft_layers if lease.draft_block_table else []
         with self._lock:
             assert lease.fence not in self._leases, f"fence {lease.fence} reused"
             self._leases[lease.fence] = LeaseState(lease)
@@ -165,7 +166,9 @@ class LeaseTable:
                 self.num_stale_writes += 1
                 raise
             lease = state.lease
-            if not all(lease.start <= h.start <= lease.received[i] for i in layers) or h.start + h.num_tokens > lease.end:
+            marks, first = _marks(lease, layers)
+            low = 0 if marks is lease.draft_received else lease.start
+            if not all(low <= h.start <= marks[first + k] for k in range(len(layers))) or h.start + h.num_tokens > lease.end:
                 raise FrameError(f"positions [{h.start}, {h.start + h.num_tokens}) outside lease {lease.fence}")
             if h.encoding == "direct" and not state.direct:
                 raise FrameError("direct WRITE on an unclaimed lease")
@@ -179,8 +182,9 @@ class LeaseTable:
         with self._lock:
             self.bytes_received += num_bytes
             state.inflight -= 1
-            for i in layers:
-                state.lease.received[i] = max(state.lease.received[i], end)
+            marks, first = _marks(state.lease, layers)
+            for k in range(first, first + len(layers)):
+                marks[k] = max(marks[k], end)
             ready = state.releasable
         if ready:
             self._release(state)
@@ -271,3 +275,14 @@ class LeaseTable:
                 return
             state.closed_at = time.monotonic()
         self.events.put(ReceiverEvent(EventKind.FAILED, state.lease.request_id, state.lease.fence, reason=reason))
+
+
+def _marks(lease: Lease, layers: range) -> tuple[list[int], int]:
+    """The high-water marks these layers advance (the target's, or the draft model's, whose layers
+    follow the target's on the wire) and the index of the first; FrameError for layers of both,
+    or past what the lease holds."""
+    n = len(lease.received)
+    marks, first = (lease.received, layers.start) if layers.start < n else (lease.draft_received, layers.start - n)
+    if layers.start < n < layers.stop or first + len(layers) > len(marks):
+        raise FrameError(f"layers [{layers.start}, {layers.stop}) outside lease {lease.fence}")
+    return marks, first

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kv_transfer.api import PeerAbort
-from pdserve.kv_transfer.base import KVLayout, LayoutMismatch, Lease, TransferError, TransferStatus
+from pdserve.kv_transfer.base import DraftKV, KVLayout, LayoutMismatch, Lease, TransferError, TransferStatus
 from pdserve.kv_transfer.codec import AbortHeader, FrameError, Header, NotifyHeader, StaleWrite, WriteHeader
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.quant import dequantize_into, encoded_size, gather_slots, quantize
@@ -37,6 +37,7 @@ class MemoryEndpoint:
     kv_cache: torch.Tensor  # [layers, slots, 2, kv_heads, head_dim]
     leases: LeaseTable
     token: str
+    draft: DraftKV | None = None  # a draft model's cache, where the decode worker drafts with one
     senders: set[MemorySender] = field(default_factory=set)  # connected, cut off on `withdraw`
 
 
@@ -44,11 +45,12 @@ _endpoints: dict[str, MemoryEndpoint] = {}
 _endpoints_lock = threading.Lock()
 
 
-def publish(layout: KVLayout, kv_cache: torch.Tensor, leases: LeaseTable, token: str = "") -> dict:
+def publish(layout: KVLayout, kv_cache: torch.Tensor, leases: LeaseTable, token: str = "",
+            draft: DraftKV | None = None) -> dict:
     """Make the cache reachable by senders in this process; returns what the offer adds."""
     name = secrets.token_hex(8)
     with _endpoints_lock:
-        _endpoints[name] = MemoryEndpoint(layout, kv_cache, leases, token)
+        _endpoints[name] = MemoryEndpoint(layout, kv_cache, leases, token, draft)
     return {"pid": os.getpid(), "endpoint": name}
 
 
@@ -88,6 +90,7 @@ class MemorySender:
         name: str = "prefill",
         encoding: str = "raw",
         on_peer_abort: PeerAbort = lambda request_id, fence: None,
+        draft: DraftKV | None = None,
     ) -> None:
         endpoint = _endpoint(peer)
         if not hmac.compare_digest(token.encode(), endpoint.token.encode()):
@@ -98,6 +101,7 @@ class MemorySender:
             raise type(e)(f"the decode worker refused the KV connection: {e}") from None
         encoded_size(layout, 1, encoding)  # ValueError for an unknown encoding
         self.layout, self.kv_cache, self.encoding, self.on_peer_abort = layout, kv_cache, encoding, on_peer_abort
+        self.draft = draft
         self.leases = endpoint.leases
         self._endpoint = endpoint
         self._lock = threading.Lock()
@@ -123,7 +127,8 @@ class MemorySender:
             self._status.setdefault(lease.request_id, TransferStatus.PENDING)
         if not self._usable(lease, TransferStatus.FAILED) or not self._claim(lease):
             return
-        header = WriteHeader(lease.request_id, lease.fence, layer, start, end - start, "direct", 1)
+        encoding = "direct" if layer < self.layout.num_layers else "raw"  # a draft model's KV: as a frame's
+        header = WriteHeader(lease.request_id, lease.fence, layer, start, end - start, encoding, 1)
         try:
             state = self.leases.begin_write(header, self)
         except StaleWrite:
@@ -234,16 +239,23 @@ class MemorySender:
 
     def _copy(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> int:
         """This side's slot runs of one layer into the blocks the decode worker's lease names;
-        quantized and back with an 8-bit encoding, as a tcp transfer would. Returns bytes."""
-        dst_runs = lease.slot_runs(start, end)
-        kv = gather_slots(self.kv_cache, layer, src_runs)  # [tokens, 2, kv_heads, head_dim]
-        dst = self._endpoint.kv_cache
-        if self.encoding == "raw":
+        quantized and back with an 8-bit encoding, as a tcp transfer would (a draft model's layers,
+        numbered after the target's, raw into the decode worker's draft cache). Returns bytes."""
+        layout, src, dst, encoding, draft = self.layout, self.kv_cache, self._endpoint.kv_cache, self.encoding, False
+        if layer >= self.layout.num_layers:
+            ours, theirs = self.draft, self._endpoint.draft
+            if ours is None or theirs is None or ours.layout != theirs.layout:
+                raise TransferError("draft model KV for a worker that drafts with another model, or none")
+            layout, src, dst, encoding, draft = ours.layout, ours.cache, theirs.cache, "raw", True
+            layer -= self.layout.num_layers
+        dst_runs = lease.slot_runs(start, end, draft)
+        kv = gather_slots(src, layer, src_runs)  # [tokens, 2, kv_heads, head_dim]
+        if encoding == "raw":
             offset = 0
             for slot, n in dst_runs:
                 dst[layer, slot : slot + n].copy_(kv[offset : offset + n])
                 offset += n
         else:
-            data = torch.frombuffer(bytearray(quantize(kv, self.encoding)), dtype=torch.uint8)
-            dequantize_into(dst, layer, dst_runs, data, self.layout, self.encoding)
-        return encoded_size(self.layout, end - start, self.encoding)
+            data = torch.frombuffer(bytearray(quantize(kv, encoding)), dtype=torch.uint8)
+            dequantize_into(dst, layer, dst_runs, data, layout, encoding)
+        return encoded_size(layout, end - start, encoding)

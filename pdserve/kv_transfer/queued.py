@@ -23,10 +23,11 @@ from collections import deque
 import torch
 
 from pdserve.kv_transfer.api import PeerAbort
-from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, TransferStatus, cut_runs
-from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader
+from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferError, TransferStatus, cut_runs, kv_bytes_view
+from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader, WriteHeader
 from pdserve.kv_transfer.control import ControlLink
 from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, WriteJob
+from pdserve.kv_transfer.quant import encoded_size, gather_slots, quantize
 from pdserve.layers.kernels.native import serial_torch_on_this_thread
 from pdserve.outputs import TokenLogprobs
 
@@ -46,9 +47,12 @@ class QueuedSender:
         encoding: str = "raw",
         on_peer_abort: PeerAbort = lambda request_id, fence: None,
         limits: FrameLimits = FrameLimits(),
+        draft: DraftKV | None = None,
     ) -> None:
         self.layout = layout
         self.kv_cache = kv_cache
+        self.draft = draft  # a draft model's cache: its layers follow the target's (`DraftKV`)
+        self._byte_views: dict[int, torch.Tensor] = {}
         self.encoding = encoding
         self.on_peer_abort = on_peer_abort
         self.limits = limits
@@ -80,9 +84,12 @@ class QueuedSender:
         """Get the job's KV to the peer and tell it so (sender thread)."""
         raise NotImplementedError
 
-    def _max_layers_per_write(self, num_tokens: int) -> int:
-        """How many layers of `num_tokens` positions one merged write may carry."""
-        raise NotImplementedError
+    def _max_layers_per_write(self, job: WriteJob) -> int:
+        """How many layers of the job's positions one merged write may carry: as many as fit a
+        quarter of the frame size limit, for a write whose bytes travel in the frame."""
+        _, _, layout = self._source(job.layers.start)
+        per_layer = max(1, encoded_size(layout, job.end - job.start, self._encoding(job.layers.start)))
+        return max(1, self.limits.max_payload_bytes // 4 // per_layer)
 
     def _claim(self, lease: Lease) -> bool:
         """Bind the lease to this sender on the peer (in-place writers, which queue a `ClaimJob`
@@ -101,7 +108,7 @@ class QueuedSender:
         """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs
         (in pieces, if one would pass a quarter of the frame size limit)."""
         self._status.setdefault(lease.request_id, TransferStatus.PENDING)
-        step = max(1, self.limits.max_payload_bytes // 4 // self.layout.slot_bytes)
+        step = max(1, self.limits.max_payload_bytes // 4 // self._source(layer)[2].slot_bytes)
         for first in range(start, end, step):
             last = min(end, first + step)
             runs = src_runs if (first, last) == (start, end) else cut_runs(src_runs, first - start, last - start)
@@ -146,6 +153,42 @@ class QueuedSender:
             self._cond.notify_all()
         self.link.shutdown()
 
+    # -- where a write's bytes come from --------------------------------------------------------
+
+    def _source(self, layer: int) -> tuple[torch.Tensor, int, KVLayout]:
+        """The cache a layer number names on the wire (the target's, or the draft model's after
+        it), the layer's index in it, and its layout."""
+        if layer < self.layout.num_layers:
+            return self.kv_cache, layer, self.layout
+        if self.draft is None or layer - self.layout.num_layers >= self.draft.layout.num_layers:
+            raise TransferError(f"layer {layer} is neither the model's nor its draft model's")
+        return self.draft.cache, layer - self.layout.num_layers, self.draft.layout
+
+    def _encoding(self, layer: int) -> str:
+        """How a layer's KV travels in a frame: as `--kv-transfer-dtype` says; a draft model's raw."""
+        return self.encoding if layer < self.layout.num_layers else "raw"
+
+    def _send_payload(self, job: WriteJob) -> None:
+        """Send the job's KV in a WRITE frame: gathered straight from the cache's slots, or
+        quantized (sender thread)."""
+        encoding = self._encoding(job.layers.start)
+        payload = []
+        for layer in job.layers:
+            cache, index, _ = self._source(layer)
+            if encoding == "raw" and cache.device.type == "cpu":
+                view = self._byte_views.get(id(cache))
+                if view is None:
+                    view = self._byte_views[id(cache)] = kv_bytes_view(cache)
+                payload += [view[index, s : s + n].numpy().data for s, n in job.src_runs]
+            elif encoding == "raw":
+                payload.append(gather_slots(cache, index, job.src_runs).cpu().view(torch.uint8).numpy().data)
+            else:
+                payload.append(quantize(gather_slots(cache, index, job.src_runs), encoding))
+        lease = job.lease
+        self.link.send(WriteHeader(lease.request_id, lease.fence, job.layers.start, job.start, job.end - job.start,
+                                   encoding, len(job.layers)), *payload)
+        self.bytes_sent += sum(memoryview(p).nbytes for p in payload)
+
     # -- sender thread -------------------------------------------------------------------------
 
     def _push(self, job: Job) -> None:
@@ -186,10 +229,10 @@ class QueuedSender:
         one transfer, one frame), up to a quarter of the frame size limit. Called under the lock."""
         if not isinstance(job, WriteJob):
             return job
-        max_layers = self._max_layers_per_write(job.end - job.start)
+        max_layers = self._max_layers_per_write(job)
         while self._jobs and len(job.layers) < max_layers:
             nxt = self._jobs[0]
-            if not (isinstance(nxt, WriteJob) and job.continued_by(nxt)):
+            if not (isinstance(nxt, WriteJob) and job.continued_by(nxt)) or nxt.layers.start == self.layout.num_layers:
                 break
             self._jobs.popleft()
             job = job.merged(nxt)

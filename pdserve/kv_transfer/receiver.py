@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from pdserve.kv_transfer.base import KVLayout, Lease, TransferError, kv_bytes_view
+from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferError, kv_bytes_view
 from pdserve.kv_transfer.codec import (
     AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, Header, HelloHeader, NotifyHeader, StaleWrite,
     WriteHeader, encode_frame, read_frame,
@@ -49,10 +49,13 @@ class KVReceiver:
         port: int = 0,
         limits: FrameLimits = FrameLimits(),
         peers: PeerLimits = PeerLimits(),
+        draft: DraftKV | None = None,
     ) -> None:
         self.layout = layout
         self.kv_cache = kv_cache
-        self.kv_bytes = kv_bytes_view(kv_cache) if kv_cache.device.type == "cpu" else None  # tcp WRITEs land here
+        self.draft = draft  # a draft model's cache, where this worker drafts with one
+        self._parts = [_Part(layout, kv_cache, 0, False)] + ([_Part(draft.layout, draft.cache, layout.num_layers, True)]
+                                                            if draft is not None else [])
         self.events = events
         self._token = token.encode()
         self.limits = limits
@@ -67,7 +70,7 @@ class KVReceiver:
     # -- engine thread -------------------------------------------------------------------------
 
     def open_lease(self, lease: Lease) -> None:
-        self.leases.open(lease, self.layout.num_layers)
+        self.leases.open(lease, self.layout.num_layers, self.draft.layout.num_layers if self.draft else 0)
 
     def close_lease(self, fence: int, reason: str) -> bool:
         """End a lease that has not landed (abort, timeout); idempotent. True if RELEASABLE is
@@ -138,6 +141,16 @@ class KVReceiver:
             with self._lock:
                 self._conns.discard(conn)
             self.leases.disconnect(conn)
+
+    def part_of(self, layers: range, encoding: str) -> _Part:
+        """The cache these layers of a WRITE land in (the target's, or the draft model's after it);
+        FrameError for layers outside both, or across them, or draft layers not sent raw."""
+        for part in self._parts:
+            if part.first <= layers.start and layers.stop <= part.first + part.layout.num_layers:
+                if part.draft and encoding != "raw":
+                    raise FrameError(f"draft model KV travels raw, not as {encoding}")
+                return part
+        raise FrameError(f"layers [{layers.start}, {layers.stop}) out of range")
 
     def admit(self, hello: HelloHeader) -> None:
         """A peer's HELLO: TransferError (the refusal it is sent) for a bad token or another layout."""
@@ -216,12 +229,14 @@ class _Connection:
         raise FrameError("WRITE before HELLO")
 
     def _sink(self, h: WriteHeader, size: int) -> list[memoryview]:
-        rx, layout = self.rx, self.rx.layout
+        rx = self.rx
         layers = range(h.layer, h.layer + h.num_layers)
         if h.encoding not in ENCODINGS:
             raise FrameError(f"unknown KV encoding {h.encoding!r}")
-        if h.num_layers < 1 or h.layer < 0 or layers.stop > layout.num_layers:
+        if h.num_layers < 1 or h.layer < 0:
             raise FrameError(f"layers [{layers.start}, {layers.stop}) out of range")
+        part = rx.part_of(layers, h.encoding)
+        layout = part.layout
         if h.num_tokens < 1:
             raise FrameError(f"WRITE of {h.num_tokens} tokens")
         expected = h.num_layers * encoded_size(layout, h.num_tokens, h.encoding)
@@ -229,29 +244,30 @@ class _Connection:
             raise FrameError(f"WRITE of {h.num_layers} x {h.num_tokens} tokens as {h.encoding} must carry "
                              f"{expected} bytes, got {size}")
         state = rx.leases.begin_write(h, self)
-        self._after_payload = (state, h)
-        runs = state.lease.slot_runs(h.start, h.start + h.num_tokens)
-        if h.encoding == "raw" and rx.kv_bytes is not None:
-            return [rx.kv_bytes[i, s : s + n].numpy().data for i in layers for s, n in runs]
+        self._after_payload = (state, h, part)
+        runs = state.lease.slot_runs(h.start, h.start + h.num_tokens, part.draft)
+        if h.encoding == "raw" and part.bytes is not None:
+            return [part.bytes[i - part.first, s : s + n].numpy().data for i in layers for s, n in runs]
         if h.encoding == "direct":
             return []
         staging = torch.empty(size, dtype=torch.uint8)
-        self._after_payload = (state, h, staging, runs)
+        self._after_payload = (state, h, part, staging, runs)
         return [staging.numpy().data]
 
     def _handle(self, header: Header) -> None:
         rx = self.rx
         if isinstance(header, WriteHeader):
-            state, h, *staged = self._after_payload
+            state, h, part, *staged = self._after_payload
             self._after_payload = None
             layers = range(h.layer, h.layer + h.num_layers)
-            per_layer = encoded_size(rx.layout, h.num_tokens, h.encoding)
+            per_layer = encoded_size(part.layout, h.num_tokens, h.encoding)
             if staged:
                 staging, runs = staged
                 for k, i in enumerate(layers):
-                    dequantize_into(rx.kv_cache, i, runs, staging[k * per_layer : (k + 1) * per_layer], rx.layout, h.encoding)
+                    dequantize_into(part.cache, i - part.first, runs, staging[k * per_layer : (k + 1) * per_layer],
+                                    part.layout, h.encoding)
             direct = h.encoding == "direct"  # written in place: count what landed
-            num_bytes = len(layers) * (h.num_tokens * rx.layout.slot_bytes if direct else per_layer)
+            num_bytes = len(layers) * (h.num_tokens * part.layout.slot_bytes if direct else per_layer)
             rx.leases.end_write(state, layers, h.start + h.num_tokens, num_bytes)
         elif isinstance(header, ClaimHeader):
             error = rx.leases.claim(header.request_id, header.fence, self)
@@ -264,3 +280,14 @@ class _Connection:
             rx.leases.peer_stopped(header.request_id, header.fence, self)
         else:
             raise FrameError(f"unexpected {type(header).__name__} from a prefill peer")
+
+
+class _Part:
+    """One cache a WRITE may land in: the target's (layers from 0), or a draft model's (its layers
+    numbered from `first`, after the target's)."""
+
+    __slots__ = ("layout", "cache", "first", "draft", "bytes")
+
+    def __init__(self, layout: KVLayout, cache: torch.Tensor, first: int, draft: bool) -> None:
+        self.layout, self.cache, self.first, self.draft = layout, cache, first, draft
+        self.bytes = kv_bytes_view(cache) if cache.device.type == "cpu" else None  # raw WRITEs land here

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from pdserve.kv_transfer.api import SenderFactory
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 
 
@@ -27,6 +27,7 @@ class DecodeSide:
     leases: LeaseTable
     token: str
     shared_pool_path: str | None  # the cache's file, when it lives in shared memory
+    draft: DraftKV | None = None  # a draft model's cache, where the worker drafts with one
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,7 @@ def _memory_sender() -> SenderFactory:
 
 def _memory_offer(side: DecodeSide) -> dict:
     from pdserve.kv_transfer.memory import publish
-    return publish(side.layout, side.kv_cache, side.leases, side.token)
+    return publish(side.layout, side.kv_cache, side.leases, side.token, side.draft)
 
 
 def _memory_release(kv_cache: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from pdserve import wire
 
 from pdserve.engine.request import Request
 from pdserve.engine.role import RoleHooks
-from pdserve.kv_transfer.base import Lease
+from pdserve.kv_transfer.base import DraftKV, Lease
 from pdserve.kv_transfer.leases import EventKind, ReceiverEvent
 from pdserve.kv_transfer.receiver import KVReceiver
 
@@ -54,6 +54,7 @@ class DecodeRole(RoleHooks):
         self.kv_transfer_dtype = kv_transfer_dtype
         self.engine: LLMEngine | None = None
         self.receiver: KVReceiver | None = None
+        self.draft_kv: DraftKV | None = None  # the draft model's cache, where the engine drafts with one
         self.offers: dict[str, dict] = {}  # backend -> how a prefill worker reaches this one
         # request id -> (prefill worker URL, the request's sampling as it came), until its lease is open
         self.targets: dict[str, tuple[str, wire.Sampling]] = {}
@@ -68,6 +69,7 @@ class DecodeRole(RoleHooks):
 
     def attach(self, engine: LLMEngine, receiver: KVReceiver, offers: dict[str, dict], call) -> None:
         self.engine, self.receiver, self.offers, self.call = engine, receiver, offers, call
+        self.draft_kv = receiver.draft
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -82,6 +84,9 @@ class DecodeRole(RoleHooks):
             self.engine.block_manager.block_size, request.num_computed_tokens, request.num_tokens,
             time.monotonic() + self.lease_timeout_s,
         )
+        draft = self.engine.draft_model
+        if draft is not None and request.params.speculate:  # its draft's KV comes in the same lease
+            lease.draft_block_table = draft.reserve(request.request_id, request.num_tokens) or []
         self.leases[request.request_id] = lease
         self.receiver.open_lease(lease)
         body = wire.PrefillLease(
@@ -96,6 +101,8 @@ class DecodeRole(RoleHooks):
             model_hash=self.receiver.layout.model_hash,
             kv_transfer_dtype=self.kv_transfer_dtype,
             decode=msgspec.convert(self.offers, wire.DecodeOffers),
+            draft_block_table=lease.draft_block_table,
+            draft_hash=self.draft_kv.layout.model_hash if lease.draft_block_table else "",
         )
         self._prefill_urls[lease.fence] = url
         self._pool.submit(self._dispatch, url, body, lease.fence)
@@ -136,6 +143,7 @@ class DecodeRole(RoleHooks):
             return  # a lease that already ended here
         if event.kind == EventKind.LANDED and 0 <= event.first_token < self.engine.model_config.vocab_size:
             lease = self.leases.pop(event.request_id)  # first: a first token that ends it finishes it
+            self._draft_landed(lease)
             try:
                 self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times, event.first_logprobs,
                                       event.prompt_logprobs)
@@ -161,9 +169,23 @@ class DecodeRole(RoleHooks):
         self.num_recomputed += 1
         self.engine.kv_failed(request_id)
 
+    def _draft_landed(self, lease: Lease) -> None:
+        """The draft model's KV came with the target's, or the draft computes it here: the lease
+        is gone, so no write reaches its blocks any more."""
+        draft = self.engine.draft_model
+        if draft is None or not lease.draft_block_table:
+            return
+        request = self.engine.scheduler.waiting_for_kv.get(lease.request_id)
+        if request is not None and lease.draft_complete:
+            draft.adopt(request, lease.end)
+        else:
+            draft.drop(lease.request_id)
+
     def _end_lease(self, lease: Lease, reason: str) -> None:
         """The request gives its blocks to a holder, freed once no write can reach them."""
         self.engine.block_manager.hand_over(lease.request_id, holder_id(lease.fence))
+        if lease.draft_block_table:
+            self.engine.draft_model.hand_over(lease.request_id, holder_id(lease.fence))
         if not self.receiver.close_lease(lease.fence, reason):
             self._release(lease.fence)  # landed in full, or already released: nothing writes any more
         url = self._prefill_urls.pop(lease.fence, None)
@@ -173,6 +195,8 @@ class DecodeRole(RoleHooks):
 
     def _release(self, fence: int) -> None:
         self.engine.block_manager.release(holder_id(fence))
+        if self.engine.draft_model is not None:
+            self.engine.draft_model.release_holder(holder_id(fence))
         self._fences.discard(fence)
 
     # -- the prefill worker, off the engine thread ---------------------------------------------

@@ -10,6 +10,10 @@ Lifecycle of a lease on the prefill worker:
    had is queued for all layers at once; the step's new positions are queued layer by layer as
    the model finishes each layer (`on_layer`). `after_execute` waits until the writes have left
    this worker's memory, so blocks freed afterwards can be reused safely.
+   Where the decode worker drafts with the same draft model as this worker (the lease names its
+   draft blocks and the draft's hash), the draft computes the prompt too, after each step of the
+   target, and its layers follow the target's in the same lease (`DraftKV`); a draft that cannot
+   (no room, a failure) ships nothing more, and the decode worker computes the rest itself.
 3. `on_finished`: a sampled first token -> NOTIFY; any other end -> ABORT to the decode worker
    (unless it was the decode worker that aborted). The prompt's blocks stay in the prefix cache.
 4. A decode worker that aborts (naming the request and the lease's fence) or disconnects -> the
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.api import KVSender, SenderFactory
-from pdserve.kv_transfer.base import KVLayout, LayoutMismatch, Lease, ModelMismatch, TransferError, slot_runs
+from pdserve.kv_transfer.base import DraftKV, KVLayout, LayoutMismatch, Lease, ModelMismatch, TransferError, slot_runs
 from pdserve.wire import PrefillLease
 
 if TYPE_CHECKING:
@@ -48,6 +52,7 @@ class Shipment:
     offers: dict  # how the decode worker is reached: a link lost before the first write is replaced
     kv_dtype: str
     peer_aborted: bool = False
+    draft_shipped: int | None = None  # the draft model's positions queued below this; None: none to ship
 
 
 class PrefillRole(RoleHooks):
@@ -58,6 +63,7 @@ class PrefillRole(RoleHooks):
         self.name = name
         self.engine: LLMEngine | None = None
         self.layout: KVLayout | None = None
+        self.draft_kv: DraftKV | None = None  # the engine's draft model's cache, where it drafts with one
         self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
         self.submit: Callable[[Callable[[], object]], Future] = _run_now
         self.shipments: dict[str, Shipment] = {}  # by engine request id
@@ -65,8 +71,9 @@ class PrefillRole(RoleHooks):
         self._connect_lock = threading.Lock()
         self.num_notified = 0
 
-    def attach(self, engine: LLMEngine, layout: KVLayout, call, submit) -> None:
+    def attach(self, engine: LLMEngine, layout: KVLayout, call, submit, draft_kv: DraftKV | None = None) -> None:
         self.engine, self.layout, self.call, self.submit = engine, layout, call, submit
+        self.draft_kv = draft_kv
 
     # -- a lease arrives (HTTP thread) ---------------------------------------------------------
 
@@ -85,10 +92,14 @@ class PrefillRole(RoleHooks):
         engine_id = f"{lease.request_id}@{lease.fence}"
         received = time.monotonic()  # its queue time starts now, not when the engine thread is free
 
+        ours = self.draft_kv
+        ships_draft = bool(lease.draft_block_table) and ours is not None and body.draft_hash == ours.layout.model_hash
+
         def add() -> None:
             self.engine.add_request(engine_id, {"prompt_token_ids": tokens}, params, output_token_ids=resumed,
                                     arrival_time=received)
-            self.shipments[engine_id] = Shipment(sender, lease, start, body.decode.as_dicts(), body.kv_transfer_dtype)
+            self.shipments[engine_id] = Shipment(sender, lease, start, body.decode.as_dicts(), body.kv_transfer_dtype,
+                                                 draft_shipped=0 if ships_draft else None)
 
         sender.prepare(lease)
         return engine_id, backend, self.submit(add)
@@ -108,7 +119,7 @@ class PrefillRole(RoleHooks):
                 try:
                     sender = self.sender_types[backend](
                         self.layout, self.engine.runner.kv_cache, peer, self.token, self.name, encoding,
-                        on_peer_abort=self._on_peer_abort)
+                        on_peer_abort=self._on_peer_abort, draft=self.draft_kv)
                 except LayoutMismatch:  # no other backend helps
                     raise
                 except TransferError as e:
@@ -182,6 +193,7 @@ class PrefillRole(RoleHooks):
         return False
 
     def after_execute(self, step: SchedulerOutput) -> None:
+        self._ship_draft(step)
         senders = {s.sender for r in step.requests if (s := self.shipments.get(r.request_id)) is not None}
         for sender in senders:
             try:
@@ -190,7 +202,41 @@ class PrefillRole(RoleHooks):
                 log.warning("%s", e)
                 sender.close()
 
+    def _ship_draft(self, step: SchedulerOutput) -> None:
+        """The draft model computes the positions the target computed in this step, for the
+        requests whose decode worker takes its KV, and queues its layers' writes (engine thread).
+        A draft that fails ships nothing more: the decode worker computes what it lacks."""
+        draft = self.engine.draft_model
+        wanted: list[tuple[Request, Shipment, int]] = []  # with the end of what the target computed
+        for req, n in zip(step.requests, step.num_new_tokens):
+            shipment = self.shipments.get(req.request_id)
+            if shipment is not None and shipment.draft_shipped is not None and shipment.sender.alive:
+                wanted.append((req, shipment, min(req.num_computed_tokens + n, shipment.lease.end)))
+        if not wanted:
+            return
+        try:
+            computed = draft.compute_prompts([(req.request_id, req.token_ids(0, end)) for req, _, end in wanted])
+        except Exception:  # a bug in the draft must not end the prefill: the target's KV still goes
+            log.exception("draft model prompt failed; its KV is left to the decode worker")
+            computed = [None] * len(wanted)
+        first, bs = self.layout.num_layers, draft.blocks.block_size
+        for (req, shipment, _), done in zip(wanted, computed):
+            if done is None:
+                shipment.draft_shipped = None
+                draft.drop(req.request_id)
+                continue
+            table, _, end = done
+            begin = shipment.draft_shipped
+            if begin < end:
+                runs = slot_runs(table, bs, begin, end)
+                for layer in range(self.draft_kv.layout.num_layers):
+                    shipment.sender.write(shipment.lease, first + layer, begin, end, runs)
+                shipment.draft_shipped = end
+
     def on_finished(self, request: Request) -> None:
+        draft = self.engine.draft_model
+        if draft is not None:
+            draft.drop(request.request_id)
         shipment = self.shipments.pop(request.request_id, None)
         if shipment is None:
             return
@@ -248,7 +294,11 @@ def lease_of(body: PrefillLease, end: int) -> Lease:
     if block_size & (block_size - 1):
         raise ValueError(f"lease block_size {block_size} is not a power of two")
     needed = -(-end // block_size)
-    if not needed <= len(table) <= needed + MAX_SPARE_BLOCKS:
-        raise ValueError(f"lease block_table has {len(table)} blocks; a sequence of {end} tokens in blocks of "
-                         f"{block_size} needs {needed} (at most {MAX_SPARE_BLOCKS} more)")
-    return Lease(body.request_id, fence, list(table), block_size, start, end, 0.0)
+    for name, blocks in (("block_table", table), ("draft_block_table", body.draft_block_table)):
+        if blocks is body.draft_block_table and not blocks:
+            continue  # the decode worker takes no draft KV
+        if not needed <= len(blocks) <= needed + MAX_SPARE_BLOCKS:
+            raise ValueError(f"lease {name} has {len(blocks)} blocks; a sequence of {end} tokens in blocks of "
+                             f"{block_size} needs {needed} (at most {MAX_SPARE_BLOCKS} more)")
+    return Lease(body.request_id, fence, list(table), block_size, start, end, 0.0,
+                 draft_block_table=list(body.draft_block_table))

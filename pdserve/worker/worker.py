@@ -29,7 +29,7 @@ from pdserve import wire
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
 from pdserve.kv_transfer.shm import SharedKVPool, shm_available
@@ -121,15 +121,18 @@ class Worker:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
         self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
         self.loop = EngineLoop(self.engine, self.decode.poll, self._step_log)
+        draft_model = self.engine.draft_model
+        draft = (DraftKV.of(draft_model.config, draft_model.weights, draft_model.runner.kv_cache)
+                 if draft_model is not None else None)  # its KV travels with the target's
         self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, settings.host,
-                                   settings.kv_port)
+                                   settings.kv_port, draft=draft)
         side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
-                          self._pool.path if self._pool is not None else None)
+                          self._pool.path if self._pool is not None else None, draft)
         # frames go here; a listener bound to 0.0.0.0 (a pod) must offer an address peers can reach
         addr = {"host": settings.advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
         self.offers: dict[str, dict] = offers(self.transfer, side, addr)
         self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
-        self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit)
+        self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit, draft)
         self.started_at = time.time()
         self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
         self.draining = False

@@ -9,10 +9,11 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from pdserve import SamplingParams
 from tests.factories import assert_engine_idle, make_llm, make_speculating_llm, make_tiny_model
-from tests.worker.cluster import prompt
+from tests.worker.cluster import CASES_WITH_MEMORY, prompt
 
 PROMPTS = [prompt(23, seed=1), prompt(40, seed=2), prompt(7, seed=3) * 4, prompt(60, seed=4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -134,4 +135,83 @@ def test_a_disaggregated_decode_worker_drafts_with_a_draft_model(tiny_llama, pla
         assert f'pdserve_worker_draft_prompt_tokens{{method="draft"}} {float(len(tokens))}' in metrics
         c.wait_idle()
         blocks = engine.scheduler.proposer.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def _stream(c, body) -> list[int]:
+    with c.http.stream("POST", c.d.url + "/v1/generate", json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [t for line in r.iter_lines() for t in json.loads(line)["outputs"][0]["token_ids"]]
+
+
+@pytest.mark.parametrize("backend", CASES_WITH_MEMORY)
+def test_the_prefill_worker_ships_the_draft_kv_in_the_same_lease(tiny_llama, plain, backend):
+    """1P1D, both workers drafting with the same 4-bit draft: the prefill worker computes the
+    draft's prompt KV beside the target's and ships it in the lease; the decode worker computes no
+    prompt token of the draft (0 in its metrics), its draft KV is what its own draft computes for
+    the prompt, and the tokens are the colocated ones; both pools of both workers come back whole."""
+    from tests.worker.cluster import Cluster
+
+    tokens = PROMPTS[3]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain.generate([{"prompt_token_ids": tokens}], sp)[0].outputs[0].token_ids
+    drafting = {"speculative": f"draft:{tiny_llama}", "draft_quantization": "int4"}
+    with Cluster(tiny_llama, backend, prefill=drafting, decode=drafting) as c:
+        engine = c.d.worker.engine
+        engine.scheduler.observe_step = lambda rows, seconds: None  # every draft verified
+        draft = engine.draft_model
+        landed = {}
+        adopt = draft.adopt
+
+        def adopt_and_keep(request, num_tokens):  # the draft KV as it landed
+            table = draft.blocks.block_table(request.request_id)
+            slots = [b * draft.blocks.block_size + i for b in table for i in range(draft.blocks.block_size)]
+            landed["kv"] = draft.runner.kv_cache[:, slots[:num_tokens]].clone()
+            adopt(request, num_tokens)
+        draft.adopt = adopt_and_keep
+        got = [t for line in c.stream(tokens, max_tokens=40) for t in line["outputs"][0]["token_ids"]]
+        assert got == want
+        d, p = c.d.worker.stats(), c.p.worker.stats()
+        assert d.kv_landed == 1 and d.draft_prompt_tokens == 0 and 0 < d.draft_tokens_accepted <= d.draft_tokens
+        assert p.draft_prompt_tokens == len(tokens)
+        metrics = c.http.get(c.d.url + "/metrics").text
+        assert 'pdserve_worker_draft_prompt_tokens{method="draft"} 0.0' in metrics
+        c.wait_idle()
+        for worker in (c.p.worker, c.d.worker):
+            blocks = worker.engine.draft_model.blocks
+            assert blocks.num_free_blocks == blocks.num_blocks
+
+        def own() -> torch.Tensor:  # the decode worker's draft computing the prompt itself
+            ((table, _, _),) = draft.compute_prompts([("reference", tokens)])
+            bs = draft.blocks.block_size
+            kv = draft.runner.kv_cache[:, [b * bs + i for b in table for i in range(bs)][: len(tokens)]].clone()
+            draft.drop("reference")
+            return kv
+        # Each worker times its 4-bit products at load and picks, by rows, byte dot products or
+        # panels (`layers/quant.py`): two loads may round differently, by ~1% of the KV's scale
+        # (the KV of wrong tokens or positions differs by its whole scale)
+        reference = c.d.worker.loop.call_and_wait(own)
+        assert (landed["kv"] - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+def test_draft_kv_is_not_shipped_between_different_drafts_nor_lost_with_a_failed_lease(tiny_llama, plain):
+    """A prefill worker whose draft differs (8-bit weights, the decode worker's 4-bit) ships none:
+    the decode worker computes it. A lease that fails (no prefill worker answers) hands its draft
+    blocks back like the target's. The tokens are the colocated ones every time."""
+    from tests.worker.cluster import Cluster
+
+    tokens = PROMPTS[1]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = plain.generate([{"prompt_token_ids": tokens}], sp)[0].outputs[0].token_ids
+    prefill = {"speculative": f"draft:{tiny_llama}", "draft_quantization": "int8"}
+    decode = {"speculative": f"draft:{tiny_llama}", "draft_quantization": "int4"}
+    with Cluster(tiny_llama, "tcp", prefill=prefill, decode=decode) as c:
+        assert _stream(c, c.body(tokens, max_tokens=24)) == want
+        d, p = c.d.worker.stats(), c.p.worker.stats()
+        assert d.kv_landed == 1 and d.draft_prompt_tokens == len(tokens) and p.draft_prompt_tokens == 0
+        gone = {**c.body(tokens, max_tokens=24), "prefill_url": "http://127.0.0.1:9"}  # nobody listens there
+        assert _stream(c, gone) == want
+        assert c.d.worker.stats().kv_recomputed == 1
+        c.wait_idle()
+        blocks = c.d.worker.engine.draft_model.blocks
         assert blocks.num_free_blocks == blocks.num_blocks

@@ -22,6 +22,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.block_manager = FakeBlocks()
         self.model_config = SimpleNamespace(vocab_size=100)
+        self.draft_model = None  # no draft model: no draft KV in the leases
         self.landed: list[tuple[str, int]] = []
         self.recomputed: list[str] = []
 

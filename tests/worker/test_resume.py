@@ -153,14 +153,20 @@ def test_a_moved_request_keeps_its_structure_and_log_probabilities(tiny_llama, c
     {"temperature": 0, "max_tokens": 48, "ignore_eos": True},
     {"temperature": 0.7, "seed": 8, "max_tokens": 48, "ignore_eos": True, "logit_bias": {"5": 8.0, "6": 8.0}},
 ], ids=["greedy", "seeded"])
-def test_a_moved_speculating_request_goes_on_as_it_would_have(tiny_llama, colocated, sampling):
-    """Both decode workers speculate (prompt lookup needs only the tokens so far, which move with
-    the request): the tokens are the uninterrupted ones without speculation, drafts were accepted
-    on both sides of the move, and nothing leaks."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_moved_speculating_request_goes_on_as_it_would_have(tiny_llama, colocated, sampling, method):
+    """Both decode workers speculate. Prompt lookup needs only the tokens so far, which move with
+    the request; a draft model's KV of them moves with the target's (the worker it leaves computes
+    it as it ships the target's: the new one computes none). The tokens are the uninterrupted
+    ones without speculation, drafts were accepted on both sides of the move, nothing leaks."""
     tokens = prompt(7, seed=3) * 4
     full = full_output(colocated, tokens, **{**sampling, "logit_bias": {int(k): v for k, v in
                                                                         sampling.get("logit_bias", {}).items()}})
-    done, _, hot, cool = moved(tiny_llama, tokens, sampling, 24, speculative="ngram")
+    engine = ({"speculative": "ngram"} if method == "ngram"
+              else {"speculative": f"draft:{tiny_llama}", "draft_quantization": "int4"})
+    done, _, hot, cool = moved(tiny_llama, tokens, sampling, 24, **engine)
     assert done == full
     assert hot.draft_tokens_accepted > 0 and cool.draft_tokens_accepted > 0
     assert cool.kv_landed == 1 and cool.kv_recomputed == 0
+    if method == "draft":
+        assert cool.draft_prompt_tokens == 0 and hot.draft_prompt_tokens >= 2 * len(tokens) + 24

@@ -11,6 +11,13 @@ are written again. The draft's KV lives in its own block pool (a `BlockManager` 
 caching), a sequence's blocks freed when its request leaves the running set (the scheduler's
 `release`: finished, aborted, moved or preempted); a request the pool has no room for does not draft.
 
+Disaggregated, the prefill worker computes the draft model's prompt KV beside the target's and
+ships it in the same lease (`DraftKV`: its layers follow the target's on the wire), into blocks
+the decode worker reserved in its draft pool (`reserve`; the worker names the draft's KV by its
+`config` and `weights`); once it landed (`adopt`) the decode
+worker's draft starts from there and computes no prompt token. A lease that lands without it
+(a prefill worker with no draft model, or another one) leaves the decode side to compute it.
+
 A draft is the draft model's most likely token (after the request's `logit_bias`, which
 shapes the target's choice as much), one token and not a distribution, so the
 verification rule (`engine/spec/__init__.py`) keeps the target's distribution and a seeded
@@ -83,13 +90,16 @@ class DraftModelProposer:
 
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, num_tokens: int, max_len: int) -> None:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, num_tokens: int, config: ArchConfig,
+                 weights: str = "") -> None:
         self.runner = runner
         self.blocks = blocks
         self.num_tokens = num_tokens
-        self.max_len = max_len  # positions the draft model takes
+        self.config = config
+        self.weights = weights  # how its weights are held ("int4", "none", "q4_1"...): part of what its KV is
+        self.max_len = config.max_position_embeddings  # positions the draft model takes
         self._sequences: dict[str, _Sequence] = {}
-        self.prompt_tokens_computed = 0  # the requests' prompt tokens the draft model computed here
+        self.prompt_tokens_computed = 0  # prompt tokens the draft model computed here (decode or prefill side)
         self.draft_seconds: float | None = None  # a decode step of the draft model, moving average
 
     @classmethod
@@ -116,8 +126,9 @@ class DraftModelProposer:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device, seed=0)
         log.info("draft model %s: %d layers, vocabulary %d, %d KV blocks of %d tokens", path, cfg.num_layers,
                  cfg.vocab_size, num_blocks, block_size)
-        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False), num_tokens,
-                   cfg.max_position_embeddings)
+        weights = f"{quantization if device.type == 'cpu' else 'none'}:{ckpt.quantized_bits}"
+        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False), num_tokens, cfg,
+                   weights)
 
     # -- the proposer protocol (`engine/spec/__init__.py`) -------------------------------------
 
@@ -158,8 +169,11 @@ class DraftModelProposer:
 
     def release(self, request: Request) -> None:
         """The request left the running set: its draft-side KV is freed."""
-        if self._sequences.pop(request.request_id, None) is not None:
-            self.blocks.release(request.request_id)
+        self.drop(request.request_id)
+
+    def drop(self, request_id: str) -> None:
+        if self._sequences.pop(request_id, None) is not None:
+            self.blocks.release(request_id)
 
     def finished(self, request: Request) -> None:
         """A draft model learns nothing from requests that ended."""
@@ -169,6 +183,59 @@ class DraftModelProposer:
         for request_id in list(self._sequences):
             self.blocks.release(request_id)
         self._sequences.clear()
+
+    # -- disaggregated: the prompt's draft KV from a prefill worker ------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: blocks for the draft KV of a request's first `num_tokens` tokens, which a
+        prefill worker is to fill; their ids, or None where the pool has no room (the draft
+        computes them here then)."""
+        seq = self._sequences.setdefault(request_id, _Sequence(request_id))
+        if not self.blocks.allocate(seq, num_tokens):
+            self.drop(request_id)
+            return None
+        return list(self.blocks.block_table(request_id))
+
+    def adopt(self, request: Request, num_tokens: int) -> None:
+        """Decode side: the draft KV of the request's first `num_tokens` tokens landed in the
+        blocks `reserve` gave."""
+        seq = self._sequences.get(request.request_id)
+        if seq is not None:
+            seq.tokens = request.token_ids(0, num_tokens)
+            seq.verified = seq.num_computed_tokens = num_tokens
+
+    def hand_over(self, request_id: str, holder_id: str) -> None:
+        """Decode side: a lease ended before its KV landed; its draft blocks go to the holder that
+        keeps the target's until no write can reach them (then `release_holder`)."""
+        if self._sequences.pop(request_id, None) is not None:
+            self.blocks.hand_over(request_id, holder_id)
+
+    def release_holder(self, holder_id: str) -> None:
+        self.blocks.release(holder_id)
+
+    def compute_prompts(self, wanted: list[tuple[str, list[int]]]) -> list[tuple[list[int], int, int] | None]:
+        """Prefill side: for each (request id, its tokens so far), the draft model's KV of those
+        tokens, computed here where not yet: (block table, first position computed now, end);
+        None where the pool has no room (that request ships no draft KV)."""
+        out: list[tuple[list[int], int, int] | None] = []
+        todo: list[_Sequence] = []
+        for request_id, tokens in wanted:
+            seq = self._sequences.setdefault(request_id, _Sequence(request_id))
+            begin = seq.num_computed_tokens
+            if not self.blocks.allocate(seq, len(tokens) - begin):
+                self.drop(request_id)
+                out.append(None)
+                continue
+            seq.tokens = list(tokens)
+            seq.verified = len(tokens)
+            self.prompt_tokens_computed += len(tokens) - begin
+            out.append((self.blocks.block_table(request_id), begin, len(tokens)))
+            if begin < len(tokens):
+                todo.append(seq)
+        while todo:
+            self._step(todo, CATCH_UP_CHUNK)
+            todo = [s for s in todo if s.num_computed_tokens < s.num_tokens]
+        return out
 
     # -- the draft model's steps ---------------------------------------------------------------
 
