@@ -85,7 +85,9 @@ class DecodeRole(RoleHooks):
             time.monotonic() + self.lease_timeout_s,
         )
         draft = self.engine.draft_model
-        if draft is not None and request.params.speculate:  # its draft's KV comes in the same lease
+        if draft is not None and request.params.speculate and not self.engine.scheduler.draft_budget.sitting_out:
+            # its draft's KV comes in the same lease (not while drafting does not pay here: a
+            # probe that finds it pays again computes what the draft lacks)
             lease.draft_block_table = draft.reserve(request.request_id, request.num_tokens) or []
         self.leases[request.request_id] = lease
         self.receiver.open_lease(lease)

@@ -120,6 +120,12 @@ class DraftBudget:
         self.sat_out, self.probe_every = 0, min(2 * self.probe_every, MAX_PROBE_EVERY)
         return 1
 
+    @property
+    def sitting_out(self) -> bool:
+        """Whether a costly proposer does not pay at present (its last `lead` was none): the KV it
+        would draft from is not worth shipping to this worker now."""
+        return self.sat_out > 0
+
     def _best_lead(self, rows: int, drafting: int, draft_seconds: float, most: int, rate: float) -> int:
         best, best_k, gain = rows / self.costs.at(rows), 0, 0.0
         for k in range(1, most + 1):

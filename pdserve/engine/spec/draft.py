@@ -26,6 +26,8 @@ request's output as they are, whatever the draft model is.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -126,7 +128,8 @@ class DraftModelProposer:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device, seed=0)
         log.info("draft model %s: %d layers, vocabulary %d, %d KV blocks of %d tokens", path, cfg.num_layers,
                  cfg.vocab_size, num_blocks, block_size)
-        weights = f"{quantization if device.type == 'cpu' else 'none'}:{ckpt.quantized_bits}"
+        bits = json.dumps(ckpt.quantized_bits, sort_keys=True, default=str)  # a file's own, per tensor
+        weights = f"{quantization if device.type == 'cpu' else 'none'}:{hashlib.sha256(bits.encode()).hexdigest()[:16]}"
         return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False), num_tokens, cfg,
                    weights)
 
