@@ -21,6 +21,13 @@ _WORKER_GAUGES = {
     "step_latency_ewma_ms": "moving average of the worker's step time",
     "heartbeat_age_seconds": "time since the worker's last heartbeat",
 }
+# speculative decoding, per worker that speculates (from its heartbeats), by the method it drafts with
+_DRAFT_GAUGES = {
+    "draft_tokens": "draft tokens the worker verified since it started",
+    "draft_tokens_accepted": "draft tokens the worker's model kept since it started",
+    "draft_prompt_tokens": "prompt tokens the worker's draft model computed since it started (a decode "
+                           "worker's stays 0 where its prefill workers ship the draft's KV)",
+}
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -65,6 +72,10 @@ class RouterMetrics:
             key: Gauge(f"pdserve_worker_{key}", help_text, ["worker", "role"], registry=r)
             for key, help_text in _WORKER_GAUGES.items()
         }
+        self.draft_gauges = {
+            key: Gauge(f"pdserve_worker_{key}", help_text, ["worker", "role", "method"], registry=r)
+            for key, help_text in _DRAFT_GAUGES.items()
+        }
         self.sla_targets = Gauge("pdserve_sla_target_seconds", "SLA targets", ["metric"], registry=r)
         self.sla_targets.labels("ttft").set(ttft_slo_s)
         self.sla_targets.labels("tpot").set(tpot_slo_s)
@@ -75,7 +86,7 @@ class RouterMetrics:
         for role in ("prefill", "decode", "both"):
             self.workers.labels(role).set(sum(1 for w in workers if w.role == role))
         self.kv_bytes.set(sum(w.stats.kv_bytes_received for w in workers))
-        for gauge in self.worker_gauges.values():
+        for gauge in (*self.worker_gauges.values(), *self.draft_gauges.values()):
             gauge.clear()  # workers that left have no series
         for w in workers:
             load = w.load
@@ -85,6 +96,9 @@ class RouterMetrics:
                       "heartbeat_age_seconds": max(0.0, time.monotonic() - w.last_heartbeat)}
             for key, value in values.items():
                 self.worker_gauges[key].labels(w.worker_id, w.role).set(value)
+            if w.stats.speculative != "off":
+                for key, gauge in self.draft_gauges.items():
+                    gauge.labels(w.worker_id, w.role, w.stats.speculative).set(getattr(w.stats, key))
         return generate_latest(self.registry)
 
 

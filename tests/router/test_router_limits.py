@@ -229,6 +229,25 @@ def test_metrics_show_each_workers_pool(cluster):
         assert f"pdserve_worker_{name}{{" in text
 
 
+def test_metrics_show_what_each_speculating_worker_drafted(cluster):
+    """A worker that speculates heartbeats its drafts; the router's one scrape shows them per worker
+    and method (a decode worker's draft prompt tokens: 0 where its prefill workers ship the draft's
+    KV), and no draft series for a worker that does not speculate."""
+    router = cluster["router"]
+    entry = router.registry.register("http://127.0.0.1:3", "decode", router.registry.model_hash)
+    try:
+        stats = {"speculative": "draft", "draft_tokens": 40, "draft_tokens_accepted": 31, "draft_prompt_tokens": 0}
+        r = httpx.post(cluster["url"] + "/internal/heartbeat", json={"worker_id": entry.worker_id, "stats": stats})
+        assert r.status_code == 200, r.text
+        text = httpx.get(cluster["url"] + "/metrics").text
+        labels = f'method="draft",role="decode",worker="{entry.worker_id}"'
+        for name, value in (("draft_tokens", 40), ("draft_tokens_accepted", 31), ("draft_prompt_tokens", 0)):
+            assert f"pdserve_worker_{name}{{{labels}}} {float(value)}" in text
+        assert text.count("pdserve_worker_draft_tokens{") == 1  # the cluster's own worker does not speculate
+    finally:
+        router.registry.remove(entry.worker_id)
+
+
 @pytest.mark.parametrize("stats", [{"running": "many"}, {"kv_blocks_total": 0}, {"running": -1}, {"capacity": -1},
                                    {"capacity": 1 << 41},
                                    {"step_latency_ewma_ms": 1e300}, {"x" * 100: 1}, {"nested": {"a": 1}}])
