@@ -104,7 +104,9 @@ class EngineConfig:
         "suffix: as ngram, and also what recent requests on the worker wrote (agent loops, retries, "
         "repeated questions); draft:PATH: what a smaller model with the same tokenizer writes (a "
         "directory or .gguf file; the served model itself makes a self-draft, in 4-bit weights on CPU), "
-        "run a few tokens ahead over a KV cache of its own")
+        "run a few tokens ahead over a KV cache of its own; head:PATH: what a draft head (EAGLE or MTP "
+        "weights as safetensors) guesses from the model's own hidden states, its one layer's KV kept "
+        "in the model's blocks")
     num_speculative_tokens: int = flag(8, "tokens proposed for a request at a step, at most")
     draft_quantization: str = flag(
         "auto", "the draft model's weights (--speculative draft:PATH): auto keeps a quantized file's "
@@ -129,9 +131,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization in ("int4", "int8") and str(self.device).split(":")[0] != "cpu":
             raise ValueError(f"{self.quantization} weights run on CPU kernels; use device='cpu'")
-        drafts = self.speculative.startswith("draft:") and self.speculative.removeprefix("draft:").strip()
-        if self.speculative not in ("off", "ngram", "suffix") and not drafts:
-            raise ValueError(f"speculative must be off, ngram, suffix or draft:PATH, got {self.speculative!r}")
+        path = next((self.speculative.removeprefix(p).strip() for p in ("draft:", "head:")
+                     if self.speculative.startswith(p)), "")
+        if self.speculative not in ("off", "ngram", "suffix") and not path:
+            raise ValueError(f"speculative must be off, ngram, suffix, draft:PATH or head:PATH, got {self.speculative!r}")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.draft_quantization!r}")

@@ -23,13 +23,15 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec.draft import DraftModelProposer
-from pdserve.engine.spec.proposers import make_proposer
+from pdserve.engine.spec.head import HeadProposer
+from pdserve.engine.spec.proposers import HEAD_PREFIX, make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
 from pdserve.models.arch_config import ArchConfig
+from pdserve.models.draft_head import load_draft_head
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import RequestOutput, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
@@ -62,14 +64,22 @@ class LLMEngine:
             log.warning("compiled decode needs dense weights (--quantization none): quantized weights run "
                         "pdserve's kernels, which a compiled graph cannot hold; decode runs eager")
             compile_decode = False
+        head_path = config.speculative.removeprefix(HEAD_PREFIX).strip() if config.speculative.startswith(HEAD_PREFIX) else ""
+        if head_path and compile_decode:
+            log.warning("a draft head reads the model's hidden states, which a compiled decode graph does not "
+                        "give: decode runs eager")
+            compile_decode = False
         model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)
+        head = load_draft_head(head_path, self.model_config, self.dtype, device) if head_path else None
         self.max_model_len = self._max_model_len(config)
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype)
+        num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of this model; raise it"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
+                                  compile_decode=compile_decode, head=head)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -81,10 +91,9 @@ class LLMEngine:
             proposer=make_proposer(config.speculative, config.num_speculative_tokens,
                                    lambda path, k: DraftModelProposer.load(
                                        path, config.draft_quantization, self.model_config, self.tokenizer,
-                                       self.dtype, device, config.block_size, config.kv_cache_memory // 4, k)),
+                                       self.dtype, device, config.block_size, config.kv_cache_memory // 4, k),
+                                   lambda k: HeadProposer(self.runner, self.block_manager, k)),
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
-                                  compile_decode=compile_decode)
         self.structures = Structures(self.tokenizer, self.model_config.vocab_size, 
                                      tuple(sorted(self.scheduler.eos_token_ids)))
         self._parents: dict[str, Completions] = {}
@@ -252,14 +261,17 @@ class LLMEngine:
 
     def kv_landed(self, request_id: str, first_token: int, prefill_times: tuple[float, float] = (0.0, 0.0),
                   first_logprobs: TokenLogprobs | None = None,
-                  prompt_logprobs: list[TokenLogprobs | None] | None = None) -> bool:
+                  prompt_logprobs: list[TokenLogprobs | None] | None = None, head_feature: bytes = b"") -> bool:
         """A prefill worker filled the request's reserved blocks and sampled `first_token` (with
         its log-probabilities, and the prompt's, where the request asks for them; ValueError if
-        they are missing). Its output comes from the next step(). False if the request is no longer
-        waiting for it."""
+        they are missing; and its draft head's feature at the last token, where both workers have
+        the head: ValueError for bytes that are none). Its output comes from the next step().
+        False if the request is no longer waiting for it."""
+        feature = self._head_feature(head_feature)
         req = self.scheduler.kv_landed(request_id, first_token, prefill_times, first_logprobs, prompt_logprobs)
         if req is None:
             return False
+        req.head_feature = feature
         self._skip_draws(req, 1)  # the prefill worker drew the new token's noise from the same seed
         self._landed.append(req)
         return True
@@ -270,6 +282,20 @@ class LLMEngine:
         transfer ships its KV beside the target's."""
         proposer = self.scheduler.proposer
         return proposer if isinstance(proposer, DraftModelProposer) else None
+
+    def _head_feature(self, data: bytes) -> torch.Tensor | None:
+        """A draft head's feature as a prefill worker sent it (float32 values); None where there is
+        none, or no head here to read it."""
+        head = self.runner.head
+        if head is None or not data:
+            return None
+        size = self.model_config.hidden_size
+        if len(data) != 4 * size:
+            raise ValueError(f"a draft head feature of {len(data)} bytes; this model's has {size} float32 values")
+        feature = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        if not torch.isfinite(feature).all():
+            raise ValueError("a draft head feature with values that are not finite")
+        return feature.to(dtype=self.dtype, device=self.runner.device)
 
     def kv_failed(self, request_id: str) -> None:
         """The prompt's KV will not come: the request computes it here (the colocated path)."""

@@ -15,15 +15,17 @@ from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from pdserve.layers.kernels import native
 from pdserve.layers.penalties import RowPenalties, apply_penalties
 from pdserve.layers.sampler import Sampler, SamplingBatch, skip_draws, token_logprobs
+from pdserve.models.draft_head import DraftHead
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprobs
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 x a 50k vocabulary is 50 MB
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    """Bytes of one block of the paged cache: the model's layers, and `extra_layers` more (a draft head's)."""
     cfg = model.cfg
-    return 2 * cfg.num_layers * block_size * cfg.kv_size * torch.finfo(dtype).bits // 8
+    return 2 * (cfg.num_layers + extra_layers) * block_size * cfg.kv_size * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
@@ -38,14 +40,17 @@ class ModelRunner:
         kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         compile_decode: bool = False,
         use_kernels: bool = True,  # pdserve's CPU kernels where they apply (False: torch's throughout)
+        head: DraftHead | None = None,  # a draft head (`models/draft_head.py`): its layer is one more in the cache
     ) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.head = head
+        model.keep_residual = head is not None and not head.reads_final_norm
         # [layers, slots, K/V, kv_heads, head_dim]; one slot per token position of a block
-        shape = (cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers + (head is not None), num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
         if kv_allocator is not None:  # e.g. in shared memory, for a same-host prefill worker to fill
             self.kv_cache = kv_allocator(shape, dtype)
         else:
@@ -74,6 +79,8 @@ class ModelRunner:
             if logits is not None:
                 return logits, heads
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
+        if self.head is not None:  # what the head's pass reads once the step has sampled
+            self._features = (hidden if self.head.reads_final_norm else self.model.residual, positions, meta)
         if any(r.prompt_logprobs is not None for r in step.requests[step.num_decodes :]):
             self._prompt_logprobs(step, hidden)
         if not heads:
@@ -88,15 +95,19 @@ class ModelRunner:
         logits, heads = self.forward(step, on_layer)
         sampled: list[int | list[int] | None] = [None] * len(step.requests)
         if logits is None:
+            if self.head is not None:
+                self._head_pass(step, {})
             return sampled
         positions = [(step.requests[row], step.requests[row].draft[:j]) for row, count in heads for j in range(count)]
         seeded = {row: step.requests[row].generator.get_state() for row, count in heads
                   if count > 1 and step.requests[row].generator is not None}
         tokens = self.sample(logits, positions)
         entries = self._logprobs(logits, positions, tokens)
+        drawn: dict[int, list[int]] = {}  # each sampling row's tokens, for a draft head's pass
         at = 0
         for row, count in heads:
             req = step.requests[row]
+            drawn[row] = tokens[at : at + count]
             if count > 1:
                 new = sampled[row] = verified(req.draft, tokens[at : at + count])
             else:
@@ -108,7 +119,53 @@ class ModelRunner:
                 if not req.params.greedy:
                     skip_draws(req.generator, logits.shape[1], len(new))
             at += count
+        if self.head is not None:
+            self._head_pass(step, drawn, sampled)
         return sampled
+
+    # -- a draft head (`models/draft_head.py`) --------------------------------------------------
+
+    def _head_pass(self, step: SchedulerOutput, samples: dict[int, list[int]],
+                   sampled: list[int | list[int] | None] | None = None) -> None:
+        """The head's layer over every row the step computed: its KV for each position (the
+        model's feature there and the token after it: the request's own, else the one sampled at
+        that row), and for each request that sampled, the head's feature at its last kept
+        position (`Request.head_feature`), which its next drafts start from."""
+        features, positions, meta = self._features
+        self._features = None
+        next_ids: list[int] = []
+        last_rows: dict[int, int] = {}  # request's row in the step -> its last kept row among all rows
+        offset = 0
+        for row, (req, n) in enumerate(zip(step.requests, step.num_new_tokens)):
+            start, known = req.num_computed_tokens, req.num_tokens
+            drawn = samples.get(row, [])
+            for p in range(start, start + n):
+                if p + 1 < known:
+                    next_ids.append(req.token_ids(p + 1, p + 2)[0])
+                else:  # its last token's row, or a draft's: the token the model sampled there
+                    j = p - (known - 1)
+                    next_ids.append(drawn[j] if j < len(drawn) else 0)  # rows past a rejection: written again
+            if row in samples:
+                kept = sampled[row]
+                kept_count = len(kept) if isinstance(kept, list) else 1
+                last_rows[row] = offset + (known - 1 - start) + kept_count - 1
+            offset += n
+        out = self.head(features, torch.tensor(next_ids, device=self.device), self.model.embed_tokens,
+                        self.model.rotary(positions), self.kv_cache[-1], meta)
+        for row, at in last_rows.items():
+            step.requests[row].head_feature = out[at].clone()
+
+    @torch.inference_mode()
+    def head_step(self, step: SchedulerOutput, features: torch.Tensor) -> torch.Tensor:
+        """One drafting step of the head: each of the step's requests (one row: its draft token at
+        its position) from its feature ([rows, hidden]); their next features."""
+        input_ids, positions, meta, _, _ = self._prepare(step)
+        return self.head(features, input_ids, self.model.embed_tokens, self.model.rotary(positions),
+                         self.kv_cache[-1], meta)
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The model's logits ([rows, vocab] float32) of features the head gave."""
+        return self.model.compute_logits(self.head.logits_input(features))
 
     def sample(self, logits: torch.Tensor, positions: list[tuple[Request, list[int]]]) -> list[int]:
         """One token for each position: a request and the drafts ahead of the position, which

@@ -53,7 +53,7 @@ class Request:
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
-        "matcher", "draft", "draft_misses", "draft_pause", "acceptance",
+        "matcher", "draft", "draft_misses", "draft_pause", "acceptance", "head_feature",
     )
 
     def __init__(
@@ -81,6 +81,8 @@ class Request:
         self.draft: list[int] = []  # tokens proposed to follow, verified by the step they are scheduled in
         self.draft_misses = 0  # drafts in a row of which the model kept none
         self.draft_pause = 0  # steps to decode without drafts before proposing again
+        # a draft head's feature at the request's last token (`models/draft_head.py`): its next drafts start here
+        self.head_feature: torch.Tensor | None = None
         self.acceptance = Acceptance()  # how often its draft tokens were kept, lately (`engine/spec/budget.py`)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)

@@ -45,9 +45,10 @@ class KVSender(Protocol):
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
                logprobs: TokenLogprobs | None = None,
-               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+               prompt_logprobs: list[TokenLogprobs | None] | None = None, feature: bytes = b"") -> None:
         """After the lease's writes: the first token (with its log-probabilities, and the prompt's,
-        where the request asked for them), and (queue, compute) seconds spent here."""
+        where the request asked for them; a draft head's feature at the last token, float32), and
+        (queue, compute) seconds spent here."""
         ...
 
     def abort(self, lease: Lease, reason: str) -> None: ...

@@ -42,8 +42,13 @@ class KVLayout:
     dtype: str  # torch dtype name of the cache, e.g. "float32"
 
     @classmethod
-    def of(cls, cfg: ArchConfig, dtype: torch.dtype) -> KVLayout:
-        return cls(model_fingerprint(cfg), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).split(".")[-1])
+    def of(cls, cfg: ArchConfig, dtype: torch.dtype, head: str = "") -> KVLayout:
+        """A model's KV layout; with a draft head (named `head`), its layer is one more, and the
+        layout names both (workers share KV only where their heads agree too)."""
+        name = model_fingerprint(cfg)
+        if head:
+            name = hashlib.sha256(f"{name}:{head}".encode()).hexdigest()
+        return cls(name, cfg.num_layers + bool(head), cfg.num_kv_heads, cfg.head_dim, str(dtype).split(".")[-1])
 
     @property
     def torch_dtype(self) -> torch.dtype:

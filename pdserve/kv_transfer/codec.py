@@ -91,13 +91,18 @@ class NotifyHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top: list[tuple[int, float]] = []
     # where it asked for its prompt's (completions' echo): one per prompt token, the first null
     prompt: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
+    # where the workers draft with a draft head: its feature at the last token (float32 values),
+    # which the decode worker's first drafts start from
+    feature: bytes = b""
 
     @classmethod
     def of(cls, lease, first_token: int, times: tuple[float, float], logprobs: TokenLogprobs | None,
-           prompt_logprobs: list[TokenLogprobs | None] | None = None) -> NotifyHeader:
+           prompt_logprobs: list[TokenLogprobs | None] | None = None, feature: bytes = b"") -> NotifyHeader:
         extra = {} if logprobs is None else {"logprob": logprobs.logprob, "top": logprobs.top}
         if prompt_logprobs is not None:
             extra["prompt"] = [None if e is None else (e.token_id, e.logprob, e.top) for e in prompt_logprobs]
+        if feature:
+            extra["feature"] = feature
         return cls(lease.request_id, lease.fence, first_token, lease.end, *times, **extra)
 
     def logprobs(self) -> TokenLogprobs | None:

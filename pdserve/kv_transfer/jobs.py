@@ -41,6 +41,7 @@ class NotifyJob:
     times: tuple[float, float]  # (queue, compute) seconds the prefill spent here
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    feature: bytes = b""  # a draft head's, at the last token
 
 
 @dataclass(slots=True)

@@ -51,6 +51,7 @@ class ReceiverEvent:
     prefill_times: tuple[float, float] = (0.0, 0.0)  # LANDED: queue and compute seconds on the prefill worker
     first_logprobs: TokenLogprobs | None = None  # LANDED, where the request asked for log-probabilities
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # LANDED, where it asked for its prompt's
+    feature: bytes = b""  # LANDED, where the prefill worker drafts with a draft head: its feature at the last token
 
 
 class Peer(Protocol):
@@ -213,7 +214,7 @@ class LeaseTable:
             times = tuple(t if math.isfinite(t) and t >= 0 else 0.0 for t in (h.prefill_queue_s, h.prefill_compute_s))
             self.events.put(ReceiverEvent(EventKind.LANDED, h.request_id, h.fence, first_token=h.first_token,
                                           prefill_times=times, first_logprobs=first_logprobs,
-                                          prompt_logprobs=prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs, feature=h.feature))
         else:
             self.events.put(ReceiverEvent(EventKind.FAILED, h.request_id, h.fence, reason=reason))
             self._unbind(state)

@@ -146,10 +146,10 @@ class MemorySender:
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
                logprobs: TokenLogprobs | None = None,
-               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+               prompt_logprobs: list[TokenLogprobs | None] | None = None, feature: bytes = b"") -> None:
         if not self._usable(lease, TransferStatus.FAILED):
             return
-        self.leases.notify(NotifyHeader.of(lease, first_token, times, logprobs, prompt_logprobs), self)
+        self.leases.notify(NotifyHeader.of(lease, first_token, times, logprobs, prompt_logprobs, feature), self)
         with self._lock:
             self._status[lease.request_id] = TransferStatus.DONE
 

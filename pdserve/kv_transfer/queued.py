@@ -122,10 +122,11 @@ class QueuedSender:
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),
                logprobs: TokenLogprobs | None = None,
-               prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+               prompt_logprobs: list[TokenLogprobs | None] | None = None, feature: bytes = b"") -> None:
         """After the lease's writes: the first token (with its log-probabilities, and the prompt's,
-        where the request asked for them), and (queue, compute) seconds spent here."""
-        self._push(NotifyJob(lease, first_token, times, logprobs, prompt_logprobs))
+        where the request asked for them; a draft head's feature), and (queue, compute) seconds
+        spent here."""
+        self._push(NotifyJob(lease, first_token, times, logprobs, prompt_logprobs, feature))
 
     def abort(self, lease: Lease, reason: str) -> None:
         self._push(AbortJob(lease, reason))
@@ -255,7 +256,8 @@ class QueuedSender:
         elif isinstance(job, ClaimJob):
             self._claim(lease)
         elif isinstance(job, NotifyJob):
-            self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs, job.prompt_logprobs))
+            self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs, job.prompt_logprobs,
+                                           job.feature))
             self._status[lease.request_id] = TransferStatus.DONE
         elif isinstance(job, AbortJob):
             self._aborted_fences.add(lease.fence)

@@ -46,7 +46,7 @@ class Checkpoint:
 def load_hf_dir(path: str | Path) -> Checkpoint:
     path = Path(path)
     info = read_hf_info(path)
-    return Checkpoint(info.hf_config, _read_safetensors(path), info.tokenizer, info.generation_config,
+    return Checkpoint(info.hf_config, read_safetensors(path), info.tokenizer, info.generation_config,
                       _read_quantized_bits(path))
 
 
@@ -60,12 +60,14 @@ def _read_quantized_bits(path: Path) -> dict[str, int]:
     return bits
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, files: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors weights (its index's shards, else every
+    *.safetensors file; or the named `files`)."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
+    if files is None and index.exists():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
-    else:
+    elif files is None:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} holds no *.safetensors weights")

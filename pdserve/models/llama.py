@@ -126,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.use_decode_stack = True  # decode steps in one kernel call where they can (`native_decode`)
         self._decode_stack: NativeDecode | None = None
         self._decode_stack_built = False
+        self.keep_residual = False  # keep the last step's hidden states before the final norm (an MTP head reads them)
+        self.residual: torch.Tensor | None = None
 
     def forward(
         self,
@@ -145,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
                 x, delta = layer(x, delta, cos_sin, None if kv_caches is None else kv_caches[i], meta)
                 if on_layer is not None:
                     on_layer(i)
-        return self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)[1]
+        x, hidden = self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)
+        self.residual = x if self.keep_residual else None
+        return hidden
 
     def decode_stack(self) -> NativeDecode | None:
         """The layers as one kernel call takes them (built at the first step, once the weights are

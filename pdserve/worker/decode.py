@@ -148,7 +148,7 @@ class DecodeRole(RoleHooks):
             self._draft_landed(lease)
             try:
                 self.engine.kv_landed(event.request_id, event.first_token, event.prefill_times, event.first_logprobs,
-                                      event.prompt_logprobs)
+                                      event.prompt_logprobs, event.feature)
             except ValueError as e:  # what the request needs did not come with its first token
                 self.leases[event.request_id] = lease  # nothing changed: the lease ends as any failed one
                 self._fall_back(event.request_id, event.fence, str(e))

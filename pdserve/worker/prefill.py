@@ -67,6 +67,7 @@ class PrefillRole(RoleHooks):
         self.call: Callable[[Callable[[], None]], None] = lambda fn: fn()
         self.submit: Callable[[Callable[[], object]], Future] = _run_now
         self.shipments: dict[str, Shipment] = {}  # by engine request id
+        self._late_layers: Callable[[int], None] | None = None  # the step's writer, for layers past the model's
         self._senders: dict[tuple, KVSender] = {}
         self._connect_lock = threading.Lock()
         self.num_notified = 0
@@ -168,6 +169,7 @@ class PrefillRole(RoleHooks):
         def on_layer(layer: int) -> None:
             for shipment, begin, end, runs in plan:
                 shipment.sender.write(shipment.lease, layer, begin, end, runs)
+        self._late_layers = on_layer  # a draft head's layer: its KV is written after the model samples
         return on_layer
 
     def _linked(self, engine_id: str, shipment: Shipment) -> bool:
@@ -193,6 +195,10 @@ class PrefillRole(RoleHooks):
         return False
 
     def after_execute(self, step: SchedulerOutput) -> None:
+        if self._late_layers is not None:
+            for layer in range(self.engine.model_config.num_layers, self.layout.num_layers):
+                self._late_layers(layer)
+            self._late_layers = None
         self._ship_draft(step)
         senders = {s.sender for r in step.requests if (s := self.shipments.get(r.request_id)) is not None}
         for sender in senders:
@@ -246,7 +252,9 @@ class PrefillRole(RoleHooks):
             started = request.first_scheduled_time or request.arrival_time
             times = (started - request.arrival_time, (request.first_token_time or started) - started)
             logprobs = request.output_logprobs[-1] if request.output_logprobs else None
-            sender.notify(lease, request.output_token_ids[-1], times, logprobs, request.prompt_logprobs)
+            feature = request.head_feature  # a draft head's, where this worker has one
+            sender.notify(lease, request.output_token_ids[-1], times, logprobs, request.prompt_logprobs,
+                          b"" if feature is None else feature.float().cpu().numpy().tobytes())
             self.num_notified += 1
         elif not shipment.peer_aborted:
             sender.abort(lease, f"prefill ended: {request.status.finish_reason}")

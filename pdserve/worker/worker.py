@@ -30,6 +30,7 @@ from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
+from pdserve.models.arch_config import model_fingerprint
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
 from pdserve.kv_transfer.shm import SharedKVPool, shm_available
@@ -115,7 +116,9 @@ class Worker:
             return engine
 
         self.engine = _built_on_own_thread(build)
-        self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype)
+        head = self.engine.runner.head
+        self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype, head.name if head is not None else "")
+        self.model_hash = model_fingerprint(self.engine.model_config)  # the model it serves, for the router
         record_steps = settings.record_steps  # a JSONL file: every step's shape and time (see EngineLoop)
         if record_steps:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +137,7 @@ class Worker:
         self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit, draft)
         self.started_at = time.time()
-        self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.layout.model_hash)
+        self._last_stats = wire.WorkerStats(role=config.role, model_hash=self.model_hash)
         self.draining = False
         self._token = token
         self._drain_request: Callable[[], None] = self.drain  # POST /v1/drain (`on_drain_request`)
@@ -150,7 +153,7 @@ class Worker:
         `token`: the router's worker token (by default this worker's own, as in a cluster)."""
         from pdserve.worker.registration import RouterMembership
 
-        self.membership = RouterMembership(router_url, own_url, self.role, self.layout.model_hash, self.stats,
+        self.membership = RouterMembership(router_url, own_url, self.role, self.model_hash, self.stats,
                                            self._token if token is None else token, self.config.block_size,
                                            self.settings.node).start()
         return self.membership
@@ -330,7 +333,7 @@ class Worker:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         out = {
             "role": self.role,
-            "model_hash": self.layout.model_hash,
+            "model_hash": self.model_hash,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "waiting_for_kv": len(sched.waiting_for_kv),

@@ -27,7 +27,7 @@ class FakeEngine:
         self.recomputed: list[str] = []
 
     def kv_landed(self, request_id: str, first_token: int, prefill_times, first_logprobs=None,
-                  prompt_logprobs=None) -> None:
+                  prompt_logprobs=None, head_feature=b"") -> None:
         self.landed.append((request_id, first_token))
 
     def kv_failed(self, request_id: str) -> None:

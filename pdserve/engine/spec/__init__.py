@@ -25,7 +25,8 @@ drawing only the kept positions leaves it.
 The modules: `ngram` (prompt lookup: where the output repeats its input, the tokens that followed
 the latest earlier occurrence of the last few tokens are likely to follow again), `suffix` (also
 what recent requests on the worker wrote), `draft` (a draft model with the target's tokenizer,
-run a few tokens ahead over a KV cache of its own), `proposers` (the proposer of each
+run a few tokens ahead over a KV cache of its own), `head` (a draft head on the model's own
+hidden states, which the runner hands it every step), `proposers` (the proposer of each
 `--speculative` method), `budget` (how many draft tokens each request verifies at a step),
 `verify` (who drafts, and what a verified draft gives). A proposer has `num_tokens`, `method`,
 `propose_all([(request, limit)])` (the drafts of each), `release(request)` (the request left the
