@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -31,6 +32,18 @@ def cache(layout: KVLayout, fill: float | None = None) -> torch.Tensor:
 def receiver(target: torch.Tensor) -> KVReceiver:
     return KVReceiver(LAYOUT, target, queue.Queue(), token="tok", limits=FrameLimits(max_payload_bytes=1 << 16),
                       draft=DraftKV(DRAFT, cache(DRAFT, 0.0)))
+
+
+@contextmanager
+def connected():
+    """A receiver with a draft cache, and a raw peer's socket to it, closed after."""
+    rx = receiver(cache(LAYOUT, 0.0))
+    sock, _ = connect(rx)
+    try:
+        yield rx, sock
+    finally:
+        sock.close()
+        rx.close()
 
 
 def open_lease(rx: KVReceiver, fence: int, start: int = 4, end: int = 10, draft: bool = True) -> Lease:
@@ -79,18 +92,13 @@ def test_the_draft_layers_land_in_the_draft_cache_beside_the_target(backend):
 
 
 def test_a_lease_may_land_without_its_draft_kv():
-    rx = receiver(cache(LAYOUT, 0.0))
-    sock, _ = connect(rx)
-    try:
+    with connected() as (rx, sock):
         lease = open_lease(rx, fence=3, start=0, end=4)
         for layer in range(LAYOUT.num_layers):
             sock.sendmsg(encode_frame(WriteHeader("r1", 3, layer, 0, 4), bytes(4 * LAYOUT.slot_bytes)))
         sock.sendmsg(encode_frame(NotifyHeader("r1", 3, first_token=1, num_prompt_tokens=4)))
         assert rx.events.get(timeout=5).kind == EventKind.LANDED
         assert lease.complete and not lease.draft_complete  # the decode worker's draft computes it
-    finally:
-        sock.close()
-        rx.close()
 
 
 @pytest.mark.parametrize("header,size,draft", [
@@ -102,9 +110,7 @@ def test_a_lease_may_land_without_its_draft_kv():
     (WriteHeader("r1", 4, 2, 0, 4, "direct"), 0, True),  # nobody writes a draft cache in place
 ])
 def test_bad_draft_writes_drop_the_connection_and_land_nowhere(header, size, draft):
-    rx = receiver(cache(LAYOUT, 0.0))
-    sock, _ = connect(rx)
-    try:
+    with connected() as (rx, sock):
         open_lease(rx, fence=4, start=0, end=8, draft=draft)
         sock.sendmsg(encode_frame(header, bytes(size)))
         sock.settimeout(5)
@@ -114,20 +120,12 @@ def test_bad_draft_writes_drop_the_connection_and_land_nowhere(header, size, dra
             pass
         assert rx.draft.cache.count_nonzero() == 0 and rx.kv_cache.count_nonzero() == 0
         assert rx.num_open_leases == 1  # no peer bound it: another may still fill it
-    finally:
-        sock.close()
-        rx.close()
 
 
 def test_a_good_draft_write_keeps_the_connection():
-    rx = receiver(cache(LAYOUT, 0.0))
-    sock, _ = connect(rx)
-    try:
+    with connected() as (rx, sock):
         lease = open_lease(rx, fence=4, start=0, end=8)
         data = torch.ones(4, 2, 1, 8).numpy().tobytes()
         sock.sendmsg(encode_frame(WriteHeader("r1", 4, 3, 0, 4), data))
         settle(rx, sock)
         assert lease.draft_received == [0, 4, 0] and rx.draft.cache[1, 36:40].eq(1).all()
-    finally:
-        sock.close()
-        rx.close()
