@@ -62,15 +62,18 @@ def test_a_row_count_whose_step_costs_a_jump_is_avoided():
     assert jump.cut(likely, rows=16) == [8, 8]  # enough of them pay for the jump
 
 
-def test_a_probe_is_priced_as_the_best_it_could_do():
-    """A probe (a request with no history, or back after misses) is verified where a draft kept
-    whole would pay, whatever its request's rate says; never where not even that would: one more
-    row past a jump in step cost costs more than any one token gives."""
-    full = budget_with_costs({16: 0.100, 20: 0.116})
-    assert full.cut([([1, 2, 3], sure(0.0), True), ([4, 5], sure(0.0), False)], rows=16) == [3, 0]
-    jump = budget_with_costs({8: 0.081, 9: 0.100, 16: 0.104})
-    assert jump.cut([([1], sure(0.0), True)], rows=8) == [0]  # 9 tokens in 0.100 s: less than 8 in 0.081
-    assert jump.cut([([1] * 8, sure(0.0), True)], rows=8) == [8]  # 16 in 0.104: found out if it repeats
+def test_a_probe_is_priced_at_the_engines_rate():
+    """A probe (a request with no history, or back after misses) is priced at the engine's recent
+    rate, not its own: verified where drafts are being kept and that pays for its rows, never
+    where one more row past a jump in step cost would cost more than the engine's drafts give."""
+    costs = {8: 0.081, 9: 0.100, 16: 0.104}
+    kept, missed = budget_with_costs(costs), budget_with_costs(costs)
+    kept.engine, missed.engine = sure(0.95), sure(0.1)
+    probe = [([1] * 8, sure(0.0), True)]
+    assert kept.cut(probe, rows=8) == [8]  # found out: its drafts may be as good as the others'
+    assert missed.cut(probe, rows=8) == [0]
+    assert kept.cut([([1] * 8, sure(0.0), False)], rows=8) == [0]  # not a probe: its own rate
+    assert kept.cut([([1], sure(0.0), True)], rows=8) == [0]  # 9 rows in 0.100 s: less than 8 in 0.081
 
 
 def test_a_requests_rate_starts_at_the_engines_and_follows_its_own_drafts():
