@@ -72,6 +72,12 @@ class EngineConfig:
                       "supported | float32 | bfloat16 | float16")  # engine/dtype_choice.py
     device: str = flag("cpu", "cpu | cuda")
     kv_cache_memory: int | str = flag("1GiB", "KV cache budget, e.g. 512MiB, 2GiB")  # in bytes once validated
+    host_kv_memory: int | str = flag(
+        "0", "host KV tier: prefix blocks the pool evicts are kept in this much host memory (e.g. 2GiB) and "
+        "copied back on a prefix hit, so a returning conversation computes only its new tokens; 0: none")
+    host_kv_encoding: str = flag("raw", "the host KV tier's blocks: raw (exact) or int8 (half of bf16's bytes, "
+                                 "a quarter of float32's; a prefix brought back is close, not equal)",
+                                 choices=("raw", "int8"))
     block_size: int = flag(16)  # tokens per KV block
     # token budget of one step (prefill chunks + decodes); vLLM's server default. Prompts up to this
     # long are computed whole (a chunk after cached tokens attends through a mask, slower), and a
@@ -117,6 +123,11 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        self.host_kv_memory = parse_size(self.host_kv_memory)
+        if self.host_kv_memory < 0:
+            raise ValueError("host_kv_memory must not be negative")
+        if self.host_kv_encoding not in ("raw", "int8"):
+            raise ValueError(f"host_kv_encoding must be raw or int8, got {self.host_kv_encoding!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

@@ -44,6 +44,10 @@ Prompt = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_SEQUENCE_TOK
 Url = Annotated[str, Meta(pattern=r"^https?://[^\s/?#]{1,255}(/[^\s]{0,255})?\Z")]
 Fence = Annotated[int, Meta(ge=0, le=MAX_FENCE)]
 Count = Annotated[int, Meta(ge=0, le=1 << 62)]
+# where a request's KV came from (`pdserve_prompt_tokens_by_source_total`): computed on the worker,
+# its prefix cache, its host or disk tier, a shared store, another worker's lease, or what a
+# restarted worker found of its own
+TokenSource = Literal["computed", "prefix_cache", "host", "disk", "store", "transferred", "resumed"]
 Size = Annotated[int, Meta(ge=0, le=1 << 40)]  # requests, sequences, blocks: far below this in any pool
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
@@ -377,6 +381,8 @@ class WorkerStats(Message):
     draft_tokens: Count = 0  # their tokens
     draft_tokens_accepted: Count = 0  # of those, kept
     draft_prompt_tokens: Count = 0  # prompt tokens a draft model computed on this worker
+    # the tokens whose KV requests started from here, by where it came from
+    tokens_by_source: dict[TokenSource, Count] = {}
     uptime_s: Seconds = 0.0
     requests_aborted: Count = 0
     requests_failed: Count = 0

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from typing import TYPE_CHECKING
+
 from pdserve.engine.request import Request
 from pdserve.prefix_hash import hash_block
+
+if TYPE_CHECKING:  # the simulator runs the block manager without torch
+    from pdserve.engine.kv_tier import HostKVTier
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -38,6 +43,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.tier: HostKVTier | None = None  # where evicted prefix blocks go (`--host-kv-memory`)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -69,6 +75,20 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def find_in_tier(self, request: Request, start: int) -> list[int]:
+        """The host tier's slots holding the request's prefix blocks from block `start` on (after
+        `find_cached_prefix`, which hashed them), with one token still left to compute."""
+        if self.tier is None or not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.tier.find(request.block_hashes[start:max_blocks])
+
+    def promote(self, request: Request, start: int, slots: list[int]) -> None:
+        """The request was given blocks for its prefix blocks from `start` on that the tier holds
+        (`allocate`): their KV comes from those slots before the next step."""
+        if slots:
+            self.tier.promote(slots, self._tables[request.request_id][start : start + len(slots)])
 
     # -- changes -------------------------------------------------------------------------------
 
@@ -149,6 +169,8 @@ class BlockManager:
         for block_hash, block_id in list(self._cached.items()):
             self.blocks[block_id].block_hash = None
         self._cached.clear()
+        if self.tier is not None:
+            self.tier.clear()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -165,6 +187,8 @@ class BlockManager:
             if block.block_hash is not None:
                 if cached.get(block.block_hash) == block_id:
                     del cached[block.block_hash]
+                    if self.tier is not None:  # its prefix's KV is kept there, copied out now
+                        self.tier.evicted(block.block_hash, block_id)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block_id)

@@ -19,6 +19,7 @@ from pdserve.engine.completions import Completion, Completions, make_detokenizer
 from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
+from pdserve.engine.kv_tier import HostKVTier
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
@@ -80,6 +81,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode, head=head)
+        if config.host_kv_memory:
+            self.block_manager.tier = HostKVTier(config.host_kv_memory, self.runner.kv_cache, config.block_size,
+                                                 config.host_kv_encoding)
+            log.info("host KV tier: %d blocks (%s)", self.block_manager.tier.capacity, config.host_kv_encoding)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -329,6 +334,8 @@ class LLMEngine:
             landed, self._landed = self._landed, []
             outputs += self._postprocess([r for r in landed if r.request_id in self._sequences])
         step = self.scheduler.schedule()
+        if self.block_manager.tier is not None:  # prefix blocks found there, into the pool before any step reads them
+            self.block_manager.tier.settle()
         if step.empty:
             return outputs
         if self.on_schedule is not None:

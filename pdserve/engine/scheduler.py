@@ -36,6 +36,10 @@ from pdserve.outputs import TokenLogprobs
 MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing after drafts that missed
 
 
+# where the KV a request starts from came from: computed here, this worker's prefix cache, its
+# host tier, or another worker (a prefill worker's lease)
+TOKEN_SOURCES = ("computed", "prefix_cache", "host", "transferred")
+
 class Scheduler:
     def __init__(
         self,
@@ -67,6 +71,9 @@ class Scheduler:
         self.num_drafts = 0  # drafts verified (one a request a step), since start
         self.num_drafted = 0  # draft tokens verified, since start
         self.num_accepted = 0  # of those, kept
+        # the tokens whose KV requests started from, by where it came from (the worker's
+        # pdserve_prompt_tokens_by_source_total), since start
+        self.tokens_by_source = dict.fromkeys(TOKEN_SOURCES, 0)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -177,15 +184,19 @@ class Scheduler:
                     break
                 self.waiting.pop(i)
                 continue
-            cached = self.blocks.find_cached_prefix(req)
-            num_cached = len(cached) * self.blocks.block_size
+            cached, slots = self._prefix(req)
+            bs = self.blocks.block_size
+            num_cached = (len(cached) + len(slots)) * bs
             n = min(req.num_tokens - num_cached, budget)
-            if not self.blocks.allocate(req, n, cached):
+            if not self.blocks.allocate(req, len(slots) * bs + n, cached):
                 break
+            self.blocks.promote(req, len(cached), slots)
             self.waiting.pop(i)
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
+            req.num_tier_tokens = len(slots) * bs
+            self._count_sources(req, computed=req.num_tokens - num_cached)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
@@ -212,17 +223,34 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
+    def _prefix(self, req: Request) -> tuple[list[int], list[int]]:
+        """The request's prefix blocks in the pool, and the host tier's slots of those after them."""
+        cached = self.blocks.find_cached_prefix(req)
+        return cached, self.blocks.find_in_tier(req, len(cached))
+
+    def _count_sources(self, req: Request, **more: int) -> None:
+        """A request starts from its KV: what its prefix hits gave, and `more` (computed or
+        transferred tokens)."""
+        by_source = self.tokens_by_source
+        by_source["prefix_cache"] += req.num_cached_tokens - req.num_tier_tokens
+        by_source["host"] += req.num_tier_tokens
+        for source, n in more.items():
+            by_source[source] += n
+
     def _reserve(self, req: Request) -> bool:
         assert req.status == RequestStatus.WAITING
-        cached = self.blocks.find_cached_prefix(req)
-        num_cached = len(cached) * self.blocks.block_size
+        cached, slots = self._prefix(req)
+        bs = self.blocks.block_size
+        num_cached = (len(cached) + len(slots)) * bs
         needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
         if needed > self.blocks.num_free_blocks:
             return False
-        if not self.blocks.allocate(req, req.num_tokens - num_cached, cached):
+        if not self.blocks.allocate(req, req.num_tokens - len(cached) * bs, cached):
             return False
+        self.blocks.promote(req, len(cached), slots)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
+        req.num_tier_tokens = len(slots) * bs
         req.status = RequestStatus.WAITING_FOR_KV
         req.first_scheduled_time = self.clock()
         self.waiting_for_kv[req.request_id] = req
@@ -252,6 +280,7 @@ class Scheduler:
         del self.waiting_for_kv[request_id]
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
+        self._count_sources(req, transferred=req.num_tokens - req.num_cached_tokens)
         req.num_computed_tokens = req.num_tokens  # prompt and any resumed output
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)

@@ -49,6 +49,8 @@ def warm_up(engine) -> float:
     if config.role != "prefill":
         with _without_role_hooks(engine), _without_speculation(engine):
             settle_dense_rows(engine)
+    sched = engine.scheduler
+    sched.tokens_by_source = dict.fromkeys(sched.tokens_by_source, 0)  # its requests are none of the worker's
     return time.perf_counter() - t0
 
 

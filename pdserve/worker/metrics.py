@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _HELP = {
     "running": "requests in the running batch",
@@ -35,6 +35,12 @@ class _Snapshot:
 
     def collect(self):
         stats = dict(self.stats)
+        by_source = CounterMetricFamily("pdserve_prompt_tokens_by_source", "tokens whose KV requests started from, "
+                                        "by where it came from: computed here, the prefix cache, the host tier, "
+                                        "another worker (transferred)", labels=["source"])
+        for source, count in stats.pop("tokens_by_source", {}).items():
+            by_source.add_metric([source], count)
+        yield by_source
         method = stats.pop("speculative", "off")
         drafts = {key: stats.pop(key) for key in _BY_METHOD if key in stats}
         for key, value in stats.items():

@@ -351,6 +351,7 @@ class Worker:
             "draft_tokens": sched.num_drafted,
             "draft_tokens_accepted": sched.num_accepted,
             "draft_prompt_tokens": getattr(sched.proposer, "prompt_tokens_computed", 0),
+            "tokens_by_source": dict(sched.tokens_by_source),
             "uptime_s": time.time() - self.started_at,
             "requests_aborted": self.engine.num_aborted,
             "requests_failed": self.engine.num_failed,

@@ -1,0 +1,128 @@
+"""A second home for prefix blocks the pool evicts (`--host-kv-memory`): a bounded region of host
+memory, least recently used first, raw or int8 (half the bytes of bf16, a quarter of float32).
+
+Lifecycle of a block's KV:
+1. The pool evicts a cached block (its hash names a full block of some prefix) to give it to
+   another request: the block manager hands it here (`evicted`) at once, and its layers are
+   copied out before anything can write it (a prefill worker may be told to fill it the same
+   moment). The copy is on the engine thread: a block of the default model is 368 KB in bf16.
+2. A request whose prefix the pool no longer holds asks `find` for the blocks that follow its
+   pool hit; the scheduler allocates pool blocks for them (`promote`), and `settle`, which the
+   engine calls after every schedule, copies them in before any step reads them: the request
+   computes only what neither holds.
+3. A block the tier has no room for pushes out the least recently used one.
+
+int8 keeps one scale per token, layer, K or V and head (as the int8 KV transfer does): the
+prefix it brings back is close to the computed one, not equal (a hit then samples from slightly
+different logits); raw keeps it exact.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+ENCODINGS = ("raw", "int8")
+
+
+class HostKVTier:
+    def __init__(self, capacity_bytes: int, kv_cache: torch.Tensor, block_size: int, encoding: str = "raw") -> None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"the host KV tier holds {' or '.join(ENCODINGS)}, not {encoding!r}")
+        layers, _, _, heads, head_dim = kv_cache.shape
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.encoding = encoding
+        shape = (layers, block_size, 2, heads, head_dim)
+        value = torch.int8 if encoding == "int8" else kv_cache.dtype
+        per_block = torch.Size(shape).numel() * value.itemsize + (
+            torch.Size(shape[:-1]).numel() * 4 if encoding == "int8" else 0)
+        self.capacity = capacity_bytes // per_block
+        if self.capacity < 1:
+            raise ValueError(f"host_kv_memory={capacity_bytes} bytes holds no block ({per_block} bytes each)")
+        pin = kv_cache.device.type == "cuda"
+        self._values = torch.empty((self.capacity, *shape), dtype=value, pin_memory=pin)
+        self._scales = torch.empty((self.capacity, *shape[:-1]), dtype=torch.float32) if encoding == "int8" else None
+        self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._to_load: list[tuple[int, int]] = []  # (slot, pool block id), before the next step
+        self.num_saved = 0
+        self.num_loaded = 0
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def clear(self) -> None:
+        """Forget every block (a benchmark's cold runs start alike)."""
+        self._index.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._to_load.clear()
+
+    # -- the block manager's side ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def evicted(self, block_hash: int, block_id: int) -> None:
+        """The pool is giving a cached block to another request: keep its KV (copied now)."""
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+            return
+        slot = self._take_slot({slot for slot, _ in self._to_load})
+        if slot is None:
+            return  # everything here is about to be loaded: this block is lost
+        self._index[block_hash] = slot
+        self._store(slot, self._pool_block(block_id))
+        self.num_saved += 1
+
+    def find(self, hashes: list[int]) -> list[int]:
+        """Slots holding the leading blocks of these hashes, up to the first it lacks."""
+        slots = []
+        for block_hash in hashes:
+            slot = self._index.get(block_hash)
+            if slot is None:
+                break
+            self._index.move_to_end(block_hash)
+            slots.append(slot)
+        return slots
+
+    def promote(self, slots: list[int], block_ids: list[int]) -> None:
+        """Those slots' KV goes into these pool blocks before the next step."""
+        self._to_load += zip(slots, block_ids)
+
+    # -- before a step (engine thread) ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def settle(self) -> None:
+        """Copy what requests found here into the pool blocks they were given."""
+        loads, self._to_load = self._to_load, []
+        for slot, block_id in loads:
+            self._pool_block(block_id).copy_(self._fetch(slot))
+            self.num_loaded += 1
+
+    def _take_slot(self, keep: set[int]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._index.items():  # least recently used first
+            if slot not in keep:
+                del self._index[block_hash]
+                return slot
+        return None
+
+    def _pool_block(self, block_id: int) -> torch.Tensor:
+        start = block_id * self.block_size
+        return self.kv_cache[:, start : start + self.block_size]
+
+    def _store(self, slot: int, block: torch.Tensor) -> None:
+        if self._scales is None:
+            self._values[slot].copy_(block)
+            return
+        x = block.float()
+        scale = x.abs().amax(dim=-1).clamp_min(1e-8) / 127.0
+        self._scales[slot].copy_(scale)
+        self._values[slot].copy_(torch.round(x / scale.unsqueeze(-1)).to(torch.int8))
+
+    def _fetch(self, slot: int) -> torch.Tensor:
+        values = self._values[slot]
+        if self._scales is None:
+            return values.to(self.kv_cache.device, non_blocking=True)
+        return (values.float() * self._scales[slot].unsqueeze(-1)).to(self.kv_cache.dtype).to(self.kv_cache.device)
