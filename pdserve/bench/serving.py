@@ -97,7 +97,7 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], rate: flo
         offsets = arrival_times(len(requests), rate, burstiness, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     progress = Progress(len(requests), label or "bench")
-    records = [RequestRecord(start=0.0, prompt_tokens=r.prompt_tokens) for r in requests]
+    records = [RequestRecord(start=0.0, prompt_tokens=r.prompt_tokens, turn=r.turn) for r in requests]
     turn_done: dict[tuple[int, int], asyncio.Event] = {}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency or len(requests) or 1, max_keepalive_connections=64)
@@ -106,8 +106,9 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], rate: flo
 
         async def one(i: int, req: BenchRequest) -> None:
             await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
-            if req.turn:  # a session's next turn follows its previous one
+            if req.turn:  # a session's next turn follows its previous one, after the user's think time
                 await turn_done[(req.session, req.turn - 1)].wait()
+                await asyncio.sleep(req.think_s)
             payload = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": temperature,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                        **(extra_body or {})}

@@ -33,6 +33,11 @@ def markdown(summaries: list[dict]) -> str:
             f"| {s['completed']}/{s['num_requests']} | {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
             f"| {s['goodput']:.3f} | {s['sla_attainment_pct']:.0f} | {f(s['ttft']['p50'])} / {f(s['ttft']['p99'])} "
             f"| {f(s['tpot']['p50'])} / {f(s['tpot']['p99'])} | {f(s['itl']['p99'])} | {f(s['e2e']['p50'])} |")
+    later = [s for s in summaries if s.get("ttft_later_turns", {}).get("p50") is not None]
+    if later:  # sessions: what a turn costs once its prefix was computed before
+        lines += ["", "| load | later turns' TTFT p50 / p99 ms |", "| --- | --- |"]
+        lines += [f"| {point_label({**s['load'], 'request_rate': s['load']['request_rate'] or math.inf})} "
+                  f"| {f(s['ttft_later_turns']['p50'])} / {f(s['ttft_later_turns']['p99'])} |" for s in later]
     return "\n".join(lines)
 
 
@@ -48,6 +53,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a shared system prompt")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
     g.add_argument("--turns", type=int, default=1, help="turns per session (each prompt extends the last)")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="seconds between a turn's answer and the session's next turn")
     g.add_argument("--dataset", default=None, help='JSONL of {"prompt": str | [ids], "max_tokens"?: int}')
     g.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: asked)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -59,5 +66,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
     if args.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
+    if args.think_time < 0:
+        raise ValueError("--think-time must not be negative")
     return WorkloadSpec(args.num_requests, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
-                        args.seed, vocab_size, args.shared_prefix_len, args.num_prefixes, args.turns, args.dataset)
+                        args.seed, vocab_size, args.shared_prefix_len, args.num_prefixes, args.turns, args.dataset,
+                        args.think_time)

@@ -3,7 +3,8 @@
 - Lengths: `N` (fixed), `A-B` (uniform, inclusive), `M+-S` or `M±S` (normal, clipped at 1).
 - Prompts: random token ids (exact input lengths on any tokenizer), optionally behind one of a
   few shared prefixes (a shared system prompt), or sessions of several turns where each turn's
-  prompt extends the last one; or the prompts of a JSONL dataset (`{"prompt": ...}` per line,
+  prompt extends the last one (after a think time: the KV of a session's prefix may have left a
+  worker's pool by its next turn); or the prompts of a JSONL dataset (`{"prompt": ...}` per line,
   optionally `"max_tokens"`).
 - Arrivals: a Poisson process at a request rate, or gamma with a burstiness (shape: 1 is Poisson,
   below 1 burstier), or all at once (`inf`); `--concurrency` caps requests in flight.
@@ -63,6 +64,7 @@ class BenchRequest:
     max_tokens: int
     session: int = -1  # requests of one multi-turn session go one after another
     turn: int = 0
+    think_s: float = 0.0  # a later turn: seconds the user takes after the previous turn's answer
 
     @property
     def prompt_tokens(self) -> int:  # exact for token ids; a rough count for text
@@ -80,11 +82,12 @@ class WorkloadSpec:
     num_prefixes: int = 1  # distinct shared prefixes, chosen at random per request
     turns: int = 1  # > 1: sessions of this many turns, each extending the last
     dataset: str | None = None
+    think_time: float = 0.0  # seconds between a turn's answer and the session's next turn
 
     def describe(self) -> dict:
         return {"num_requests": self.num_requests, "input_len": str(self.input_len), "output_len": str(self.output_len),
                 "seed": self.seed, "shared_prefix_len": self.shared_prefix_len, "num_prefixes": self.num_prefixes,
-                "turns": self.turns, "dataset": self.dataset}
+                "turns": self.turns, "think_time": self.think_time, "dataset": self.dataset}
 
 
 def build_requests(spec: WorkloadSpec) -> list[BenchRequest]:
@@ -106,7 +109,8 @@ def build_requests(spec: WorkloadSpec) -> list[BenchRequest]:
                 break
             context = context + tokens(spec.input_len.sample(rng))
             max_tokens = spec.output_len.sample(rng)
-            out.append(BenchRequest(list(context), max_tokens, session if spec.turns > 1 else -1, turn))
+            out.append(BenchRequest(list(context), max_tokens, session if spec.turns > 1 else -1, turn,
+                                    spec.think_time if turn else 0.0))
             context += tokens(max_tokens)  # a stand-in for the reply the next turn carries
         session += 1
     return out

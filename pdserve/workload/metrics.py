@@ -29,6 +29,7 @@ class RequestRecord:
     output_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks that carried output
     error: str | None = None
+    turn: int = 0  # of its session (0: the first, or no session)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +86,8 @@ def summarize(records: list[RequestRecord], ttft_slo_s: float, tpot_slo_s: float
         "failed": len(records) - len(done),
         "duration_s": duration,
         "ttft": distribution([r.ttft for r in done]),
+        # a session's later turns: their prefix was computed before, wherever its KV is now
+        "ttft_later_turns": distribution([r.ttft for r in done if r.turn > 0]),
         "tpot": distribution([t for r in done if (t := r.tpot) is not None]),
         "itl": distribution([gap for r in done for gap in r.itls]),
         "e2e": distribution([r.e2e for r in done]),

@@ -64,8 +64,9 @@ def test_length_distributions():
 
 def test_workloads_are_seeded_and_share_prefixes_and_turns():
     spec = WorkloadSpec(12, LengthDist.parse("5-9"), LengthDist.parse("3"), seed=4, vocab_size=100,
-                        shared_prefix_len=16, num_prefixes=2, turns=3)
+                        shared_prefix_len=16, num_prefixes=2, turns=3, think_time=1.5)
     a, b = build_requests(spec), build_requests(spec)
+    assert [r.think_s for r in a[:3]] == [0.0, 1.5, 1.5]  # the user thinks before each later turn
     assert [r.prompt for r in a] == [r.prompt for r in b]  # the seed decides everything
     assert len({tuple(r.prompt[:16]) for r in a}) <= 2  # one of two shared prefixes
     for prev, nxt in zip(a, a[1:]):
@@ -73,6 +74,15 @@ def test_workloads_are_seeded_and_share_prefixes_and_turns():
             assert nxt.session == prev.session and nxt.prompt[: len(prev.prompt)] == prev.prompt
             assert len(nxt.prompt) >= len(prev.prompt) + 3 + 5
     assert all(10 <= t < 100 for r in a for t in r.prompt)
+
+
+def test_later_turns_have_a_ttft_of_their_own():
+    records = [RequestRecord(start=0.0, first_token=ttft, end=1.0, output_tokens=1, turn=turn)
+               for ttft, turn in ((0.8, 0), (0.1, 1), (0.3, 2))]
+    summary = summarize(records, ttft_slo_s=1.0, tpot_slo_s=1.0)
+    assert summary["ttft_later_turns"]["mean"] == pytest.approx(200.0)
+    assert summary["ttft"]["mean"] == pytest.approx(400.0)
+    assert summarize(records[:1], 1.0, 1.0)["ttft_later_turns"]["mean"] is None
 
 
 def test_arrivals():
