@@ -376,6 +376,7 @@ class WorkerStats(Message):
     step_latency_ewma_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
     num_steps: Count = 0
     num_preemptions: Count = 0
+    prefill_pauses: Count = 0  # steps a running prompt sat out for a more urgent one
     speculative: Annotated[str, Meta(max_length=32)] = "off"  # the method that proposes drafts
     drafts: Count = 0  # speculative decoding: drafts verified (one a request a step)
     draft_tokens: Count = 0  # their tokens

@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}  # reserved, prompt KV arriving from elsewhere
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_prefill_pauses = 0  # steps a running prompt sat out for a more urgent one, since start
         self.proposer = proposer  # speculative decoding (engine/spec/); None: off
         self.draft_budget = DraftBudget() if proposer is not None else None
         self.num_drafts = 0  # drafts verified (one a request a step), since start
@@ -106,8 +107,14 @@ class Scheduler:
         i = 0
         if self.proposer is not None:
             self._propose()
+        urgent = self._urgent_priority(budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if urgent is not None and req.priority > urgent and req.num_tokens - req.num_computed_tokens > 1:
+                # a less urgent prompt pauses at this chunk boundary, keeping what it computed
+                self.num_prefill_pauses += 1
+                i += 1
+                continue
             if req.draft:
                 req.draft = req.draft[: budget - 1]
             n = min(req.num_tokens - req.num_computed_tokens + len(req.draft), budget)
@@ -128,6 +135,22 @@ class Scheduler:
             out.block_tables.append(self.blocks.block_table(req.request_id))
         out.num_decodes = len(decodes)
         return out
+
+    def _urgent_priority(self, budget: int) -> int | None:
+        """The priority of the waiting request that running prompts of a less urgent one make way
+        for (they pause between chunks, their KV kept, and go on once it is in): the most urgent
+        waiting one, where it could be admitted now (room for another request, and blocks for
+        its first chunk: a paused prompt must never hold what the waiting one waits for)."""
+        if not self.waiting or self.num_live >= self.max_num_seqs:
+            return None
+        req = self.waiting[0]
+        if not any(r.priority > req.priority and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return None
+        # a reservation takes its whole prompt and headroom at once; a prompt computed here, a chunk
+        first = req.num_tokens + self.headroom_tokens if req.remote_prefill else min(req.num_tokens, budget)
+        if self.blocks.blocks_needed(first) > self.blocks.num_free_blocks:
+            return None
+        return req.priority
 
     def _propose(self) -> None:
         """Drafts for the running requests that decode one token and may speculate, cut to the

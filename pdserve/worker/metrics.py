@@ -14,6 +14,7 @@ _HELP = {
     "kv_blocks_used": "KV cache blocks in use",
     "step_latency_ewma_ms": "moving average of the engine step time",
     "num_preemptions": "requests preempted since start",
+    "prefill_pauses": "steps a running prompt sat out, its KV kept, for a more urgent one, since start",
     "drafts": "speculative decoding: drafts verified since start (one a request a step)",
     "draft_tokens": "speculative decoding: tokens proposed and verified since start",
     "draft_tokens_accepted": "speculative decoding: proposed tokens the model kept since start",

@@ -346,6 +346,7 @@ class Worker:
             "step_latency_ewma_ms": self.loop.step_latency_ewma_s * 1e3,
             "num_steps": self.loop.num_steps,
             "num_preemptions": sched.num_preemptions,
+            "prefill_pauses": sched.num_prefill_pauses,
             "speculative": sched.proposer.method if sched.proposer is not None else "off",
             "drafts": sched.num_drafts,
             "draft_tokens": sched.num_drafted,

@@ -151,3 +151,44 @@ def test_shortest_prompt_first_with_a_maximum_wait():
     later = admission_order(make_scheduler(max_num_seqs=1, enable_prefix_caching=False, shortest_first_max_wait_s=2.5,
                                            clock=lambda: now + 1), requests())
     assert later == ["long1", "long2", "short", "low"]
+
+
+def test_a_less_urgent_prompt_pauses_between_chunks_for_a_more_urgent_one():
+    """A long priority-1 prompt is computing in chunks when a priority-0 prompt arrives: the next
+    step is the urgent one's, whole; the long one keeps what it computed (no block freed, nothing
+    recomputed) and goes on from there once the urgent one decodes."""
+    sched = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=64)
+    low = make_request(prompt=list(range(1, 201)), priority=1, max_tokens=2)
+    sched.add(low)
+    run_fake_step(sched)
+    assert low.num_computed_tokens == 64
+    table = list(sched.blocks.block_table(low.request_id))
+    high = make_request(prompt=list(range(300, 330)), priority=0, max_tokens=2)  # no prefix in common
+    sched.add(high)
+    out = sched.schedule()
+    assert out.requests == [high] and out.num_new_tokens == [30]  # the urgent prompt alone, whole
+    sched.update(out, [5])
+    assert low.num_computed_tokens == 64 and sched.blocks.block_table(low.request_id) == table
+    out = sched.schedule()  # the urgent one decodes: the paused prompt goes on beside it
+    assert out.requests == [high, low] and out.num_new_tokens == [1, 63]
+    sched.update(out, [5, None])
+    assert low.num_computed_tokens == 127 and sched.num_prefill_pauses == 1 and sched.num_preemptions == 0
+    drain(sched)
+    assert_no_leaks(sched.blocks)
+
+
+def test_a_prompt_does_not_pause_for_one_that_could_not_be_admitted():
+    """Pausing for a waiting prompt the pool has no room for, or no seat, would hold what it waits for."""
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=32)
+    low = make_request(48, priority=1, max_tokens=2)
+    sched.add(low)
+    run_fake_step(sched)  # 8 of 14 blocks low's
+    sched.add(make_request(100, priority=0, max_tokens=2))  # its first chunk needs 8
+    out = sched.schedule()
+    assert low in out.requests and sched.num_prefill_pauses == 0
+    seated = make_scheduler(max_num_batched_tokens=16, max_num_seqs=1)
+    low = make_request(48, priority=1, max_tokens=2)
+    seated.add(low)
+    run_fake_step(seated)
+    seated.add(make_request(8, priority=0, max_tokens=2))
+    assert low in seated.schedule().requests and seated.num_prefill_pauses == 0
