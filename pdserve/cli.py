@@ -150,6 +150,11 @@ def _bench_speculative(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_kv(argv: list[str]) -> int:
+    from pdserve.bench.kv import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -172,7 +177,7 @@ def _plan(argv: list[str]) -> int:
 
 OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
                "bench-transfer": _bench_transfer, "bench-structured": _bench_structured,
-               "bench-speculative": _bench_speculative, "profile": _profile, "simulate": _simulate,
+               "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "profile": _profile, "simulate": _simulate,
                "simulate-trace": _simulate_trace, "plan": _plan}
 
 
@@ -248,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("bench-speculative", help="speculative decoding's speed-up per method, workload and stream count",
                    add_help=False)
+    sub.add_parser("bench-kv", help="a returning conversation's TTFT with a host KV tier, an urgent prompt's "
+                   "with prompts pausing for it, each against the feature off", add_help=False)
     return parser
 
 

@@ -1,0 +1,24 @@
+"""`pdserve bench-kv` end to end on the tiny model: each case, each setting, its figures and plot;
+the returning conversation's tokens came back from the tier where there is one, and only there."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.bench.kv import main
+
+
+def test_bench_kv_reports_each_case_against_the_feature_off(tiny_llama, tmp_path):
+    out = tmp_path / "kv.json"
+    assert main(["--model", str(tiny_llama), "--dtype", "float32", "--rounds", "1", "--prompt-len", "64",
+                 "--kv-cache-memory", "96KiB", "--host-kv-memory", "1MiB", "--result-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"returning", "urgent"}
+    assert set(report["results"]["returning"]) == {"no tier", "host raw", "host int8"}
+    assert report["results"]["urgent"]["no pausing"]["speedup"] == 1.0
+    runs = report["runs"]["returning"]
+    assert runs["no tier"][0]["sources"].get("host", 0) == 0
+    for tiered in ("host raw", "host int8"):
+        assert runs[tiered][0]["sources"]["host"] > 0
+        assert runs[tiered][0]["sources"]["computed"] < runs["no tier"][0]["sources"]["computed"]
+    assert out.with_suffix(".png").exists()
