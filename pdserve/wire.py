@@ -399,6 +399,7 @@ class WorkerStats(Message):
     kv_bytes_received: Count = 0
     kv_refused_connections: Count = 0
     kv_forced_disconnects: Count = 0
+    kv_lease_renewals: Count = 0  # leases a prefill worker kept waiting while their prompt was paused
     # prefill side
     kv_shipments: Size = 0
     kv_notified: Count = 0

@@ -53,6 +53,10 @@ class KVSender(Protocol):
 
     def abort(self, lease: Lease, reason: str) -> None: ...
 
+    def renew(self, lease: Lease) -> None:
+        """The lease's prompt is paused for a more urgent one: the decode worker keeps waiting."""
+        ...
+
     def forget(self, lease: Lease) -> None:
         """Drop the request's bookkeeping once everything queued for it went out."""
         ...

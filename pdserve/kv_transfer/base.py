@@ -84,6 +84,7 @@ class Lease:
     start: int  # first position to be written (earlier ones hit decode's prefix cache)
     end: int  # number of prompt tokens
     deadline: float  # monotonic time after which decode stops waiting
+    timeout_s: float = 0.0  # how far a renewal moves the deadline from now (0: a renewal does not)
     received: list[int] = field(default_factory=list)  # per layer: positions below this landed
     # The draft model's KV, where the decode worker drafts with one (`DraftKV`): the blocks of its
     # draft pool, written from position 0 (that pool caches no prefix), its layers numbered after

@@ -51,6 +51,7 @@ class FrameKind(enum.IntEnum):
     NOTIFY = 4  # prefill finished: the first sampled token
     ABORT = 5
     ACK = 6
+    RENEW = 7  # the prompt is paused for a more urgent one, not lost: keep waiting for it
 
 
 class HelloHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -145,7 +146,12 @@ class AckHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str = ""
 
 
-Header = HelloHeader | WriteHeader | ClaimHeader | NotifyHeader | AbortHeader | AckHeader
+class RenewHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    fence: int
+
+
+Header = HelloHeader | WriteHeader | ClaimHeader | NotifyHeader | AbortHeader | AckHeader | RenewHeader
 _HEADER_TYPES: dict[FrameKind, type] = {
     FrameKind.HELLO: HelloHeader,
     FrameKind.WRITE: WriteHeader,
@@ -153,6 +159,7 @@ _HEADER_TYPES: dict[FrameKind, type] = {
     FrameKind.NOTIFY: NotifyHeader,
     FrameKind.ABORT: AbortHeader,
     FrameKind.ACK: AckHeader,
+    FrameKind.RENEW: RenewHeader,
 }
 _KINDS = {t: k for k, t in _HEADER_TYPES.items()}
 _DECODERS = {k: msgspec.msgpack.Decoder(t) for k, t in _HEADER_TYPES.items()}

@@ -59,10 +59,17 @@ class AckJob:
 
 
 @dataclass(slots=True)
+class RenewJob:
+    """Tell the peer the lease's prompt is paused, not lost."""
+
+    lease: Lease
+
+
+@dataclass(slots=True)
 class ForgetJob:
     """Drop the request's bookkeeping, after everything queued before."""
 
     lease: Lease
 
 
-Job = WriteJob | ClaimJob | NotifyJob | AbortJob | AckJob | ForgetJob
+Job = WriteJob | ClaimJob | NotifyJob | AbortJob | AckJob | RenewJob | ForgetJob

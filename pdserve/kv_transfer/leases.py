@@ -96,6 +96,7 @@ class LeaseTable:
         self.num_forced_disconnects = 0  # peers cut off for leaving a closed lease pinned
         self.num_stale_writes = 0  # WRITEs refused for naming no live lease of the peer's
         self.bytes_received = 0  # KV bytes that landed: received into blocks, or reported written in place
+        self.num_renewals = 0  # leases kept waiting by a peer whose prompt was paused
 
     # -- engine thread -------------------------------------------------------------------------
 
@@ -176,6 +177,15 @@ class LeaseTable:
             state.peer = peer
             state.inflight += 1
             return state
+
+    def renew(self, request_id: str, fence: int, peer: Peer) -> None:
+        """The peer computes the lease's prompt still (paused for a more urgent one): its deadline
+        moves to its timeout from now. StaleWrite for no such live lease of this peer's."""
+        with self._lock:
+            state = self._live(request_id, fence, peer)
+            lease = state.lease
+            lease.deadline = max(lease.deadline, time.monotonic() + lease.timeout_s)
+            self.num_renewals += 1
 
     def end_write(self, state: LeaseState, layers: range, end: int, num_bytes: int) -> None:
         """The WRITE `begin_write` let through has landed: `num_bytes` of these layers' KV, up to

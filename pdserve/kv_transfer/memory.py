@@ -161,6 +161,13 @@ class MemorySender:
             self._status[lease.request_id] = TransferStatus.ABORTED
         self.leases.peer_stopped(lease.request_id, lease.fence, self, f"prefill aborted: {reason}")
 
+    def renew(self, lease: Lease) -> None:
+        if self._usable(lease):
+            try:
+                self.leases.renew(lease.request_id, lease.fence, self)
+            except StaleWrite:
+                pass
+
     def forget(self, lease: Lease) -> None:
         with self._lock:
             self._status.pop(lease.request_id, None)

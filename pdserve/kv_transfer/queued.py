@@ -24,9 +24,11 @@ import torch
 
 from pdserve.kv_transfer.api import PeerAbort
 from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferError, TransferStatus, cut_runs, kv_bytes_view
-from pdserve.kv_transfer.codec import AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader, WriteHeader
+from pdserve.kv_transfer.codec import (
+    AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader, RenewHeader, WriteHeader,
+)
 from pdserve.kv_transfer.control import ControlLink
-from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, WriteJob
+from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, RenewJob, WriteJob
 from pdserve.kv_transfer.quant import encoded_size, gather_slots, quantize
 from pdserve.layers.kernels.native import serial_torch_on_this_thread
 from pdserve.outputs import TokenLogprobs
@@ -130,6 +132,10 @@ class QueuedSender:
 
     def abort(self, lease: Lease, reason: str) -> None:
         self._push(AbortJob(lease, reason))
+
+    def renew(self, lease: Lease) -> None:
+        """The lease's prompt is paused for a more urgent one: the peer keeps waiting for it."""
+        self._push(RenewJob(lease))
 
     def poll(self, request_id: str) -> TransferStatus:
         return self._status.get(request_id, TransferStatus.PENDING)
@@ -255,6 +261,8 @@ class QueuedSender:
             self._write(job)
         elif isinstance(job, ClaimJob):
             self._claim(lease)
+        elif isinstance(job, RenewJob):
+            self.link.send(RenewHeader(lease.request_id, lease.fence))
         elif isinstance(job, NotifyJob):
             self.link.send(NotifyHeader.of(lease, job.first_token, job.times, job.logprobs, job.prompt_logprobs,
                                            job.feature))

@@ -26,8 +26,8 @@ import torch
 
 from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferError, kv_bytes_view
 from pdserve.kv_transfer.codec import (
-    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, Header, HelloHeader, NotifyHeader, StaleWrite,
-    WriteHeader, encode_frame, read_frame,
+    AbortHeader, AckHeader, ClaimHeader, FrameError, FrameLimits, Header, HelloHeader, NotifyHeader, RenewHeader,
+    StaleWrite, WriteHeader, encode_frame, read_frame,
 )
 from pdserve.kv_transfer.leases import EventKind, LeaseTable, ReceiverEvent
 from pdserve.kv_transfer.listener import Listener, PeerLimits
@@ -278,6 +278,11 @@ class _Connection:
             rx.leases.peer_stopped(header.request_id, header.fence, self, f"prefill aborted: {header.reason}")
         elif isinstance(header, AckHeader):
             rx.leases.peer_stopped(header.request_id, header.fence, self)
+        elif isinstance(header, RenewHeader):
+            try:
+                rx.leases.renew(header.request_id, header.fence, self)
+            except StaleWrite:
+                pass  # a lease that ended meanwhile: nothing to keep waiting
         else:
             raise FrameError(f"unexpected {type(header).__name__} from a prefill peer")
 

@@ -82,7 +82,7 @@ class DecodeRole(RoleHooks):
         lease = Lease(
             request.request_id, self._new_fence(), list(self.engine.block_manager.block_table(request.request_id)),
             self.engine.block_manager.block_size, request.num_computed_tokens, request.num_tokens,
-            time.monotonic() + self.lease_timeout_s,
+            time.monotonic() + self.lease_timeout_s, self.lease_timeout_s,
         )
         draft = self.engine.draft_model
         if draft is not None and request.params.speculate and not self.engine.scheduler.draft_budget.sitting_out:
@@ -234,6 +234,7 @@ class DecodeRole(RoleHooks):
             "kv_bytes_received": rx.bytes_received if rx else 0,
             "kv_refused_connections": rx.num_refused_connections if rx else 0,
             "kv_forced_disconnects": rx.num_forced_disconnects if rx else 0,
+            "kv_lease_renewals": rx.leases.num_renewals if rx else 0,
         }
 
 

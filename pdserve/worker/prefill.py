@@ -14,6 +14,9 @@ Lifecycle of a lease on the prefill worker:
    draft blocks and the draft's hash), the draft computes the prompt too, after each step of the
    target, and its layers follow the target's in the same lease (`DraftKV`); a draft that cannot
    (no room, a failure) ships nothing more, and the decode worker computes the rest itself.
+   A prompt that pauses between chunks for a more urgent one (the scheduler's) renews its lease
+   every `RENEW_EVERY_S` while it waits: the decode worker waits for it rather than computing it
+   itself (a prefill worker that stops stepping renews nothing, and the lease times out).
 3. `on_finished`: a sampled first token -> NOTIFY; any other end -> ABORT to the decode worker
    (unless it was the decode worker that aborted). The prompt's blocks stay in the prefix cache.
 4. A decode worker that aborts (naming the request and the lease's fence) or disconnects -> the
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.worker.prefill")
 
 MAX_SPARE_BLOCKS = 64  # blocks a lease's table may name past those of its sequence
+RENEW_EVERY_S = 2.0  # how often a paused prompt's decode worker hears that it is still coming
 
 
 @dataclass(slots=True)
@@ -68,9 +72,11 @@ class PrefillRole(RoleHooks):
         self.submit: Callable[[Callable[[], object]], Future] = _run_now
         self.shipments: dict[str, Shipment] = {}  # by engine request id
         self._late_layers: Callable[[int], None] | None = None  # the step's writer, for layers past the model's
+        self._renewed_at = 0.0  # monotonic time paused prompts' leases were last renewed
         self._senders: dict[tuple, KVSender] = {}
         self._connect_lock = threading.Lock()
         self.num_notified = 0
+        self.num_renewed = 0  # lease renewals sent for paused prompts
 
     def attach(self, engine: LLMEngine, layout: KVLayout, call, submit, draft_kv: DraftKV | None = None) -> None:
         self.engine, self.layout, self.call, self.submit = engine, layout, call, submit
@@ -145,6 +151,7 @@ class PrefillRole(RoleHooks):
     # -- engine hooks (engine thread) ----------------------------------------------------------
 
     def before_execute(self, step: SchedulerOutput) -> Callable[[int], None] | None:
+        self._renew_paused(step)
         bs = self.engine.block_manager.block_size
         num_layers = self.layout.num_layers
         plan = []  # (shipment, start, end, source slot runs) computed in this step
@@ -171,6 +178,21 @@ class PrefillRole(RoleHooks):
                 shipment.sender.write(shipment.lease, layer, begin, end, runs)
         self._late_layers = on_layer  # a draft head's layer: its KV is written after the model samples
         return on_layer
+
+    def _renew_paused(self, step: SchedulerOutput) -> None:
+        """Renew the leases of prompts that began and sit this step out (paused for a more urgent
+        one), at most every `RENEW_EVERY_S`."""
+        now = time.monotonic()
+        if now - self._renewed_at < RENEW_EVERY_S or not self.shipments:
+            return
+        self._renewed_at = now
+        stepping = {r.request_id for r in step.requests}
+        requests = self.engine.scheduler.requests
+        for engine_id, shipment in self.shipments.items():
+            req = requests.get(engine_id)
+            if engine_id not in stepping and req is not None and req.num_computed_tokens and shipment.sender.alive:
+                shipment.sender.renew(shipment.lease)
+                self.num_renewed += 1
 
     def _linked(self, engine_id: str, shipment: Shipment) -> bool:
         """Whether the shipment has a live link. One lost before anything was written for the lease

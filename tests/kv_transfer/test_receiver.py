@@ -214,3 +214,29 @@ def test_sender_statuses_worst_first(rx):
         wait_for(lambda: sender.poll("r2") == TransferStatus.FAILED, 5, "the sender to see the receiver gone")
     finally:
         sender.close()
+
+
+def test_a_renewal_keeps_a_paused_prompts_lease_waiting(rx):
+    """A prefill worker whose prompt is paused renews its lease: the deadline moves to the lease's
+    timeout from now; a renewal of a lease that is not live changes nothing and keeps the link."""
+    from pdserve.kv_transfer.codec import RenewHeader
+    from pdserve.kv_transfer.tcp import TcpSender
+
+    sock, _ = connect(rx)
+    held = Lease("r1", 11, [3, 5], BLOCK, 0, 8, time.monotonic() + 0.5, timeout_s=20.0)
+    rx.open_lease(held)
+    sock.sendmsg(encode_frame(RenewHeader("r1", 11)))
+    sock.sendmsg(encode_frame(RenewHeader("r1", 12)))  # no such lease: ignored
+    settle(rx, sock)
+    assert held.deadline > time.monotonic() + 19 and rx.leases.num_renewals == 1
+    assert rx.expired(time.monotonic() + 1) == []
+    sender = TcpSender(LAYOUT, torch.zeros(2, 64, 2, 2, 4), {"host": rx.address[0], "port": rx.address[1]}, token="tok")
+    try:
+        held.deadline = time.monotonic() + 0.5
+        sender.renew(Lease("r1", 11, [3, 5], BLOCK, 0, 8, 0.0))
+        sender.flush()
+        wait_for(lambda: rx.leases.num_renewals == 2, 5, "the sender's renewal")
+        assert held.deadline > time.monotonic() + 19
+    finally:
+        sender.close()
+        sock.close()
