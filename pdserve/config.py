@@ -78,6 +78,10 @@ class EngineConfig:
     host_kv_encoding: str = flag("raw", "the host KV tier's blocks: raw (exact) or int8 (half of bf16's bytes, "
                                  "a quarter of float32's; a prefix brought back is close, not equal)",
                                  choices=("raw", "int8"))
+    disk_kv_path: str = flag("", "disk KV tier: blocks the host tier lets go are written under this directory "
+                             "(checked when read back; kept across restarts of a worker with the same model and "
+                             "layout); without --host-kv-memory, a host tier of 64 blocks stages them")
+    disk_kv_memory: int | str = flag("8GiB", "the disk KV tier's bound, e.g. 20GiB")
     block_size: int = flag(16)  # tokens per KV block
     # token budget of one step (prefill chunks + decodes); vLLM's server default. Prompts up to this
     # long are computed whole (a chunk after cached tokens attends through a mask, slower), and a
@@ -126,6 +130,7 @@ class EngineConfig:
         self.host_kv_memory = parse_size(self.host_kv_memory)
         if self.host_kv_memory < 0:
             raise ValueError("host_kv_memory must not be negative")
+        self.disk_kv_memory = parse_size(self.disk_kv_memory)
         if self.host_kv_encoding not in ("raw", "int8"):
             raise ValueError(f"host_kv_encoding must be raw or int8, got {self.host_kv_encoding!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -19,7 +19,10 @@ different logits); raw keeps it exact.
 
 from __future__ import annotations
 
+import os
+import zlib
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -47,8 +50,13 @@ class HostKVTier:
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
         self._free = list(range(self.capacity - 1, -1, -1))
         self._to_load: list[tuple[int, int]] = []  # (slot, pool block id), before the next step
+        # slots `find` gave since the last step: kept from reuse until then (the pool may evict
+        # blocks into here while allocating blocks for them)
+        self._pinned: set[int] = set()
         self.num_saved = 0
         self.num_loaded = 0
+        self.spill: DiskKVTier | None = None  # where blocks it lets go are written (`--disk-kv-path`)
+        self.num_from_disk = 0  # of the slots the last `find` gave, those read back from disk
 
     def __len__(self) -> int:
         return len(self._index)
@@ -58,6 +66,7 @@ class HostKVTier:
         self._index.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
         self._to_load.clear()
+        self._pinned.clear()
 
     # -- the block manager's side ---------------------------------------------------------------
 
@@ -67,22 +76,34 @@ class HostKVTier:
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
             return
-        slot = self._take_slot({slot for slot, _ in self._to_load})
+        slot = self._take_slot(self._pinned)
         if slot is None:
             return  # everything here is about to be loaded: this block is lost
         self._index[block_hash] = slot
         self._store(slot, self._pool_block(block_id))
         self.num_saved += 1
 
+    @torch.inference_mode()
     def find(self, hashes: list[int]) -> list[int]:
-        """Slots holding the leading blocks of these hashes, up to the first it lacks."""
-        slots = []
+        """Slots holding the leading blocks of these hashes, up to the first it lacks; a block on
+        disk is read back into a slot on the way (on the engine thread: a disk read per block).
+        `num_from_disk` says how many were."""
+        slots: list[int] = []
+        self.num_from_disk = 0
         for block_hash in hashes:
             slot = self._index.get(block_hash)
+            if slot is None and self.spill is not None and block_hash in self.spill:
+                block = self.spill.load(block_hash)
+                slot = None if block is None else self._take_slot(self._pinned)
+                if slot is not None:
+                    self._index[block_hash] = slot
+                    self._store(slot, block)
+                    self.num_from_disk += 1
             if slot is None:
                 break
             self._index.move_to_end(block_hash)
             slots.append(slot)
+            self._pinned.add(slot)
         return slots
 
     def promote(self, slots: list[int], block_ids: list[int]) -> None:
@@ -95,6 +116,7 @@ class HostKVTier:
     def settle(self) -> None:
         """Copy what requests found here into the pool blocks they were given."""
         loads, self._to_load = self._to_load, []
+        self._pinned.clear()
         for slot, block_id in loads:
             self._pool_block(block_id).copy_(self._fetch(slot))
             self.num_loaded += 1
@@ -105,6 +127,8 @@ class HostKVTier:
         for block_hash, slot in self._index.items():  # least recently used first
             if slot not in keep:
                 del self._index[block_hash]
+                if self.spill is not None:  # let go of here, kept there
+                    self.spill.save(block_hash, self._fetch(slot))
                 return slot
         return None
 
@@ -126,3 +150,78 @@ class HostKVTier:
         if self._scales is None:
             return values.to(self.kv_cache.device, non_blocking=True)
         return (values.float() * self._scales[slot].unsqueeze(-1)).to(self.kv_cache.dtype).to(self.kv_cache.device)
+
+
+class DiskKVTier:
+    """Blocks the host tier lets go, as files under a directory of their KV layout's own
+    (`--disk-kv-path`, bounded by `--disk-kv-memory`): one file a block, named by its prefix hash,
+    written whole then renamed into place, its bytes checked (CRC-32) when read back. A file that
+    does not check out is deleted and its block computed again, never served. The files outlive
+    the worker: one started again with the same model and layout finds them."""
+
+    MAGIC = b"PDSKV1\0\0"
+
+    def __init__(self, root: str | Path, capacity_bytes: int, layout_key: str, block: torch.Tensor) -> None:
+        self.dir = Path(root) / layout_key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shape, self.dtype = tuple(block.shape), block.dtype
+        self.block_bytes = block.numel() * block.element_size()
+        self.capacity = capacity_bytes // (self.block_bytes + 16)
+        if self.capacity < 1:
+            raise ValueError(f"disk_kv_memory={capacity_bytes} bytes holds no block ({self.block_bytes} bytes each)")
+        found = sorted(self.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+        self._index: OrderedDict[int, Path] = OrderedDict()
+        for path in found:
+            try:
+                self._index[int(path.stem, 16)] = path
+            except ValueError:
+                continue
+        while len(self._index) > self.capacity:
+            self._drop(next(iter(self._index)))
+        self.num_written = 0
+        self.num_read = 0
+        self.num_corrupt = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def save(self, block_hash: int, block: torch.Tensor) -> None:
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+            return
+        while len(self._index) >= self.capacity:
+            self._drop(next(iter(self._index)))
+        data = block.to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        path = self.dir / f"{block_hash:032x}.kv"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(self.MAGIC + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little") + data)
+        os.replace(tmp, path)
+        self._index[block_hash] = path
+        self.num_written += 1
+
+    def load(self, block_hash: int) -> torch.Tensor | None:
+        """The block's KV, or None where its file is gone or does not check out (then deleted)."""
+        path = self._index.get(block_hash)
+        if path is None:
+            return None
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            raw = b""
+        head = len(self.MAGIC)
+        data = raw[head + 8 :]
+        if (raw[:head] != self.MAGIC or int.from_bytes(raw[head + 4 : head + 8], "little") != len(data)
+                or len(data) != self.block_bytes or zlib.crc32(data) != int.from_bytes(raw[head : head + 4], "little")):
+            self.num_corrupt += 1
+            self._drop(block_hash)
+            return None
+        self._index.move_to_end(block_hash)
+        self.num_read += 1
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)
+
+    def _drop(self, block_hash: int) -> None:
+        path = self._index.pop(block_hash)
+        try:
+            path.unlink()
+        except OSError:
+            pass

@@ -6,6 +6,7 @@ from one thread; `pdserve.LLM` wraps the same calls for offline use.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from pdserve.engine.completions import Completion, Completions, make_detokenizer
 from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
-from pdserve.engine.kv_tier import HostKVTier
+from pdserve.engine.kv_tier import DiskKVTier, HostKVTier
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
@@ -31,7 +32,7 @@ from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
-from pdserve.models.arch_config import ArchConfig
+from pdserve.models.arch_config import ArchConfig, model_fingerprint
 from pdserve.models.draft_head import load_draft_head
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import RequestOutput, TokenLogprobs
@@ -81,10 +82,17 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode, head=head)
-        if config.host_kv_memory:
-            self.block_manager.tier = HostKVTier(config.host_kv_memory, self.runner.kv_cache, config.block_size,
-                                                 config.host_kv_encoding)
+        if config.host_kv_memory or config.disk_kv_path:
+            staging = 64 * kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)  # disk's only
+            self.block_manager.tier = HostKVTier(config.host_kv_memory or staging, self.runner.kv_cache,
+                                                 config.block_size, config.host_kv_encoding)
             log.info("host KV tier: %d blocks (%s)", self.block_manager.tier.capacity, config.host_kv_encoding)
+        if config.disk_kv_path:  # files of this model's blocks only: their directory names the KV layout
+            block = self.runner.kv_cache[:, : config.block_size]
+            layout = f"{model_fingerprint(self.model_config)}:{head.name if head else ''}:{tuple(block.shape)}:{block.dtype}"
+            self.block_manager.tier.spill = DiskKVTier(config.disk_kv_path, config.disk_kv_memory,
+                                                      hashlib.sha256(layout.encode()).hexdigest()[:24], block)
+            log.info("disk KV tier: %s, %d blocks", self.block_manager.tier.spill.dir, self.block_manager.tier.spill.capacity)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,

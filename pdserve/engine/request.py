@@ -49,7 +49,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority",
-        "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_tier_tokens", "block_hashes",
+        "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "block_hashes",
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
@@ -91,8 +91,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in this request's blocks
-        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
-        self.num_tier_tokens = 0  # of those, brought back from the host KV tier
+        self.num_cached_tokens = 0  # of those, found in the prefix cache (or a KV tier) at admission
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled lazily
         self.max_total_tokens = max_total_tokens  # prompt + output cap (model length, max_tokens)
         self.stop_reason: int | str | None = None

@@ -37,8 +37,8 @@ MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing afte
 
 
 # where the KV a request starts from came from: computed here, this worker's prefix cache, its
-# host tier, or another worker (a prefill worker's lease)
-TOKEN_SOURCES = ("computed", "prefix_cache", "host", "transferred")
+# host or disk tier, or another worker (a prefill worker's lease)
+TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "transferred")
 
 class Scheduler:
     def __init__(
@@ -207,7 +207,7 @@ class Scheduler:
                     break
                 self.waiting.pop(i)
                 continue
-            cached, slots = self._prefix(req)
+            cached, slots, from_disk = self._prefix(req)
             bs = self.blocks.block_size
             num_cached = (len(cached) + len(slots)) * bs
             n = min(req.num_tokens - num_cached, budget)
@@ -218,8 +218,7 @@ class Scheduler:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
-            req.num_tier_tokens = len(slots) * bs
-            self._count_sources(req, computed=req.num_tokens - num_cached)
+            self._count_sources(len(cached), len(slots), from_disk, computed=req.num_tokens - num_cached)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
@@ -246,23 +245,26 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
-    def _prefix(self, req: Request) -> tuple[list[int], list[int]]:
-        """The request's prefix blocks in the pool, and the host tier's slots of those after them."""
+    def _prefix(self, req: Request) -> tuple[list[int], list[int], int]:
+        """The request's prefix blocks in the pool, the host tier's slots of those after them, and
+        how many of those the tier read back from disk."""
         cached = self.blocks.find_cached_prefix(req)
-        return cached, self.blocks.find_in_tier(req, len(cached))
+        slots = self.blocks.find_in_tier(req, len(cached))
+        return cached, slots, self.blocks.tier.num_from_disk if slots else 0
 
-    def _count_sources(self, req: Request, **more: int) -> None:
-        """A request starts from its KV: what its prefix hits gave, and `more` (computed or
-        transferred tokens)."""
-        by_source = self.tokens_by_source
-        by_source["prefix_cache"] += req.num_cached_tokens - req.num_tier_tokens
-        by_source["host"] += req.num_tier_tokens
+    def _count_sources(self, pool_blocks: int, tier_blocks: int, disk_blocks: int, **more: int) -> None:
+        """A request starts from its KV: its prefix hits' blocks, and `more` tokens (computed here,
+        or transferred)."""
+        by_source, bs = self.tokens_by_source, self.blocks.block_size
+        by_source["prefix_cache"] += pool_blocks * bs
+        by_source["host"] += (tier_blocks - disk_blocks) * bs
+        by_source["disk"] += disk_blocks * bs
         for source, n in more.items():
             by_source[source] += n
 
     def _reserve(self, req: Request) -> bool:
         assert req.status == RequestStatus.WAITING
-        cached, slots = self._prefix(req)
+        cached, slots, from_disk = self._prefix(req)
         bs = self.blocks.block_size
         num_cached = (len(cached) + len(slots)) * bs
         needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
@@ -273,7 +275,7 @@ class Scheduler:
         self.blocks.promote(req, len(cached), slots)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
-        req.num_tier_tokens = len(slots) * bs
+        self._count_sources(len(cached), len(slots), from_disk)  # what it lacks comes at landing
         req.status = RequestStatus.WAITING_FOR_KV
         req.first_scheduled_time = self.clock()
         self.waiting_for_kv[req.request_id] = req
@@ -303,7 +305,7 @@ class Scheduler:
         del self.waiting_for_kv[request_id]
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
-        self._count_sources(req, transferred=req.num_tokens - req.num_cached_tokens)
+        self.tokens_by_source["transferred"] += req.num_tokens - req.num_cached_tokens
         req.num_computed_tokens = req.num_tokens  # prompt and any resumed output
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.prefix_hash import block_hashes
 from tests.factories import assert_engine_idle, make_llm
 from tests.worker.cluster import prompt
 
@@ -97,3 +98,37 @@ def test_the_workers_metrics_count_tokens_by_source(tiny_llama):
         text = c.http.get(c.d.url + "/metrics").text
         assert f'pdserve_prompt_tokens_by_source_total{{source="transferred"}} {float(d["transferred"])}' in text
         c.wait_idle()
+
+
+DISK = dict(host_kv_memory=4 * 4 * 2048, **SMALL_POOL)  # a host tier of 4 blocks: the rest goes to disk
+
+
+def test_blocks_the_host_tier_lets_go_come_back_from_disk(tiny_llama, tmp_path):
+    llm = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
+    second, out, added = second_turn(llm)
+    assert out == turn(make_llm(tiny_llama), second)
+    assert added["disk"] > 0 and added["host"] + added["disk"] == 52 and added["computed"] == len(second) - 52
+    assert llm.engine.block_manager.tier.spill.num_read * 4 == added["disk"]
+    assert_engine_idle(llm)
+
+
+def test_the_disk_tier_outlives_its_engine_and_refuses_a_corrupted_block(tiny_llama, tmp_path):
+    """A new engine on the same directory starts from the blocks the last one wrote; a file whose
+    bytes changed is found out, deleted, and its block computed again: the tokens are the same."""
+    first = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
+    second, _, _ = second_turn(first)
+    fresh = turn(make_llm(tiny_llama), second)
+    files = sorted(first.engine.block_manager.tier.spill.dir.glob("*.kv"))
+    assert files
+    again = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
+    before = dict(again.engine.scheduler.tokens_by_source)
+    assert turn(again, second) == fresh
+    assert again.engine.scheduler.tokens_by_source["disk"] > before["disk"]  # nothing of it was in this engine
+    spill = again.engine.block_manager.tier.spill
+    victim = spill.dir / f"{block_hashes(second, 4)[2]:032x}.kv"  # the conversation's third block
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    third = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
+    assert turn(third, second) == fresh
+    assert third.engine.block_manager.tier.spill.num_corrupt == 1 and not victim.exists()
