@@ -2,8 +2,9 @@
 in one run (one engine per setting, taking turns each round).
 
 - `returning`: a conversation's second turn after other prompts pushed its prefix out of the pool:
-  its TTFT with no host tier, a raw one and an int8 one (`--host-kv-memory`), and where its KV
-  came from (tokens by source: a tier that works leaves only the new tokens computed).
+  its TTFT with no host tier, a raw one and an int8 one (`--host-kv-memory`), and a disk tier
+  under a small host one (`--disk-kv-path`, in a temporary directory), and where its KV came from
+  (tokens by source: a tier that works leaves only the new tokens computed).
 - `urgent`: short priority-0 prompts arriving while long priority-1 prompts compute in chunks:
   their TTFT with a running prompt pausing between chunks for them, and without.
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="48MiB",
                    help="the pool, small enough that three long prompts push a fourth out")
     p.add_argument("--host-kv-memory", default="512MiB")
+    p.add_argument("--disk-host-memory", default="0",
+                   help="the host tier in front of the disk one (0: 64 blocks), small so the prefix reaches disk")
     p.add_argument("--result-json", default="results/bench_kv.json")
     args = p.parse_args(argv)
     cases = args.cases.split(",")
@@ -132,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_model(args.model)
     pool = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+    disk = tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-")
     settings = {"returning": {"no tier": {}, "host raw": {"host_kv_memory": args.host_kv_memory},
-                              "host int8": {"host_kv_memory": args.host_kv_memory, "host_kv_encoding": "int8"}},
+                              "host int8": {"host_kv_memory": args.host_kv_memory, "host_kv_encoding": "int8"},
+                              "disk": {"host_kv_memory": args.disk_host_memory, "disk_kv_path": disk.name}},
                 "urgent": {"no pausing": {}, "pausing": {}}}
     runs: dict[str, dict[str, list[dict]]] = {}
     for case in cases:
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"machine": environment(), "settings": vars(args), "results": results,
                                "runs": runs}, indent=2))
     png = plot(results, out.with_suffix(".png"))
+    disk.cleanup()
     _say(f"wrote {out} and {png}")
     print(json.dumps(results, indent=2))
     return 0

@@ -53,6 +53,7 @@ class HostKVTier:
         # slots `find` gave since the last step: kept from reuse until then (the pool may evict
         # blocks into here while allocating blocks for them)
         self._pinned: set[int] = set()
+        self._staged: dict[int, torch.Tensor] = {}  # disk blocks read with no slot free here, by negative id
         self.num_saved = 0
         self.num_loaded = 0
         self.spill: DiskKVTier | None = None  # where blocks it lets go are written (`--disk-kv-path`)
@@ -67,6 +68,7 @@ class HostKVTier:
         self._free = list(range(self.capacity - 1, -1, -1))
         self._to_load.clear()
         self._pinned.clear()
+        self._staged.clear()
 
     # -- the block manager's side ---------------------------------------------------------------
 
@@ -94,16 +96,22 @@ class HostKVTier:
             slot = self._index.get(block_hash)
             if slot is None and self.spill is not None and block_hash in self.spill:
                 block = self.spill.load(block_hash)
-                slot = None if block is None else self._take_slot(self._pinned)
-                if slot is not None:
+                if block is None:
+                    break
+                slot = self._take_slot(self._pinned)
+                if slot is None:  # every slot here is spoken for: it goes to the pool from where it is
+                    slot = -1 - len(self._staged)
+                    self._staged[slot] = block
+                else:
                     self._index[block_hash] = slot
                     self._store(slot, block)
-                    self.num_from_disk += 1
+                self.num_from_disk += 1
             if slot is None:
                 break
-            self._index.move_to_end(block_hash)
+            if slot >= 0:
+                self._index.move_to_end(block_hash)
+                self._pinned.add(slot)
             slots.append(slot)
-            self._pinned.add(slot)
         return slots
 
     def promote(self, slots: list[int], block_ids: list[int]) -> None:
@@ -118,8 +126,10 @@ class HostKVTier:
         loads, self._to_load = self._to_load, []
         self._pinned.clear()
         for slot, block_id in loads:
-            self._pool_block(block_id).copy_(self._fetch(slot))
+            staged = self._staged.get(slot)
+            self._pool_block(block_id).copy_(self._fetch(slot) if staged is None else staged.to(self.kv_cache.device))
             self.num_loaded += 1
+        self._staged.clear()
 
     def _take_slot(self, keep: set[int]) -> int | None:
         if self._free:

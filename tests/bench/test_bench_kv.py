@@ -11,14 +11,16 @@ from pdserve.bench.kv import main
 def test_bench_kv_reports_each_case_against_the_feature_off(tiny_llama, tmp_path):
     out = tmp_path / "kv.json"
     assert main(["--model", str(tiny_llama), "--dtype", "float32", "--rounds", "1", "--prompt-len", "64",
-                 "--kv-cache-memory", "96KiB", "--host-kv-memory", "1MiB", "--result-json", str(out)]) == 0
+                 "--kv-cache-memory", "96KiB", "--host-kv-memory", "1MiB", "--disk-host-memory", "16KiB",
+                 "--result-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"returning", "urgent"}
-    assert set(report["results"]["returning"]) == {"no tier", "host raw", "host int8"}
+    assert set(report["results"]["returning"]) == {"no tier", "host raw", "host int8", "disk"}
     assert report["results"]["urgent"]["no pausing"]["speedup"] == 1.0
     runs = report["runs"]["returning"]
     assert runs["no tier"][0]["sources"].get("host", 0) == 0
-    for tiered in ("host raw", "host int8"):
-        assert runs[tiered][0]["sources"]["host"] > 0
+    assert runs["disk"][0]["sources"]["disk"] > 0
+    for tiered in ("host raw", "host int8", "disk"):
+        assert runs[tiered][0]["sources"].get("host", 0) + runs[tiered][0]["sources"].get("disk", 0) > 0
         assert runs[tiered][0]["sources"]["computed"] < runs["no tier"][0]["sources"]["computed"]
     assert out.with_suffix(".png").exists()

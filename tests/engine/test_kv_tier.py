@@ -103,8 +103,10 @@ def test_the_workers_metrics_count_tokens_by_source(tiny_llama):
 DISK = dict(host_kv_memory=4 * 4 * 2048, **SMALL_POOL)  # a host tier of 4 blocks: the rest goes to disk
 
 
-def test_blocks_the_host_tier_lets_go_come_back_from_disk(tiny_llama, tmp_path):
-    llm = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
+@pytest.mark.parametrize("host_blocks", [4, 1])
+def test_blocks_the_host_tier_lets_go_come_back_from_disk(tiny_llama, tmp_path, host_blocks):
+    """Through the host tier's slots, or straight to the pool where they are all spoken for."""
+    llm = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **{**DISK, "host_kv_memory": host_blocks * 4 * 2048})
     second, out, added = second_turn(llm)
     assert out == turn(make_llm(tiny_llama), second)
     assert added["disk"] > 0 and added["host"] + added["disk"] == 52 and added["computed"] == len(second) - 52
