@@ -34,27 +34,44 @@ from pdserve.sim.profile import perf_model
 def simulate_point(make_cluster, requests: list[BenchRequest], rate: float, concurrency: int | None,
                    burstiness: float, seed: int) -> list[RequestRecord]:
     """Run one load point; records in request order. Clients send at the arrival times, holding
-    back (in arrival order) while `concurrency` requests are in flight."""
+    back (in arrival order) while `concurrency` requests are in flight; a session's later turn
+    goes no earlier than its previous turn's end plus the think time, as `pdserve bench` sends it."""
     cluster: SimCluster = make_cluster()
     offsets = arrival_times(len(requests), rate, burstiness, seed)
     held: list[int] = []
     ids: dict[int, str] = {}
+    index_of: dict[str, int] = {}
     in_flight = [0]
+    turn_of = {(r.session, r.turn): i for i, r in enumerate(requests) if r.session >= 0}
+    ended: set[int] = set()
+    waiting_turn: set[int] = set()  # arrived before their previous turn ended
 
     def send(i: int) -> None:
         in_flight[0] += 1
         r = requests[i]
         prompt = r.prompt if isinstance(r.prompt, list) else list(range(10, 10 + r.prompt_tokens))
         ids[i] = cluster.submit(cluster.clock.now, prompt, r.max_tokens)
+        index_of[ids[i]] = i
 
     def arrive(i: int) -> None:
-        if concurrency and in_flight[0] >= concurrency:
+        r = requests[i]
+        before = turn_of.get((r.session, r.turn - 1)) if r.turn else None
+        if before is not None and before not in ended:
+            waiting_turn.add(i)
+        elif concurrency and in_flight[0] >= concurrency:
             held.append(i)
         else:
             send(i)
 
-    def done(_request_id: str) -> None:
+    def done(request_id: str) -> None:
         in_flight[0] -= 1
+        i = index_of[request_id]
+        ended.add(i)
+        r = requests[i]
+        after = turn_of.get((r.session, r.turn + 1)) if r.session >= 0 else None
+        if after is not None and after in waiting_turn:  # the user reads the answer, then asks again
+            waiting_turn.discard(after)
+            cluster.clock.at(cluster.clock.now + requests[after].think_s, lambda: arrive(after))
         if held:
             send(held.pop(0))
 

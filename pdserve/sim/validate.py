@@ -48,7 +48,8 @@ def simulate_config(measured: dict, name: str, models: list[str], backend: str |
     settings, result = measured["settings"], measured["results"][name]
     w = result["workload"]
     spec = WorkloadSpec(w["num_requests"], LengthDist.parse(w["input_len"]), LengthDist.parse(w["output_len"]),
-                        w["seed"], vocab_size, w["shared_prefix_len"], w["num_prefixes"], w["turns"], w["dataset"])
+                        w["seed"], vocab_size, w["shared_prefix_len"], w["num_prefixes"], w["turns"], w["dataset"],
+                        w.get("think_time", 0.0))
     profiles = [perf_model(json.loads(Path(m).read_text()), backend) for m in models]
     prefill, decode = profiles[0], profiles[-1]
     n = layout(settings["configs"][name])

@@ -92,6 +92,30 @@ def test_concurrency_caps_requests_in_flight(tmp_path):
     assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # one at a time
 
 
+def test_sessions_take_turns_and_later_turns_find_their_prefix(tmp_path):
+    """Sessions of three turns, all arriving at once: each later turn is sent its previous turn's
+    end plus the think time after, and starts from its prefix in the worker's cache."""
+    _, profile = profile_json(tmp_path)
+    model = perf_model(profile)
+    spec = WorkloadSpec(12, LengthDist.parse("600"), LengthDist.parse("8"), seed=2, vocab_size=500, turns=3,
+                        think_time=0.25)
+    requests = build_requests(spec)
+    made = []
+    records = simulate_point(lambda: made.append(SimCluster(model, model, num_colocated=1)) or made[-1], requests,
+                             float("inf"), None, 1.0, 1)
+    assert all(r.ok for r in records)
+    for req, rec in zip(requests, records):
+        if req.turn:
+            previous = records[requests.index(next(q for q in requests if (q.session, q.turn) == (req.session,
+                                                                                                req.turn - 1)))]
+            assert rec.start >= previous.end + 0.25 - 1e-9
+    (worker,) = made[0].decodes  # the colocated worker
+    by_source = worker.scheduler.tokens_by_source
+    later = sum(len(r.prompt) for r in requests if r.turn)
+    assert by_source["prefix_cache"] >= later - sum(600 + 16 for r in requests if r.turn)  # all but each turn's new part
+    assert by_source["computed"] + by_source["prefix_cache"] == sum(len(r.prompt) for r in requests)
+
+
 def test_simulate_command(tmp_path, capsys):
     path, _ = profile_json(tmp_path)
     out = tmp_path / "sim.json"
