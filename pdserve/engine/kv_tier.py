@@ -19,6 +19,8 @@ different logits); raw keeps it exact.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import zlib
 from collections import OrderedDict
@@ -26,7 +28,27 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("pdserve.engine")
+
 ENCODINGS = ("raw", "int8")
+STAGING_BLOCKS = 64  # the host tier a disk tier gets where none was asked for: its reads and writes pass it
+
+
+def make_tiers(config, kv_cache: torch.Tensor, block_bytes: int, kv_name: str) -> HostKVTier | None:
+    """The tiers `config` asks for (`host_kv_memory`, `disk_kv_path`) under a pool of blocks of
+    `block_bytes`; `kv_name` names the model (and head) whose KV the disk's files hold."""
+    if not (config.host_kv_memory or config.disk_kv_path):
+        return None
+    tier = HostKVTier(config.host_kv_memory or STAGING_BLOCKS * block_bytes, kv_cache, config.block_size,
+                      config.host_kv_encoding)
+    log.info("host KV tier: %d blocks (%s)", tier.capacity, config.host_kv_encoding)
+    if config.disk_kv_path:  # files of this model's blocks only: their directory names the KV layout
+        block = kv_cache[:, : config.block_size]
+        layout = f"{kv_name}:{tuple(block.shape)}:{block.dtype}"
+        tier.spill = DiskKVTier(config.disk_kv_path, config.disk_kv_memory,
+                                hashlib.sha256(layout.encode()).hexdigest()[:24], block)
+        log.info("disk KV tier: %s, %d blocks", tier.spill.dir, tier.spill.capacity)
+    return tier
 
 
 class HostKVTier:

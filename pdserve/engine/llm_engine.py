@@ -6,7 +6,6 @@ from one thread; `pdserve.LLM` wraps the same calls for offline use.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -20,12 +19,12 @@ from pdserve.engine.completions import Completion, Completions, make_detokenizer
 from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
-from pdserve.engine.kv_tier import DiskKVTier, HostKVTier
+from pdserve.engine.kv_tier import make_tiers
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec.draft import DraftModelProposer
-from pdserve.engine.spec.head import HeadProposer
+from pdserve.engine.spec.head import HeadProposer, feature_from_wire
 from pdserve.engine.spec.proposers import HEAD_PREFIX, make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
@@ -74,7 +73,8 @@ class LLMEngine:
         model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)
         head = load_draft_head(head_path, self.model_config, self.dtype, device) if head_path else None
         self.max_model_len = self._max_model_len(config)
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)
+        block_bytes = kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)
+        num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of this model; raise it"
@@ -82,17 +82,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode, head=head)
-        if config.host_kv_memory or config.disk_kv_path:
-            staging = 64 * kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)  # disk's only
-            self.block_manager.tier = HostKVTier(config.host_kv_memory or staging, self.runner.kv_cache,
-                                                 config.block_size, config.host_kv_encoding)
-            log.info("host KV tier: %d blocks (%s)", self.block_manager.tier.capacity, config.host_kv_encoding)
-        if config.disk_kv_path:  # files of this model's blocks only: their directory names the KV layout
-            block = self.runner.kv_cache[:, : config.block_size]
-            layout = f"{model_fingerprint(self.model_config)}:{head.name if head else ''}:{tuple(block.shape)}:{block.dtype}"
-            self.block_manager.tier.spill = DiskKVTier(config.disk_kv_path, config.disk_kv_memory,
-                                                      hashlib.sha256(layout.encode()).hexdigest()[:24], block)
-            log.info("disk KV tier: %s, %d blocks", self.block_manager.tier.spill.dir, self.block_manager.tier.spill.capacity)
+        self.block_manager.tier = make_tiers(config, self.runner.kv_cache, block_bytes,
+                                             f"{model_fingerprint(self.model_config)}:{head.name if head else ''}")
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -280,7 +271,7 @@ class LLMEngine:
         they are missing; and its draft head's feature at the last token, where both workers have
         the head: ValueError for bytes that are none). Its output comes from the next step().
         False if the request is no longer waiting for it."""
-        feature = self._head_feature(head_feature)
+        feature = feature_from_wire(head_feature, self.model_config.hidden_size, self.runner) if self.runner.head else None
         req = self.scheduler.kv_landed(request_id, first_token, prefill_times, first_logprobs, prompt_logprobs)
         if req is None:
             return False
@@ -295,20 +286,6 @@ class LLMEngine:
         transfer ships its KV beside the target's."""
         proposer = self.scheduler.proposer
         return proposer if isinstance(proposer, DraftModelProposer) else None
-
-    def _head_feature(self, data: bytes) -> torch.Tensor | None:
-        """A draft head's feature as a prefill worker sent it (float32 values); None where there is
-        none, or no head here to read it."""
-        head = self.runner.head
-        if head is None or not data:
-            return None
-        size = self.model_config.hidden_size
-        if len(data) != 4 * size:
-            raise ValueError(f"a draft head feature of {len(data)} bytes; this model's has {size} float32 values")
-        feature = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        if not torch.isfinite(feature).all():
-            raise ValueError("a draft head feature with values that are not finite")
-        return feature.to(dtype=self.dtype, device=self.runner.device)
 
     def kv_failed(self, request_id: str) -> None:
         """The prompt's KV will not come: the request computes it here (the colocated path)."""

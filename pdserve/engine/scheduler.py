@@ -40,6 +40,7 @@ MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing afte
 # host or disk tier, or another worker (a prefill worker's lease)
 TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "transferred")
 
+
 class Scheduler:
     def __init__(
         self,

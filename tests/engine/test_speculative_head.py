@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pdserve import SamplingParams
 from pdserve.layers.rotary import apply_rotary
+from pdserve.engine.spec.head import feature_from_wire
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.draft_head import load_draft_head, save_random_draft_head
 from pdserve.models.loader import load_checkpoint
@@ -207,12 +208,14 @@ def test_a_feature_from_a_prefill_worker_is_checked(tiny_llama, heads):
     hidden size in float32 values, all finite (else the lease fails and the prompt is computed
     here); nothing where this worker has no head."""
     llm = heading_llm(tiny_llama, heads["eagle"])
-    size = llm.engine.model_config.hidden_size
-    feature = llm.engine._head_feature(torch.arange(size, dtype=torch.float32).numpy().tobytes())
+    size, runner = llm.engine.model_config.hidden_size, llm.engine.runner
+    feature = feature_from_wire(torch.arange(size, dtype=torch.float32).numpy().tobytes(), size, runner)
     assert torch.equal(feature, torch.arange(size, dtype=torch.float32))
     with pytest.raises(ValueError, match="float32 values"):
-        llm.engine._head_feature(bytes(4 * size - 4))
+        feature_from_wire(bytes(4 * size - 4), size, runner)
     with pytest.raises(ValueError, match="not finite"):
-        llm.engine._head_feature(torch.full((size,), float("nan")).numpy().tobytes())
-    assert llm.engine._head_feature(b"") is None
-    assert make_llm(tiny_llama).engine._head_feature(bytes(4 * size)) is None
+        feature_from_wire(torch.full((size,), float("nan")).numpy().tobytes(), size, runner)
+    assert feature_from_wire(b"", size, runner) is None
+    with pytest.raises(ValueError, match="float32 values"):  # checked as it lands, before anything changes
+        llm.engine.kv_landed("nobody", 1, head_feature=b"xx")
+    assert make_llm(tiny_llama).engine.kv_landed("nobody", 1, head_feature=b"xx") is False  # no head: not read

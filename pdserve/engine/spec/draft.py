@@ -14,8 +14,8 @@ caching), a sequence's blocks freed when its request leaves the running set (the
 Disaggregated, the prefill worker computes the draft model's prompt KV beside the target's and
 ships it in the same lease (`DraftKV`: its layers follow the target's on the wire), into blocks
 the decode worker reserved in its draft pool (`reserve`; the worker names the draft's KV by its
-`config` and `weights`); once it landed (`adopt`) the decode
-worker's draft starts from there and computes no prompt token. A lease that lands without it
+`config` and `weights`); once it landed (`adopt`) the decode worker's draft starts from there and
+computes no prompt token. A lease that lands without it
 (a prefill worker with no draft model, or another one) leaves the decode side to compute it.
 
 A draft is the draft model's most likely token (after the request's `logit_bias`, which

@@ -50,6 +50,19 @@ class _Row:
         return [self.token]
 
 
+def feature_from_wire(data: bytes, hidden_size: int, runner: ModelRunner) -> torch.Tensor | None:
+    """A draft head's feature as a prefill worker sent it (float32 values), in the runner's dtype
+    and device; None where none came; ValueError for bytes that are no feature of this model."""
+    if not data:
+        return None
+    if len(data) != 4 * hidden_size:
+        raise ValueError(f"a draft head feature of {len(data)} bytes; this model's has {hidden_size} float32 values")
+    feature = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    if not torch.isfinite(feature).all():
+        raise ValueError("a draft head feature with values that are not finite")
+    return feature.to(dtype=runner.dtype, device=runner.device)
+
+
 class HeadProposer:
     """Proposes each request's next `num_tokens` tokens as the model's draft head guesses them."""
 
