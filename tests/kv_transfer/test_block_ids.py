@@ -93,6 +93,9 @@ def accept(role: PrefillRole, body: dict):
     ({"start": -1}, "start: Expected `int` >= 0"),
     ({"fence": -1}, "fence: Expected `int` >= 0"),
     ({"fence": 1 << 63}, "fence: Expected `int` <="),
+    ({"draft_block_table": [4, 5]}, "draft_block_table has 2 blocks; a sequence of 10 tokens in blocks of 4 needs 3"),
+    ({"draft_block_table": [1, -2, 3]}, r"draft_block_table\.1: Expected `int` >= 0"),
+    ({"draft_hash": "h" * 129}, "draft_hash: Expected `str` of length <= 128"),
 ])
 def test_a_lease_no_decode_worker_could_make_is_refused(prefill, changes, message):
     with pytest.raises(ValueError, match=message):

@@ -398,6 +398,12 @@ def lease_bodies(draw, ws) -> dict:
         "model_hash": st.one_of(st.sampled_from(["0" * 64, "", ws["model_hash"][:12], "h" * 129]), hostile),
         "kv_transfer_dtype": st.one_of(st.sampled_from(["int4", "FP8", "", "raw"]), hostile),
         "decode": st.one_of(junk_offers, hostile),
+        # a draft model's blocks (these workers draft with none: bounded, checked, never written)
+        "draft_block_table": st.one_of(
+            st.just(base["block_table"][:-1]),
+            st.lists(st.integers(0, 10), min_size=needed + 65, max_size=needed + 70),
+            st.lists(table_ids, min_size=needed, max_size=needed + 1), hostile),
+        "draft_hash": st.one_of(st.sampled_from(["", "d" * 64, "h" * 129]), hostile),
     }
     return draw(mutated(base, hostile_fields, spoiled=st.sampled_from([0, 0, 1, 1, 1, 2]),
                         favoured=("block_table", "decode", "start", "fence", "block_size")))
