@@ -151,6 +151,17 @@ class BlockManager:
         if table is not None:
             self._tables[holder_id] = table
 
+    def hold(self, holder_id: str, table: list[int]) -> None:
+        """Hold `table`'s blocks for a new holder (KV found in the pool at start: `durable_kv.py`)."""
+        if holder_id in self._tables:
+            raise ValueError(f"block holder {holder_id!r} already exists")
+        for block_id in table:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        self._tables[holder_id] = list(table)
+
     def release(self, holder_id: str) -> None:
         """Release a holder's blocks; tail blocks first, so they are evicted first."""
         table = self._tables.pop(holder_id, None)

@@ -135,6 +135,7 @@ class LLMEngine:
         remote_prefill: bool = False,
         output_token_ids: list[int] = (),
         arrival_time: float | None = None,
+        resume_of: str | None = None,
     ) -> str:
         """Queue a request. With `remote_prefill` (decode role, n == 1) its prompt's KV is
         reserved for a prefill worker to fill; `kv_landed` / `kv_failed` tell how that went.
@@ -142,7 +143,8 @@ class LLMEngine:
         `output_token_ids` resumes a request that another worker began (a migration): those tokens
         count as generated (against max_tokens and min_tokens, for stop strings, and for a seeded
         request's random draws), are computed again with the prompt, and are not output again.
-        `arrival_time` (time.monotonic()) is when a server received it; default: now."""
+        `arrival_time` (time.monotonic()) is when a server received it; default: now. `resume_of`:
+        its id on this worker before the worker restarted (its KV may have outlived it)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -164,7 +166,7 @@ class LLMEngine:
                 raise ValueError(f"request id {engine_id!r} is already in use")
             req = Request(engine_id, token_ids, child_params, self._max_total_tokens(token_ids, child_params),
                           priority, arrival_time, remote_prefill=remote_prefill and params.n == 1,
-                          output_token_ids=output_token_ids)
+                          output_token_ids=output_token_ids, resume_of=resume_of if params.n == 1 else None)
             if child_params.structure is not None:
                 req.matcher = self.structures.matcher(child_params.structure, output_token_ids)
             detokenizer = make_detokenizer(self.tokenizer, token_ids, output_token_ids, child_params)

@@ -53,7 +53,7 @@ class Request:
         "generator", "max_total_tokens", "stop_reason", "num_preemptions", "remote_prefill",
         "first_scheduled_time", "kv_landed_time", "first_token_time", "finished_time",
         "remote_queue_s", "remote_compute_s", "output_logprobs", "pending_logprobs", "prompt_logprobs",
-        "matcher", "draft", "draft_misses", "draft_pause", "acceptance", "head_feature",
+        "matcher", "draft", "draft_misses", "draft_pause", "acceptance", "head_feature", "resume_of",
     )
 
     def __init__(
@@ -66,8 +66,11 @@ class Request:
         arrival_time: float | None = None,
         remote_prefill: bool = False,
         output_token_ids: list[int] = (),
+        resume_of: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # its id on this worker before a crash: its KV may have outlived it (`engine/durable_kv.py`)
+        self.resume_of = resume_of
         self.prompt_token_ids = list(prompt_token_ids)
         # tokens generated so far: empty, or what another worker generated before this one resumes
         self.output_token_ids: list[int] = list(output_token_ids)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
@@ -32,13 +32,16 @@ from pdserve.engine.spec.verify import speculates
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
 
+if TYPE_CHECKING:  # the simulator runs the scheduler without torch
+    from pdserve.engine.durable_kv import DurableKV
+
 
 MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing after drafts that missed
 
 
 # where the KV a request starts from came from: computed here, this worker's prefix cache, its
-# host or disk tier, or another worker (a prefill worker's lease)
-TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "transferred")
+# host or disk tier, another worker (a prefill worker's lease), or its pool kept through a restart
+TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "transferred", "resumed")
 
 
 class Scheduler:
@@ -76,6 +79,7 @@ class Scheduler:
         # the tokens whose KV requests started from, by where it came from (the worker's
         # pdserve_prompt_tokens_by_source_total), since start
         self.tokens_by_source = dict.fromkeys(TOKEN_SOURCES, 0)
+        self.durable: DurableKV | None = None  # a pool that outlives the worker: what it kept (`durable_kv.py`)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -208,18 +212,25 @@ class Scheduler:
                     break
                 self.waiting.pop(i)
                 continue
-            cached, slots, from_disk = self._prefix(req)
-            bs = self.blocks.block_size
-            num_cached = (len(cached) + len(slots)) * bs
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.blocks.allocate(req, len(slots) * bs + n, cached):
+            resumed = self.durable.claim(req, budget) if req.resume_of is not None and self.durable else 0
+            if resumed is None:
                 break
-            self.blocks.promote(req, len(cached), slots)
+            if resumed:
+                num_cached = resumed
+                self._count_sources(0, 0, 0, resumed=resumed, computed=req.num_tokens - resumed)
+            else:
+                cached, slots, from_disk = self._prefix(req)
+                num_cached = (len(cached) + len(slots)) * self.blocks.block_size
+                if not self.blocks.allocate(req, len(slots) * self.blocks.block_size
+                                            + min(req.num_tokens - num_cached, budget), cached):
+                    break
+                self.blocks.promote(req, len(cached), slots)
+                self._count_sources(len(cached), len(slots), from_disk, computed=req.num_tokens - num_cached)
+            n = min(req.num_tokens - num_cached, budget)
             self.waiting.pop(i)
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
-            self._count_sources(len(cached), len(slots), from_disk, computed=req.num_tokens - num_cached)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
