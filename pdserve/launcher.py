@@ -61,6 +61,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ready-timeout", type=float, default=600.0)
     g.add_argument("--max-restart-backoff", type=float, default=30.0,
                    help="seconds between restarts of a child that keeps exiting (the backoff doubles up to this)")
+    g.add_argument("--durable-kv", action="store_true",
+                   help="each decode worker keeps its KV pool in a shared-memory file this command holds, with a "
+                        "journal: a worker that crashes is restarted and resumes its running requests from their KV, "
+                        "and the router resumes their streams (CPU)")
     g.add_argument("--fault-injection", action="store_true",
                    help="workers serve their fault-injection route (`pdserve worker --fault-injection`): a testing "
                         "aid for `pdserve bench chaos`; off by default")
@@ -73,11 +77,12 @@ def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
 
 
 def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, index: int, router_url: str,
-                host: str, threads: int) -> list[str]:
-    """`pdserve worker` number `index` as `pdserve serve` (local or on Ray) starts it."""
+                host: str, threads: int, durable_kv: str | None = None) -> list[str]:
+    """`pdserve worker` number `index` as `pdserve serve` (local or on Ray) starts it; `durable_kv`:
+    the name of the KV pool file it keeps through restarts."""
     steps = str(Path(args.record_steps) / f"{role}-{index}.jsonl") if args.record_steps else None
     settings = WorkerConfig(port=0, router=router_url, transfer=args.transfer, record_steps=steps,
-                            fault_injection=args.fault_injection)  # the worker makes the steps' folder, on its node
+                            fault_injection=args.fault_injection, durable_kv=durable_kv)  # the worker makes the steps' folder, on its node
     # the host apart: on Ray it is a placeholder the actor fills in with its node's address
     return ["worker", *_model(args), "--role", role, "--host", host, *config_argv(settings), "--threads", str(threads),
             *engine_argv]
@@ -130,6 +135,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     code = 0
+    pools: list[str] = []  # durable KV pools this command holds for its decode workers
     try:
         t0 = time.perf_counter()
         say(f"layout: {chosen.describe()}")
@@ -140,7 +146,9 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         shares = _cpu_shares(len(roles))
         workers = []
         for i, role in enumerate(roles):
-            argv = worker_argv(args, engine_argv, role, i, url, args.host, _threads(args, shares[i]))
+            pool = durable_pool_name() if args.durable_kv and role != "prefill" else None
+            pools += [pool] if pool else []
+            argv = worker_argv(args, engine_argv, role, i, url, args.host, _threads(args, shares[i]), pool)
             workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
         for w in workers:
             info = w.child.wait_ready(args.ready_timeout)
@@ -163,8 +171,29 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     finally:
         say("stopping")
         sup.stop(STOP_GRACE_S)
+        remove_durable_pools(pools)
         print(json.dumps({"event": "stopped"}), flush=True)
     return code
+
+
+def durable_pool_name() -> str:
+    """A durable KV pool's file name, after this process: a pool whose holder is gone is reaped."""
+    return f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def remove_durable_pools(names: list[str]) -> None:
+    if not names:
+        return
+    from pdserve.engine.durable_kv import journal_path
+    from pdserve.kv_transfer.shm import SHM_DIR
+
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        for file in (path, journal_path(path), journal_path(path) + ".tmp"):
+            try:
+                os.unlink(file)
+            except FileNotFoundError:
+                pass
 
 
 def describe_event(event: dict) -> str:

@@ -53,6 +53,7 @@ Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
 NODE_NAME = r"^[A-Za-z0-9_.:@\-]{0,128}\Z"  # a host name, a Ray node id
+SHM_POOL_NAME = r"^pdserve-kv-\d+-[0-9a-f]{16}\Z"  # a shared KV pool file under /dev/shm: its owner's pid, 64 random bits
 NodeName = Annotated[str, Meta(max_length=128, pattern=NODE_NAME)]
 KVTransferDtype = Literal["auto", "int8", "fp8"]  # how KV crosses: as computed, or quantized
 KV_TRANSFER_DTYPES: tuple[str, ...] = get_args(KVTransferDtype)
@@ -166,6 +167,7 @@ class GenerateRequest(Message, kw_only=True):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     priority: Annotated[int, Meta(ge=-MAX_WIRE_PRIORITY, le=MAX_WIRE_PRIORITY)] = 0
     prefill_url: Url | None = None
+    resume_of: RequestId | None = None  # its id on this worker before a restart: resume from the KV kept
     stream: bool = True
 
 
@@ -400,6 +402,13 @@ class WorkerStats(Message):
     kv_refused_connections: Count = 0
     kv_forced_disconnects: Count = 0
     kv_lease_renewals: Count = 0  # leases a prefill worker kept waiting while their prompt was paused
+    # a durable pool (`--durable-kv`): the same id after a restart, so the router resumes streams there
+    durable_kv: Annotated[str, Meta(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
+    kv_pool_generation: Count = 0  # the pool's attaches: 1 + the restarts that found it
+    kv_resumed_requests: Count = 0  # requests resumed from the KV they had before a restart
+    kv_resume_rejected: Count = 0  # journaled requests whose KV failed its checks (computed again)
+    kv_resume_recomputed_prompt_tokens: Count = 0  # prompt tokens a resumed request computed again
+    kv_resumable: Size = 0  # requests whose kept KV waits for them to come back
     # prefill side
     kv_shipments: Size = 0
     kv_notified: Count = 0

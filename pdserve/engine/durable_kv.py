@@ -26,6 +26,7 @@ and a crash's running requests are recomputed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -72,6 +73,7 @@ class DurableKV:
         self.pool_path, self.journal_path = pool_path, journal_path(pool_path)
         self.fingerprint = fingerprint  # the model, dtype, block size and pool shape the KV was made by
         self.interval_s, self.claim_window_s = interval_s, claim_window_s
+        self.identity = hashlib.sha256(os.path.basename(pool_path).encode()).hexdigest()[:16]  # for the router
         self.generation = 1
         self.reattached = False
         self.kv: torch.Tensor | None = None

@@ -17,11 +17,12 @@ import secrets
 import torch
 
 from pdserve.kv_transfer.base import KVLayout, TransferError
+from pdserve.wire import SHM_POOL_NAME
 from pdserve.kv_transfer.quant import gather_slots
 from pdserve.kv_transfer.in_place import InPlaceSender
 
 SHM_DIR = "/dev/shm"
-_POOL_NAME = re.compile(r"^pdserve-kv-\d+-[0-9a-f]{16}$")
+POOL_NAME = re.compile(SHM_POOL_NAME)
 
 
 def shm_available() -> bool:
@@ -29,10 +30,11 @@ def shm_available() -> bool:
 
 
 def reap_stale_pools() -> list[str]:
-    """Remove pool files whose decode worker is gone (killed before it could remove its own)."""
+    """Remove pool files (and a durable pool's journal) whose owner is gone: a decode worker killed
+    before it could remove its own, or a durable pool's supervisor."""
     removed = []
     for name in os.listdir(SHM_DIR):
-        if not _POOL_NAME.match(name):
+        if not POOL_NAME.match(name.replace("pdserve-kvj-", "pdserve-kv-", 1).removesuffix(".tmp")):
             continue
         pid = int(name.split("-")[2])
         try:
@@ -77,7 +79,7 @@ def map_peer_pool(path: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
         real = os.path.realpath(path)
     except (OSError, ValueError):  # ValueError: a NUL byte, or a name the file system cannot encode
         real = ""
-    if os.path.dirname(real) != SHM_DIR or not _POOL_NAME.match(os.path.basename(real)):
+    if os.path.dirname(real) != SHM_DIR or not POOL_NAME.match(os.path.basename(real)):
         raise TransferError(f"{path!r} is not a pdserve shared KV pool")
     shape = (layout.num_layers, num_slots, 2, layout.num_kv_heads, layout.head_dim)
     numel = layout.num_layers * num_slots * 2 * layout.num_kv_heads * layout.head_dim

@@ -34,6 +34,9 @@ class RouterConfig:
                                          "before a 503", name="--queue-timeout", parse=seconds)
     migrate_on_failure: bool = flag(False, "a decode worker lost mid-stream: continue on another by recomputing "
                                            "prompt + output")
+    resume_wait_s: float = flag(30.0, "a decode worker whose KV outlives it (--durable-kv) lost mid-stream: seconds "
+                                      "its streams wait for it to come back and resume from their KV", name="--resume-wait",
+                                parse=seconds)
     migrate_hot_spots: bool = flag(True, "keep running requests where they are, however hot their decode worker",
                                    name="--no-hot-spot-migration")
     hot_kv_usage: float = flag(0.85, "KV use past which a decode worker gets no new work and running requests "

@@ -50,7 +50,8 @@ class RouterMetrics:
         self.disaggregated = Counter("pdserve_disaggregated_requests", "requests sent through a prefill worker",
                                      registry=r)
         self.migrations = Counter("pdserve_migrations", "running requests moved to another decode worker, by "
-                                  "reason: hot_spot (KV use) or failure (the worker was lost)", ["reason"], registry=r)
+                                  "reason: hot_spot (KV use), failure (the worker was lost) or resumed (its restarted self took it back "
+                                  "with its KV)", ["reason"], registry=r)
         self.sla_met = Counter("pdserve_sla_met_requests", "finished requests meeting both the TTFT and TPOT targets",
                                registry=r)
         self.queue = Gauge("pdserve_queue_requests", "requests the router holds", registry=r)

@@ -137,6 +137,12 @@ class Registry:
         with self._lock:
             return self._workers.pop(worker_id, None)
 
+    def with_durable_pool(self, pool: str, other_than: str) -> WorkerEntry | None:
+        """The live worker (not `other_than`) that says it holds the durable KV pool `pool`."""
+        with self._lock:
+            return next((e for e in self._workers.values()
+                         if e.stats.durable_kv == pool and e.worker_id != other_than and not e.stats.draining), None)
+
     def workers(self, role: str | None = None) -> list[WorkerEntry]:
         with self._lock:
             entries = list(self._workers.values())

@@ -12,6 +12,8 @@ deadline) and each way a call can end is a method of its own:
    - the worker's queue was full (503, before the first token; other clients of that worker):
      back off and route again, within the request's deadline: the router admitted it, so it
      waits, not errs (`_after_refusal`);
+   - the worker failed mid-stream, and its KV outlives it (`--durable-kv`): the request waits for
+     it to come back (its supervisor restarts it) and resumes there from that KV (`_resume_there`);
    - the worker failed or went silent: a broken one is dropped (its other streams fail too); the
      request goes to another worker once before its first token, or after it with
      `migrate_on_failure` (single completions); otherwise the client gets a 502 (`_after_failure`).
@@ -43,6 +45,7 @@ log = logging.getLogger("pdserve.router")
 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0  # between asking a full worker's queue again
 MAX_WORKERS_FAILED = 2  # a request migrates after at most this many failed workers
+RESUME_POLL_S = 0.05  # how often a stream waiting for its restarted worker looks for it
 
 
 class RequestStream:
@@ -59,6 +62,7 @@ class RequestStream:
         self.generated: list[int] = []  # single completions: every token so far
         self.started = False  # a line went to the client
         self._moved = False  # the current call ended for a move
+        self.resume_of: str | None = None  # the next call resumes this worker request id's kept KV
 
     async def lines(self) -> AsyncIterator[wire.OutputLine]:
         """The output lines, followed across workers (the module's docstring)."""
@@ -79,7 +83,8 @@ class RequestStream:
                 except APIError as e:
                     await self._after_refusal(e, hold)
                 except (httpx.HTTPError, WorkerLost) as e:
-                    self._after_failure(e, hold)
+                    if not await self._resume_there(e, hold):
+                        self._after_failure(e, hold)
                 finally:
                     hold.release()
         finally:
@@ -91,8 +96,9 @@ class RequestStream:
         body = wire.GenerateRequest(request_id=live.worker_request_id, prompt_token_ids=self.prompt_ids,
                                     output_token_ids=list(self.generated), sampling=self.sampling,
                                     priority=self.priority,
-                                    prefill_url=self.prefill.url if self.prefill is not None else None)
-        self._moved = False
+                                    prefill_url=self.prefill.url if self.prefill is not None else None,
+                                    resume_of=self.resume_of)
+        self._moved, self.resume_of = False, None
         async for item in worker_lines(router.http, self.decode.url, body, router.worker_headers, live,
                                        router.config.worker_silence_s):
             if live.n == 1:
@@ -121,6 +127,29 @@ class RequestStream:
         await asyncio.sleep(self.backoff_s * (0.5 + random.random()))
         self.backoff_s = min(2 * self.backoff_s, MAX_BACKOFF_S)
         self._route_again()
+
+    async def _resume_there(self, e: Exception, hold: Hold) -> bool:
+        """A decode worker whose KV pool outlives it failed mid-stream (a single completion): wait
+        for its restarted self (the same pool id) to register, within `resume_wait_s`, and continue
+        there from the KV it kept. False if it does not come back in time."""
+        router, worker = self.router, self.decode
+        pool = worker.stats.durable_kv
+        if not pool or not self.started or self.live.n != 1 or isinstance(e, WorkerSilent):
+            return False
+        log.warning("request %s: decode worker %s failed (%s); waiting for it to come back with its KV",
+                    self.request_id, worker.url, type(e).__name__)
+        router.drop_worker(worker.worker_id, "it failed a request")
+        self.live.cancel_move()
+        hold.release()
+        deadline = time.monotonic() + router.config.resume_wait_s
+        while (back := router.registry.with_durable_pool(pool, worker.worker_id)) is None:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(RESUME_POLL_S)
+        self.resume_of, self.decode, self.prefill = self.live.worker_request_id, back, None
+        back.in_flight += self.live.n  # the next call's hold
+        router.metrics.migrations.labels("resumed").inc()
+        return True
 
     def _after_failure(self, e: Exception, hold: Hold) -> None:
         """The worker failed the call, or said nothing for too long: elsewhere, or a 502."""

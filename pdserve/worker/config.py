@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.flags import check_flags, flag, port_number, seconds
-from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME
+from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME, SHM_POOL_NAME
 
 
 def host_name(text: str) -> str:
@@ -19,6 +19,12 @@ def host_name(text: str) -> str:
     a user or a port."""
     if not text or len(text) > 253 or not all(c.isalnum() or c in ".-:" for c in text):
         raise ValueError(f"expected a host name or an IP address, got {text!r}")
+    return text
+
+
+def durable_pool_name(text: str) -> str:
+    if not re.fullmatch(SHM_POOL_NAME, text):
+        raise ValueError(f"expected a pool file name pdserve-kv-<pid>-<16 hex digits>, got {text!r}")
     return text
 
 
@@ -51,6 +57,11 @@ class WorkerConfig:
     router: str | None = flag(None, "register with this router and renew the lease by heartbeat")
     drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway",
                                 parse=seconds)
+    durable_kv: str | None = flag(
+        None, "decode: keep the KV pool in this shared-memory file (/dev/shm/pdserve-kv-<supervisor pid>-<16 hex>, "
+              "which its supervisor keeps and removes) with a journal of the running requests' blocks, so a "
+              "restarted worker resumes them from their KV (`pdserve serve --durable-kv` names one)",
+        parse=durable_pool_name)
     fault_injection: bool = flag(False, "serve POST /v1/faults/cut-kv-links (with the token): a testing aid that "
                                         "closes every KV connection of this worker at once; off by default")
 

@@ -27,6 +27,11 @@ _HELP = {
     "kv_bytes_received": "KV bytes received",
     "kv_bytes_sent": "KV bytes sent",
     "kv_notified": "prefills handed to decode workers",
+    "kv_pool_generation": "durable KV pool: its attaches (1, plus each restart that found it)",
+    "kv_resumed_requests": "durable KV pool: requests resumed from the KV they had before a restart",
+    "kv_resume_rejected": "durable KV pool: journaled requests whose KV failed its checks, computed again",
+    "kv_resume_recomputed_prompt_tokens": "durable KV pool: prompt tokens resumed requests computed again",
+    "kv_resumable": "durable KV pool: requests whose kept KV waits for them to come back",
 }
 
 
@@ -37,8 +42,9 @@ class _Snapshot:
     def collect(self):
         stats = dict(self.stats)
         by_source = CounterMetricFamily("pdserve_prompt_tokens_by_source", "tokens whose KV requests started from, "
-                                        "by where it came from: computed here, the prefix cache, the host tier, "
-                                        "another worker (transferred)", labels=["source"])
+                                        "by where it came from: computed here, the prefix cache, the host or disk tier, "
+                                        "another worker (transferred), or this worker's pool kept through a restart "
+                                        "(resumed)", labels=["source"])
         for source, count in stats.pop("tokens_by_source", {}).items():
             by_source.add_metric([source], count)
         yield by_source

@@ -65,7 +65,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
             await worker.generate(request_id, body.prompt_token_ids, body.sampling, stream.sink, body.priority,
-                                  body.prefill_url, body.output_token_ids)
+                                  body.prefill_url, body.output_token_ids, body.resume_of)
         except ValueError as e:
             return error(400, str(e))
         except (QueueFullError, EngineBusyError, DrainingError) as e:

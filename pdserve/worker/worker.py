@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,13 +28,14 @@ import msgspec
 
 from pdserve import wire
 from pdserve.config import ROLES, EngineConfig
+from pdserve.engine.durable_kv import DurableKV
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
-from pdserve.kv_transfer.shm import SharedKVPool, shm_available
+from pdserve.kv_transfer.shm import SHM_DIR, SharedKVPool, shm_available
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
@@ -104,14 +106,20 @@ class Worker:
         self.decode = DecodeRole(settings.kv_lease_timeout, token, settings.kv_transfer_dtype)
         self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
         self._pool: SharedKVPool | None = None
+        self.durable = durable_pool(settings, config)  # a pool that outlives this process
 
         def shared_pool(shape, dtype):
             self._pool = SharedKVPool(shape, dtype)
             return self._pool.tensor
 
         use_shm = "shm" in self.transfer and shm_available() and config.device == "cpu"
+        allocator = self.durable.allocate if self.durable is not None else shared_pool if use_shm else None
+
         def build() -> LLMEngine:
-            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), shared_pool if use_shm else None)
+            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), allocator)
+            if self.durable is not None:  # before warm-up, which takes blocks: what it kept is held first
+                self.durable.recover(engine.block_manager)
+                engine.scheduler.durable = self.durable
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
@@ -123,14 +131,15 @@ class Worker:
         if record_steps:
             Path(record_steps).parent.mkdir(parents=True, exist_ok=True)
         self._step_log = open(record_steps, "a", buffering=1 << 16) if record_steps else None
-        self.loop = EngineLoop(self.engine, self.decode.poll, self._step_log)
+        self.loop = EngineLoop(self.engine, self._poll, self._step_log)
         draft_model = self.engine.draft_model
         draft = (DraftKV.of(draft_model.config, draft_model.weights, draft_model.runner.kv_cache)
                  if draft_model is not None else None)  # its KV travels with the target's
         self.receiver = KVReceiver(self.layout, self.engine.runner.kv_cache, queue.Queue(), token, settings.host,
                                    settings.kv_port, draft=draft)
+        pool_path = self.durable.pool_path if self.durable is not None else self._pool.path if self._pool else None
         side = DecodeSide(self.layout, self.engine.runner.kv_cache, self.receiver.leases, token,
-                          self._pool.path if self._pool is not None else None, draft)
+                          pool_path if use_shm else None, draft)
         # frames go here; a listener bound to 0.0.0.0 (a pod) must offer an address peers can reach
         addr = {"host": settings.advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
         self.offers: dict[str, dict] = offers(self.transfer, side, addr)
@@ -146,6 +155,14 @@ class Worker:
 
     def start(self) -> None:
         self.loop.start()
+
+    def _poll(self) -> None:
+        """The engine thread, between steps: the decode side's transfer events and timers, and a
+        durable pool's journal."""
+        self.decode.poll()
+        if self.durable is not None:
+            self.durable.tick(self.engine.scheduler.running)
+            self.durable.expire()
 
     def join(self, router_url: str, own_url: str, token: str | None = None) -> RouterMembership:
         """Register with the router at `router_url` as the worker at `own_url`, and renew the lease
@@ -189,6 +206,7 @@ class Worker:
         priority: int = 0,
         prefill_url: str | None = None,
         output_token_ids: list[int] = (),
+        resume_of: str | None = None,
     ) -> None:
         """Queue a request; its outputs go to `sink` from the engine thread. Raises ValueError
         for a bad request, QueueFullError when the queue is at its bound, EngineBusyError when the
@@ -214,7 +232,7 @@ class Worker:
                 self.decode.targets[request_id] = (prefill_url, sampling)
             try:
                 self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority, remote,
-                                        output_token_ids, received)
+                                        output_token_ids, received, resume_of)
             except Exception:
                 if remote:
                     self.decode.targets.pop(request_id, None)
@@ -362,7 +380,20 @@ class Worker:
         }
         for part in (self.decode, self.prefill):
             out.update(part.stats())
+        if self.durable is not None:
+            out.update(self.durable.stats(), durable_kv=self.durable.identity)
         return wire.WorkerStats(**out)
+
+
+def durable_pool(settings: WorkerConfig, config: EngineConfig) -> DurableKV | None:
+    """The durable pool `--durable-kv` names (CPU only: device memory does not outlive its process)."""
+    if settings.durable_kv is None:
+        return None
+    if config.device != "cpu":
+        log.warning("--durable-kv keeps a CPU pool; on %s a restarted worker recomputes its requests (the host "
+                    "tier keeps what was evicted)", config.device)
+        return None
+    return DurableKV(os.path.join(SHM_DIR, settings.durable_kv), f"{config.model}|{config.block_size}")
 
 
 def _built_on_own_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
