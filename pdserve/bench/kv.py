@@ -7,22 +7,28 @@ in one run (one engine per setting, taking turns each round).
   (tokens by source: a tier that works leaves only the new tokens computed).
 - `urgent`: short priority-0 prompts arriving while long priority-1 prompts compute in chunks:
   their TTFT with a running prompt pausing between chunks for them, and without.
+- `journal`: what a durable pool's journal (`--durable-kv`) costs: eight streams decoding 128
+  tokens each on one engine whose pool is a shared-memory file, the journal written between steps
+  as a worker writes it, and not.
 
-Reported per case and setting (medians over `--rounds`): TTFT in ms and the speed-up against the
-feature off; the JSON holds every round, and a PNG plots the medians.
+Reported per case and setting (medians over `--rounds`): the case's time in ms (TTFT; the eight
+streams' time for `journal`) and the speed-up against the feature off; the JSON holds every round,
+and a PNG plots the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-CASES = ("returning", "urgent")
+CASES = ("returning", "urgent", "journal")
+MEASURED = {"returning": "TTFT", "urgent": "TTFT", "journal": "8 streams x 128 tokens"}
 
 
 def _say(message: str) -> None:
@@ -58,7 +64,7 @@ def returning(llm, ids: list[int], round_: int, prompt_len: int) -> dict:
     llm.generate([{"prompt_token_ids": first + answer + new}], one)
     ttft = time.perf_counter() - start
     sources = {k: v - before[k] for k, v in engine.scheduler.tokens_by_source.items() if v != before[k]}
-    return {"ttft_ms": ttft * 1e3, "sources": sources}
+    return {"ms": ttft * 1e3, "sources": sources}
 
 
 def urgent(llm, ids: list[int], round_: int, prompt_len: int, pausing: bool) -> dict:
@@ -93,7 +99,49 @@ def urgent(llm, ids: list[int], round_: int, prompt_len: int, pausing: bool) -> 
                     del waiting[rid]
     finally:
         sched._urgent_priority = own
-    return {"ttft_ms": statistics.median(ttfts), "ttft_max_ms": max(ttfts), "ttfts_ms": ttfts}
+    return {"ms": statistics.median(ttfts), "ttft_max_ms": max(ttfts), "ttfts_ms": ttfts}
+
+
+def journal(llm, ids: list[int], round_: int, prompt_len: int, durable) -> dict:
+    """Eight prompts (`prompt_len`, at most 256 tokens) decoding 128 tokens each, stepped as a
+    worker steps, the journal (`durable`, or None: not written) written between steps: their time."""
+    from pdserve import SamplingParams
+
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for k in range(8):
+        n = min(prompt_len, 256)
+        engine.add_request(None, {"prompt_token_ids": [round_] + ids[k * n : (k + 1) * n]}, sp)
+    writes = durable.journal_writes if durable is not None else 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if durable is not None:
+            durable.tick(engine.scheduler.running)
+        engine.step()
+    out = {"ms": (time.perf_counter() - start) * 1e3}
+    if durable is not None:
+        out["journal_writes"] = durable.journal_writes - writes
+    return out
+
+
+def durable_llm(model: str, dtype: str, kv_cache_memory: str):
+    """An engine whose pool is a durable one (a fresh shared-memory file, removed by the caller)."""
+    import secrets
+
+    from types import SimpleNamespace
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.durable_kv import DurableKV
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kv_transfer.shm import SHM_DIR
+
+    durable = DurableKV(os.path.join(SHM_DIR, f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"), model)
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory,
+                                    max_num_batched_tokens=512), kv_allocator=durable.allocate)
+    durable.recover(engine.block_manager)
+    engine.scheduler.durable = durable
+    return SimpleNamespace(engine=engine), durable
 
 
 def plot(results: dict, path: Path) -> Path:
@@ -104,8 +152,8 @@ def plot(results: dict, path: Path) -> Path:
     axes = [axes] if len(results) == 1 else axes
     for ax, (case, by_setting) in zip(axes, results.items()):
         names = list(by_setting)
-        ax.bar(names, [by_setting[n]["ttft_ms"] for n in names], color="tab:blue")
-        ax.set_title(f"{case}: TTFT (ms, median)")
+        ax.bar(names, [by_setting[n]["ms"] for n in names], color="tab:blue")
+        ax.set_title(f"{case}: {MEASURED[case]} (ms, median)")
         ax.grid(True, axis="y", alpha=0.3)
     return save_figure(plt, fig, "KV cache features", path)
 
@@ -140,33 +188,43 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"returning": {"no tier": {}, "host raw": {"host_kv_memory": args.host_kv_memory},
                               "host int8": {"host_kv_memory": args.host_kv_memory, "host_kv_encoding": "int8"},
                               "disk": {"host_kv_memory": args.disk_host_memory, "disk_kv_path": disk.name}},
-                "urgent": {"no pausing": {}, "pausing": {}}}
+                "urgent": {"no pausing": {}, "pausing": {}}, "journal": {"no journal": {}, "journal": {}}}
+    durable = None
     runs: dict[str, dict[str, list[dict]]] = {}
     for case in cases:
         engines = {}
         for name, extra in settings[case].items():
-            if case == "urgent" and engines:
+            if case in ("urgent", "journal") and engines:
                 engines[name] = next(iter(engines.values()))  # one engine, the feature switched in turns
                 continue
             extra = {**pool, **extra} if case == "returning" else {"dtype": args.dtype, "max_num_batched_tokens": 512}
-            engines[name] = LLM(model, **extra)
+            if case == "journal":
+                engines[name], durable = durable_llm(model, args.dtype, "256MiB")
+            else:
+                engines[name] = LLM(model, **extra)
             _say(f"{case}, {name}: warm-up {engines[name].engine.warm_up():.1f} s")
         ids = corpus(engines[next(iter(engines))].engine.tokenizer, 6 * args.prompt_len)
         runs[case] = {name: [] for name in engines}
         for r in range(args.rounds):
             for name, llm in engines.items():
                 result = (returning(llm, ids, r, args.prompt_len) if case == "returning"
+                          else journal(llm, ids, r, args.prompt_len, durable if name == "journal" else None) if case == "journal"
                           else urgent(llm, ids, r, args.prompt_len, pausing=name == "pausing"))
                 runs[case][name].append(result)
-                _say(f"round {r + 1}/{args.rounds} {case}, {name}: TTFT {result['ttft_ms']:.0f} ms"
+                _say(f"round {r + 1}/{args.rounds} {case}, {name}: {MEASURED[case]} {result['ms']:.0f} ms"
                      + (f", tokens by source {result['sources']}" if "sources" in result else ""))
-    results = {case: {name: {"ttft_ms": round(statistics.median(x["ttft_ms"] for x in rs), 1)}
+    if durable is not None:
+        from pdserve.launcher import remove_durable_pools
+
+        remove_durable_pools([os.path.basename(durable.pool_path)])
+    results = {case: {name: {"ms": round(statistics.median(x["ms"] for x in rs), 1)}
                       for name, rs in by_name.items()} for case, by_name in runs.items()}
     for case, by_name in results.items():
-        base = next(iter(by_name.values()))["ttft_ms"]
+        base = next(iter(by_name.values()))["ms"]
         for name, cell in by_name.items():
-            cell["speedup"] = round(base / cell["ttft_ms"], 2)
-            _say(f"{case}, {name}: TTFT {cell['ttft_ms']:.0f} ms, x{cell['speedup']} against {next(iter(by_name))}")
+            cell["speedup"] = round(base / cell["ms"], 2)
+            _say(f"{case}, {name}: {MEASURED[case]} {cell['ms']:.0f} ms, x{cell['speedup']} against "
+                 f"{next(iter(by_name))}")
     out = Path(args.result_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     from pdserve.bench.machine import environment

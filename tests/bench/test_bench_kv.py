@@ -14,7 +14,8 @@ def test_bench_kv_reports_each_case_against_the_feature_off(tiny_llama, tmp_path
                  "--kv-cache-memory", "96KiB", "--host-kv-memory", "1MiB", "--disk-host-memory", "16KiB",
                  "--result-json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"returning", "urgent"}
+    assert set(report["results"]) == {"returning", "urgent", "journal"}
+    assert report["runs"]["journal"]["journal"][0]["journal_writes"] > 0
     assert set(report["results"]["returning"]) == {"no tier", "host raw", "host int8", "disk"}
     assert report["results"]["urgent"]["no pausing"]["speedup"] == 1.0
     runs = report["runs"]["returning"]
