@@ -155,6 +155,11 @@ def _bench_kv(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_crash(argv: list[str]) -> int:
+    from pdserve.bench.crash import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -177,7 +182,8 @@ def _plan(argv: list[str]) -> int:
 
 OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
                "bench-transfer": _bench_transfer, "bench-structured": _bench_structured,
-               "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "profile": _profile, "simulate": _simulate,
+               "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "bench-crash": _bench_crash,
+               "profile": _profile, "simulate": _simulate,
                "simulate-trace": _simulate_trace, "plan": _plan}
 
 
@@ -255,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("bench-kv", help="a returning conversation's TTFT with a host KV tier, an urgent prompt's "
                    "with prompts pausing for it, each against the feature off", add_help=False)
+    sub.add_parser("bench-crash", help="a decode worker SIGKILLed mid-stream: its streams' gap and completion with "
+                   "--durable-kv, with --migrate-on-failure, and with neither", add_help=False)
     return parser
 
 

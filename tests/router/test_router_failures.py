@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import signal
 
 import httpx
@@ -93,3 +95,34 @@ def test_migrate_on_failure_continues_on_another_decode_worker(tiny_llama, failu
         assert killed is not None
         assert "".join(texts) == expected  # the same text, no token twice, none missing
         assert router.metrics.migrations.labels("failure")._value.get() == 1
+
+
+def test_a_durable_worker_that_does_not_come_back_fails_its_streams_after_the_wait(tiny_llama):
+    """Its streams wait `--resume-wait` for the worker's restarted self (the same pool id), which never
+    comes here (no supervisor restarts it): then the client gets the error event, as without."""
+    pool = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+    with RouterServer(tiny_llama, worker_token=TOKEN, lease_s=2.0, resume_wait_s=1.0,
+                      disaggregation=DisaggregationPolicy(min_remote_tokens=10_000)) as rs:
+        proc, _ = spawn(tiny_llama, "decode", "--router", rs.url, "--durable-kv", pool)
+        try:
+            wait_for(lambda: any(w.stats.durable_kv for w in rs.router.registry.workers()), 20,
+                     "the durable worker registered with its pool id")
+            body = {"model": "tiny", "prompt": "tell me a long story " * 4, "max_tokens": 900, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.stream("POST", rs.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                    if len(events) == 5:
+                        proc.kill()  # mid-stream, as above
+            error = json.loads(events[-2].removeprefix("data: "))
+            assert "failed mid-request" in error["error"]["message"]
+            assert rs.router.metrics.migrations.labels("resumed")._value.get() == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            for name in (pool, pool.replace("pdserve-kv-", "pdserve-kvj-")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
