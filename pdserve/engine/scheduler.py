@@ -28,7 +28,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.spec.budget import DraftBudget
 from pdserve.engine.spec.ngram import NgramProposer
-from pdserve.engine.spec.verify import speculates
+from pdserve.engine.spec.drafting import propose_drafts
 from pdserve.engine.step import SchedulerOutput
 from pdserve.outputs import TokenLogprobs
 
@@ -111,7 +111,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         i = 0
         if self.proposer is not None:
-            self._propose()
+            propose_drafts(self.running, self.proposer, self.draft_budget)
         urgent = self._urgent_priority(budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -156,37 +156,6 @@ class Scheduler:
         if self.blocks.blocks_needed(first) > self.blocks.num_free_blocks:
             return None
         return req.priority
-
-    def _propose(self) -> None:
-        """Drafts for the running requests that decode one token and may speculate, cut to the
-        tokens expected to pay for their rows (`engine/spec/budget.py`)."""
-        wanted, rows = [], 0
-        for req in self.running:
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            rows += 1
-            if not speculates(req):
-                continue
-            if req.draft_pause:
-                req.draft_pause -= 1
-                continue
-            wanted.append((req, req.max_total_tokens - req.num_tokens - 1))
-        seconds = self.proposer.draft_seconds  # a token ahead, for all requests at once: 0 for a free proposer
-        if wanted and seconds != 0:
-            ahead = self.draft_budget.lead(rows, len(wanted), seconds, self.proposer.num_tokens)
-            wanted = [(req, min(limit, ahead)) for req, limit in wanted] if ahead else []
-        drafting = []
-        for (req, _), draft in zip(wanted, self.proposer.propose_all(wanted) if wanted else []):
-            req.draft = draft
-            if req.matcher is not None:  # only what its structure allows can be sampled
-                req.draft = req.draft[: req.matcher.valid_prefix(req.draft)]
-            if req.draft:
-                drafting.append(req)
-        # a request with no history yet, or back after drafts that missed, verifies a token anyway
-        cut = self.draft_budget.cut([(r.draft, r.acceptance, r.draft_misses > 0 or not r.acceptance.tried)
-                                     for r in drafting], rows)
-        for req, keep in zip(drafting, cut):
-            req.draft = req.draft[:keep]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode-only step's rows and seconds, which price the rows drafts add."""
