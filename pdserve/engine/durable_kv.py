@@ -170,12 +170,22 @@ class DurableKV:
     def tick(self, running: list[Request]) -> None:
         """Journal the running requests' KV when one started running, or `interval_s` after the
         last write if any computed more."""
-        now = time.monotonic()
-        state = {r.request_id: r.num_computed_tokens for r in running
-                 if r.status == RequestStatus.RUNNING and r.num_computed_tokens and r.params.n == 1}
+        state = self._state(running)
         started = any(rid not in self._written for rid in state)
-        if not started and (state == self._written or now - self._last_write < self.interval_s):
-            return
+        if started or (state != self._written and time.monotonic() - self._last_write >= self.interval_s):
+            self._journal(running, state)
+
+    def close(self, running: list[Request]) -> None:
+        """The worker stops: journal what still runs (its streams may come back to a restarted
+        worker), and nothing of what finished."""
+        self._journal(running, self._state(running))
+
+    @staticmethod
+    def _state(running: list[Request]) -> dict[str, int]:
+        return {r.request_id: r.num_computed_tokens for r in running
+                if r.status == RequestStatus.RUNNING and r.num_computed_tokens}
+
+    def _journal(self, running: list[Request], state: dict[str, int]) -> None:
         for rid in [r for r in self._records if r not in state and r not in self.held]:
             del self._records[rid]
         self._full_crcs = {rid: crcs for rid, crcs in self._full_crcs.items() if rid in state}

@@ -4,11 +4,13 @@ endpoint (server.py) calls.
 Lifecycle:
 1. Build the roles (decode: receiver and leases; every worker: senders, since a decode worker also
    ships the KV of requests the router migrates away from it), then the engine with them as its
-   hooks; a decode worker offering `shm` keeps its KV pool in shared memory.
+   hooks; a decode worker offering `shm` keeps its KV pool in shared memory, and one given
+   `--durable-kv` in that file, which outlives it (`engine/durable_kv.py`).
 2. Decode: open the KV listener and publish the offers (tcp address, shared pool path).
 3. `start()`: the engine thread runs; `generate`, `abort`, `prefill`, `stats` are safe from any
    thread.
-4. `stop()`: the engine thread ends, connections close, the shared pool file is removed.
+4. `stop()`: the engine thread ends, connections close, the shared pool file is removed (a durable
+   one is left to its supervisor, its journal naming what still ran).
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ class Worker:
         if self.membership is not None:
             self.membership.stop()
         self.loop.stop()
+        if self.durable is not None:  # the engine thread has ended: what still runs is journaled
+            self.durable.close(self.engine.scheduler.running)
         for part in (self.prefill, self.decode, self.receiver):
             part.close()
         release(self.transfer, self.engine.runner.kv_cache)
