@@ -403,7 +403,7 @@ class WorkerStats(Message):
     kv_forced_disconnects: Count = 0
     kv_lease_renewals: Count = 0  # leases a prefill worker kept waiting while their prompt was paused
     # a durable pool (`--durable-kv`): the same id after a restart, so the router resumes streams there
-    durable_kv: Annotated[str, Meta(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
+    durable_kv: Annotated[str, Meta(max_length=64, pattern=r"^[0-9a-f]*\Z")] = ""
     kv_pool_generation: Count = 0  # the pool's attaches: 1 + the restarts that found it
     kv_resumed_requests: Count = 0  # requests resumed from the KV they had before a restart
     kv_resume_rejected: Count = 0  # journaled requests whose KV failed its checks (computed again)

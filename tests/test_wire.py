@@ -55,6 +55,10 @@ def test_every_message_round_trips(message):
     (wire.Registration, {"url": "http://h:1", "role": "decode", "model_hash": "h", "node": "a b"}, "node"),
     (wire.Registration, {"url": "http://h:1", "role": "decode", "model_hash": "h", "node": "n" * 129}, "node"),
     (wire.AbortRequest, {}, "request_id"),
+    (wire.GenerateRequest, {"prompt_token_ids": [1], "resume_of": "a b"}, "resume_of"),
+    (wire.GenerateRequest, {"prompt_token_ids": [1], "resume_of": "r" * 1000}, "resume_of"),
+    (wire.Heartbeat, {"worker_id": "w", "stats": {"durable_kv": "0f\n"}}, "stats.durable_kv"),
+    (wire.Heartbeat, {"worker_id": "w", "stats": {"durable_kv": "../etc"}}, "stats.durable_kv"),
 ])
 def test_a_bad_message_is_refused_naming_its_field(kind, body, field):
     with pytest.raises(wire.BadMessage) as e:

@@ -18,7 +18,7 @@ from pdserve.worker.main import worker_config
 CHANGED = {"host": "10.0.0.7", "advertise_host": "fd00::7", "node_name": "ray-0a1b@10.0.0.7", "port": 0,
            "kv_port": 9100, "transfer": "tcp", "kv_transfer_dtype": "int8", "kv_lease_timeout": 5.0,
            "max_queued": 4, "record_steps": "/tmp/steps.jsonl", "router": "http://127.0.0.1:8000",
-           "drain_timeout": 2.5, "fault_injection": True}
+           "drain_timeout": 2.5, "fault_injection": True, "durable_kv": "pdserve-kv-123-0123456789abcdef"}
 
 
 def parsed(argv: list[str]) -> WorkerConfig:
@@ -57,7 +57,8 @@ def test_serve_starts_a_worker_with_its_settings_in_flags():
 
 @pytest.mark.parametrize("field, value", [("host", "evil.example/path"), ("advertise_host", "user@host"),
                                           ("node_name", "a b"), ("port", 70000), ("transfer", " , "),
-                                          ("kv_lease_timeout", 0.0), ("max_queued", -1)])
+                                          ("kv_lease_timeout", 0.0), ("max_queued", -1),
+                                          ("durable_kv", "../../etc/passwd"), ("durable_kv", "pdserve-kv-1-0123456789abcdef\n")])
 def test_a_value_no_worker_could_use_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         WorkerConfig(**{field: value})
