@@ -53,6 +53,7 @@ Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
 NODE_NAME = r"^[A-Za-z0-9_.:@\-]{0,128}\Z"  # a host name, a Ray node id
+SHM_DIR = "/dev/shm"  # where shared KV pools live
 SHM_POOL_NAME = r"^pdserve-kv-\d+-[0-9a-f]{16}\Z"  # a shared KV pool file under /dev/shm: its owner's pid, 64 random bits
 NodeName = Annotated[str, Meta(max_length=128, pattern=NODE_NAME)]
 KVTransferDtype = Literal["auto", "int8", "fp8"]  # how KV crosses: as computed, or quantized

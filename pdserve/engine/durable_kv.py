@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.wire import SHM_DIR
 
 log = logging.getLogger("pdserve.engine")
 
@@ -49,6 +51,18 @@ def journal_path(pool_path: str) -> str:
     """The journal beside its pool: /dev/shm/pdserve-kv-P-H -> /dev/shm/pdserve-kvj-P-H."""
     head, name = os.path.split(pool_path)
     return os.path.join(head, name.replace("pdserve-kv-", "pdserve-kvj-", 1))
+
+
+def durable_pool(name: str | None, config: EngineConfig) -> DurableKV | None:
+    """The durable pool a worker's `--durable-kv` names, under /dev/shm (CPU only: device memory
+    does not outlive its process)."""
+    if name is None:
+        return None
+    if config.device != "cpu":
+        log.warning("--durable-kv keeps a CPU pool; on %s a restarted worker recomputes its requests (the host "
+                    "tier keeps what was evicted)", config.device)
+        return None
+    return DurableKV(os.path.join(SHM_DIR, name), f"{config.model}|{config.block_size}")
 
 
 def block_crc(kv: torch.Tensor, block_id: int, block_size: int, positions: int) -> int:

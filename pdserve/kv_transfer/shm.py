@@ -17,11 +17,10 @@ import secrets
 import torch
 
 from pdserve.kv_transfer.base import KVLayout, TransferError
-from pdserve.wire import SHM_POOL_NAME
+from pdserve.wire import SHM_DIR, SHM_POOL_NAME
 from pdserve.kv_transfer.quant import gather_slots
 from pdserve.kv_transfer.in_place import InPlaceSender
 
-SHM_DIR = "/dev/shm"
 POOL_NAME = re.compile(SHM_POOL_NAME)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,14 +29,14 @@ import msgspec
 
 from pdserve import wire
 from pdserve.config import ROLES, EngineConfig
-from pdserve.engine.durable_kv import DurableKV
+from pdserve.engine.durable_kv import durable_pool
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
-from pdserve.kv_transfer.shm import SHM_DIR, SharedKVPool, shm_available
+from pdserve.kv_transfer.shm import SharedKVPool, shm_available
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
@@ -108,7 +107,7 @@ class Worker:
         self.decode = DecodeRole(settings.kv_lease_timeout, token, settings.kv_transfer_dtype)
         self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
         self._pool: SharedKVPool | None = None
-        self.durable = durable_pool(settings, config)  # a pool that outlives this process
+        self.durable = durable_pool(settings.durable_kv, config)  # a pool that outlives this process
 
         def shared_pool(shape, dtype):
             self._pool = SharedKVPool(shape, dtype)
@@ -387,17 +386,6 @@ class Worker:
         if self.durable is not None:
             out.update(self.durable.stats(), durable_kv=self.durable.identity)
         return wire.WorkerStats(**out)
-
-
-def durable_pool(settings: WorkerConfig, config: EngineConfig) -> DurableKV | None:
-    """The durable pool `--durable-kv` names (CPU only: device memory does not outlive its process)."""
-    if settings.durable_kv is None:
-        return None
-    if config.device != "cpu":
-        log.warning("--durable-kv keeps a CPU pool; on %s a restarted worker recomputes its requests (the host "
-                    "tier keeps what was evicted)", config.device)
-        return None
-    return DurableKV(os.path.join(SHM_DIR, settings.durable_kv), f"{config.model}|{config.block_size}")
 
 
 def _built_on_own_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
