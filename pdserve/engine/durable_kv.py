@@ -77,7 +77,6 @@ class Held:
     """A journaled request whose KV checked out: its blocks held until it comes back or `deadline`."""
 
     tokens: list[int]
-    prompt_len: int
     deadline: float
 
 
@@ -93,6 +92,7 @@ class DurableKV:
         self.kv: torch.Tensor | None = None
         self.blocks: BlockManager | None = None  # the engine's, from `recover` on
         self.held: dict[str, Held] = {}
+        self._pending: list = []  # the journal's records found at `allocate`, checked by `recover`
         self._records: dict[str, dict] = {}  # journaled: request id -> record (held ones too)
         self._full_crcs: dict[str, list[int]] = {}  # a running request's full blocks' checksums
         self._written: dict[str, int] = {}  # request id -> tokens journaled, as last written
@@ -151,7 +151,7 @@ class DurableKV:
                 continue
             rid = record["id"]
             blocks.hold(HOLDER_PREFIX + rid, record["blocks"])
-            self.held[rid] = Held(record["tokens"], record["prompt_len"], deadline)
+            self.held[rid] = Held(record["tokens"], deadline)
             self._records[rid] = record
         self._pending = []
         if self.held or self.rejected_records:
@@ -168,7 +168,7 @@ class DurableKV:
             rid, tokens, table, crcs = record["id"], record["tokens"], record["blocks"], record["crcs"]
             bs = blocks.block_size
             if (not isinstance(rid, str) or rid in self.held or not tokens or len(table) != blocks.blocks_needed(len(tokens))
-                    or len(crcs) != len(table) or not 0 < record["prompt_len"]
+                    or len(crcs) != len(table)
                     or not all(type(b) is int and 0 <= b < blocks.num_blocks for b in table)):
                 raise ValueError("the record is malformed")
             for i, (block_id, expected) in enumerate(zip(table, crcs)):
@@ -216,8 +216,7 @@ class DurableKV:
         while len(full) < n // bs:
             full.append(block_crc(kv, table[len(full)], bs, bs))
         crcs = full + ([block_crc(kv, table[-1], bs, n % bs)] if n % bs else [])
-        return {"id": req.request_id, "tokens": req.token_ids(0, n), "prompt_len": req.num_prompt_tokens,
-                "blocks": table, "crcs": crcs}
+        return {"id": req.request_id, "tokens": req.token_ids(0, n), "blocks": table, "crcs": crcs}
 
     def _write(self) -> None:
         records = []
