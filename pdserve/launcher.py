@@ -38,6 +38,7 @@ from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.worker.config import WorkerConfig
 
 STOP_GRACE_S = 15.0
+CHECK_EVERY_S = 0.1  # how often the children are looked at: exits, restarts due, ready lines
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +164,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
               flush=True)
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
-        while not stopping.wait(0.5):
+        while not stopping.wait(CHECK_EVERY_S):
             sup.check()
     except RuntimeError as e:
         say(str(e))

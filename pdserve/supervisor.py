@@ -32,7 +32,7 @@ from typing import Callable
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    first_backoff_s: float = 0.5
+    first_backoff_s: float = 0.2  # a first crash: back soon (a durable KV pool's streams wait for it)
     max_backoff_s: float = 30.0
     window_s: float = 120.0  # exits within this long of each other count together
     crash_loop_exits: int = 5  # this many exits in the window: a crash loop, reported

@@ -12,7 +12,7 @@ Each round: `--streams` streaming completions (`openai` client, `ignore_eos`) of
 random token ids; once each has `--kill-after` chunks, SIGKILL a decode worker. Per stream: the
 longest gap between chunks from the kill on (`interrupted`: over 5x its median gap before), and
 whether it completed. Per round: SIGKILL -> the `ready_again` event (told when `pdserve serve` next
-looks, every 0.5 s) and -> the router's log line registering the restarted worker; from each to an
+looks, every 0.1 s) and -> the router's log line registering the restarted worker; from each to an
 interrupted stream's first chunk after its gap (durable: the resume itself); the router's
 `pdserve_migrations_total` by reason. A markdown table per setting (streams pooled over rounds);
 the JSON under `--out` holds every round and stream, a PNG plots the gaps, the clusters' logs beside.

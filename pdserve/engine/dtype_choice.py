@@ -29,22 +29,17 @@ weights at most a quarter of it) are not measured: for them, and on CUDA, `auto`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from pdserve.cache import cache_path
 from pdserve.config import EngineConfig, resolve_dtype
+from pdserve.layers.measured import MeasuredChoices, machine_key
 from pdserve.models.arch_config import ArchConfig
 from pdserve.sampling_params import SamplingParams
 
@@ -53,7 +48,6 @@ log = logging.getLogger("pdserve.engine")
 CANDIDATES = ("float32", "bfloat16")
 BFLOAT16_MARGIN = 0.10  # bfloat16 rounds activations: it must buy at least this much speed
 MAX_MEASURED_PARAMETERS = 2_000_000_000  # beyond this the workload alone takes most of a minute
-MAX_CACHED_CHOICES = 64  # the cache file keeps the newest this many
 ROUNDS = 3  # of the workload per candidate; the first is not timed
 
 # The workload, in tokens: about ten seconds on two cores for the default model, once a machine
@@ -64,8 +58,11 @@ BATCH, BATCH_STEPS = 8, 8  # streams of a decode batch, and its timed steps
 BATCH_PROMPT_TOKENS = 192  # of each stream of the batch: its context
 
 
+CHOICES = MeasuredChoices("dtype-choices.json", "dtype auto")
+
+
 def cache_file() -> Path:
-    return cache_path("dtype-choices.json")
+    return CHOICES.path
 
 
 def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,
@@ -80,8 +77,8 @@ def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,
         log.info("dtype auto: %s (from the instruction sets alone: %s)", _name(prior), reason)
         return prior
     key = choice_key(config.model, config.quantization)
-    with _locked():
-        entry = _read().get(key)
+    with CHOICES.locked():
+        entry = CHOICES.read().get(key)
         if not _valid(entry):
             log.info("dtype auto: timing %s for this model on this CPU (once; cached in %s)",
                      " and ".join(CANDIDATES), cache_file())
@@ -98,7 +95,7 @@ def choose_dtype(config: EngineConfig, device: torch.device, arch: ArchConfig,
                      "model": str(config.model),
                      "quantization": config.quantization, "threads": torch.get_num_threads(),
                      "cpu": _describe_cpu(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-            _write(key, entry)
+            CHOICES.write(key, entry)
     log.info("dtype auto: %s (measured on this CPU: %s)", entry["dtype"], _summary(entry))
     return getattr(torch, entry["dtype"])
 
@@ -124,25 +121,16 @@ def measure(config: EngineConfig, make_engine: Callable[[EngineConfig], object])
 
 
 def choice_key(model: str, quantization: str | None) -> str:
-    """What a measurement depends on: the CPU and the kernels it is let run (the overrides of
-    torch, oneDNN and pdserve), the model's files, the quantization, the code."""
-    import pdserve
-
-    from pdserve.layers.cpu import aten_capability, cpu_flags, cpu_model_name
-    from pdserve.layers.kernels.native import ISA_ENV
-
-    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
-    overrides = [os.environ.get(name) for name in (ISA_ENV, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")]
+    """What a measurement depends on: the machine (`machine_key`), the model's files, the
+    quantization, the workload."""
     workload = [PREFILL_TOKENS, DECODE_STEPS, PROMPT_TOKENS, BATCH, BATCH_STEPS, BATCH_PROMPT_TOKENS]
-    blob = json.dumps([cpu_model_name(), isa, aten_capability(), overrides, torch.__version__, pdserve.__version__,
-                       _model_identity(model), quantization, workload])
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+    return machine_key(_model_identity(model), quantization, workload)
 
 
 def recorded_choice(model: str, quantization: str | None = "auto") -> str | None:
     """The dtype `auto` measured for `model` on this machine, if an engine has measured it."""
     try:
-        entry = _read().get(choice_key(model, quantization))
+        entry = CHOICES.read().get(choice_key(model, quantization))
     except OSError:
         return None
     return entry["dtype"] if _valid(entry) else None
@@ -231,44 +219,6 @@ def _model_identity(model: str) -> list:
         st = f.stat()
         stats.append([f.name, st.st_size, st.st_mtime_ns])
     return [str(path), stats]
-
-
-@contextlib.contextmanager
-def _locked() -> Iterator[None]:
-    path = cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _read() -> dict[str, dict]:
-    path = cache_file()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        log.warning("dtype auto: ignoring the unreadable cache %s (%s); measuring again", path, e)
-        return {}
-    return data if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()) else {}
-
-
-def _write(key: str, entry: dict) -> None:
-    path = cache_file()
-    choices = _read()
-    choices.pop(key, None)
-    choices[key] = entry  # newest last
-    kept = dict(list(choices.items())[-MAX_CACHED_CHOICES:])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(kept, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home: the choice holds for this process, measured again next time
-        log.warning("dtype auto: could not cache the choice in %s (%s)", path, e)
 
 
 def _summary(entry: dict) -> str:

@@ -9,7 +9,8 @@ Lifecycle of a durable pool (`pdserve serve --durable-kv` names one a decode wor
 2. `recover`: each journaled request is checked: its record's CRC, and the CRC-32 of every block
    over the positions it claimed. What passes is held (`BlockManager.hold`) for its request to
    come back for, until `claim_window_s` passes; what fails is dropped and counted, and its
-   request computes its KV again when it comes: inconsistent KV is never served.
+   request computes its KV again when it comes: inconsistent KV is never served. A worker that holds
+   requests to resume skips its warm-up (their streams would wait seconds for it).
 3. `tick` (the engine thread, between steps): the running requests' block tables, tokens and
    checksums are written at once when a request starts running, else at most every `interval_s`
    while any runs; atomically (a whole file renamed into place), so a crash leaves the previous
@@ -155,8 +156,9 @@ class DurableKV:
             self._records[rid] = record
         self._pending = []
         if self.held or self.rejected_records:
-            log.info("durable KV: generation %d holds %d requests' KV for them to resume (%d rejected)",
-                     self.generation, len(self.held), self.rejected_records)
+            log.info("durable KV: generation %d holds %d requests' KV for them to resume (%d rejected)%s",
+                     self.generation, len(self.held), self.rejected_records,
+                     "; a worker serves them before any warm-up" if self.held else "")
         self._write()  # this generation's journal, before anything runs
 
     def _checked(self, entry: object, blocks: BlockManager) -> dict | None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.kernels.native import NativeKernels
+from pdserve.layers.measured import MeasuredChoices, machine_key
 from pdserve.layers.packed import pack_weight, packed_linear
 from pdserve.layers.timing import best_seconds
 
@@ -36,6 +37,7 @@ BITS = (4, 8)
 _CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
 _TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
 _PANEL_CALIBRATION_ROWS = (1, 2, 4, 8, 16)  # and panels (at one row too: no expansion to pay for)
+THRESHOLDS = MeasuredChoices("quantized-thresholds.json", "quantized weights")
 
 
 @dataclass(slots=True)
@@ -271,3 +273,26 @@ def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int |
             return tile_rows, panel_rows, rows
     log.info("quantized weights: no product measured runs faster dense (up to %d rows)", _CALIBRATION_ROWS[-1])
     return tile_rows, panel_rows, None
+
+
+def calibrated(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None, int | None]:
+    """`calibrate`'s answer for these weights, measured once per machine and kept (`THRESHOLDS`)
+    under what it depends on: the machine, the weights' bits, shape and count, the dtype, the
+    threads, whether panels and expanded copies are held. A restarted worker loads without the
+    second or so of timing."""
+    first = weights[0]
+    key = machine_key("calibrate", first.bits, list(first.qs.shape), len(weights), str(dtype),
+                      torch.get_num_threads(), all(w.panels is not None for w in weights), first.dense.keep,
+                      [_CALIBRATION_ROWS, _TILE_CALIBRATION_ROWS, _PANEL_CALIBRATION_ROWS])
+    with THRESHOLDS.locked():
+        entry = THRESHOLDS.read().get(key)
+        thresholds = entry.get("rows") if isinstance(entry, dict) else None
+        if not (isinstance(thresholds, list) and len(thresholds) == 3
+                and all(t is None or (isinstance(t, int) and t > 0) for t in thresholds)):
+            thresholds = list(calibrate(weights, dtype))
+            THRESHOLDS.write(key, {"rows": thresholds, "weights": len(weights), "shape": list(first.qs.shape),
+                                   "dtype": str(dtype), "threads": torch.get_num_threads()})
+        else:
+            log.info("quantized weights: thresholds (tiles, panels, dense) %s rows, as measured before on "
+                     "this CPU (%s)", thresholds, THRESHOLDS.path)
+    return tuple(thresholds)

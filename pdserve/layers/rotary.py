@@ -36,6 +36,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # a model's skeleton: its loader builds the tables for
+            # real, and computing them on meta would import torch's compiler (a second at every start)
+            shape = (max_positions, head_dim)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]

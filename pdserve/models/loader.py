@@ -11,7 +11,7 @@ from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint, load_hf_dir
 from pdserve.layers.linear import pack_weight
 from pdserve.layers.kernels.native import load as load_kernels
-from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrate, dense_memory_budget, quantize
+from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrated, dense_memory_budget, quantize
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
 
@@ -122,7 +122,7 @@ def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
         w.dense = dense
     layers = [w for name, w in quantized if name != "lm_head"] or [w for _, w in quantized]
     largest = max(layers, key=lambda w: w.qs.numel())
-    dense.tile_rows, dense.panel_rows, dense.min_rows = calibrate(
+    dense.tile_rows, dense.panel_rows, dense.min_rows = calibrated(
         [w for w in layers if w.qs.shape == largest.qs.shape], dtype)
 
 

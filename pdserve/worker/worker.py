@@ -121,7 +121,8 @@ class Worker:
             if self.durable is not None:  # before warm-up, which takes blocks: what it kept is held first
                 self.durable.recover(engine.block_manager)
                 engine.scheduler.durable = self.durable
-            log.info("engine warmed up in %.2f s", engine.warm_up())
+            if self.durable is None or not self.durable.held:  # held KV's streams wait: they come first
+                log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
         self.engine = _built_on_own_thread(build)
