@@ -167,5 +167,7 @@ def _bounded(kind: type, low: float, high: float, unit: str, low_open: bool = Tr
 seconds = _bounded(float, 0.0, 86400.0, " seconds")
 milliseconds = _bounded(float, 0.0, 86_400_000.0, " milliseconds")
 fraction = _bounded(float, 0.0, 1.0, "")
+weight = _bounded(float, 0.0, 1.0, "", low_open=False)
+per_second = _bounded(float, 0.0, 1e6, " per second", low_open=False)
 count = _bounded(int, 1, 1 << 20, "", low_open=False)
 port_number = _bounded(int, 0, 65535, "", low_open=False)

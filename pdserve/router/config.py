@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.flags import check_flags, count, flag, fraction, milliseconds, seconds
+from pdserve.flags import check_flags, count, flag, fraction, milliseconds, per_second, seconds, weight
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, HotSpotRelief
 from pdserve.router.rebalance import RebalancePolicy
 from pdserve.router.tool_calls import PARSER_CHOICES
@@ -41,6 +41,12 @@ class RouterConfig:
                                    name="--no-hot-spot-migration")
     hot_kv_usage: float = flag(0.85, "KV use past which a decode worker gets no new work and running requests "
                                      "move off it", parse=fraction)
+    prefix_affinity: float = flag(0.3, "score a decode worker gains for holding the whole prompt in its prefix cache "
+                                       "(in proportion to the share it holds; the load terms sum to 1; 0: routing "
+                                       "by load alone)", parse=weight)
+    hot_prefix_rate: float = flag(2.0, "requests per second of one shared prompt prefix that each decode worker "
+                                       "holding it serves: past it the prefix is copied to more decode workers, "
+                                       "as it cools the copies go (0: no copies)", parse=per_second)
     controller: bool = flag(False, "the P:D controller: move workers between the prefill and decode pools as their "
                                    "pressure against the TTFT and TPOT targets says (off by default)",
                             name="--rebalance")
@@ -64,6 +70,7 @@ class RouterConfig:
     keepalive_s: float = 5.0  # SSE comment after this long without a token
     worker_silence_s: float = 60.0  # a worker stream with no line (workers send keep-alives) for this long is lost
     client_stall_s: float = 30.0  # a client that reads nothing for this long, with output waiting, is dropped
+    hot_prefix_window_s: float = 10.0  # a prefix's request rate is counted over about this long (decaying)
 
     # -- derived from the flags --------------------------------------------------------------------
     decode_weights: DecodeWeights = field(init=False)
@@ -71,7 +78,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_flags(self)
-        self.decode_weights = DecodeWeights(hot_kv_usage=self.hot_kv_usage)
+        self.decode_weights = DecodeWeights(hot_kv_usage=self.hot_kv_usage, prefix=self.prefix_affinity)
         self.rebalance = RebalancePolicy(self.ttft_slo_s, self.tpot_slo_s, self.hot_kv_usage,
                                          confirm_s=self.rebalance_confirm_s,
                                          dwell_s=self.rebalance_dwell_s) if self.controller else None

@@ -52,6 +52,11 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_migrations", "running requests moved to another decode worker, by "
                                   "reason: hot_spot (KV use), failure (the worker was lost) or resumed (its restarted self took it back "
                                   "with its KV)", ["reason"], registry=r)
+        self.prefix_copies = Counter("pdserve_hot_prefix_copies", "hot prefixes' KV copied to another decode worker, "
+                                     "by outcome: copied, failed, or dropped (cooled: routing no longer counts it)",
+                                     ["outcome"], registry=r)
+        self.prefix_copies_held = Gauge("pdserve_hot_prefix_copies_held", "copies of hot prefixes routing counts now",
+                                        registry=r)
         self.sla_met = Counter("pdserve_sla_met_requests", "finished requests meeting both the TTFT and TPOT targets",
                                registry=r)
         self.queue = Gauge("pdserve_queue_requests", "requests the router holds", registry=r)

@@ -4,7 +4,8 @@ Pure functions over the workers' last heartbeat, so that they are tested without
 planner's simulator can run the very same code; router/routing.py composes them into one decision.
 
 - Decode choice: a weighted score of free sessions, short queue, free KV memory and fast steps
-  (the seeds' formula, with step latency added); workers above the hot-spot threshold of KV use
+  (the seeds' formula, with step latency added), plus the share of the prompt the worker's prefix
+  cache holds (its prefill saved, or its transfer); workers above the hot-spot threshold of KV use
   get no new work while a cooler one exists.
 - Prefill choice: the least work to do, counting the worker's queued prompt tokens plus the
   prompt tokens it does not already hold in its prefix cache (a router-side index of block hashes).
@@ -61,6 +62,7 @@ class DecodeWeights:
     queue_cap: int = 100
     latency_cap_ms: float = 250.0
     hot_kv_usage: float = 0.85  # above this a worker gets no new work while another is cooler
+    prefix: float = 0.3  # added times the share of the prompt a worker's prefix cache holds
 
 
 def decode_score(load: WorkerLoad, w: DecodeWeights = DecodeWeights()) -> float:
@@ -74,14 +76,16 @@ def decode_score(load: WorkerLoad, w: DecodeWeights = DecodeWeights()) -> float:
 
 
 def choose_decode(loads: dict[str, WorkerLoad], w: DecodeWeights = DecodeWeights(),
-                  exclude: frozenset[str] = frozenset()) -> str | None:
-    """The decode worker to use (by id), or None when there is none."""
+                  exclude: frozenset[str] = frozenset(), cached_share: dict[str, float] | None = None) -> str | None:
+    """The decode worker to use (by id), or None when there is none. `cached_share`: the share of the
+    prompt each worker's prefix cache holds (absent: none), worth `w.prefix` of score at most."""
+    shares = cached_share or {}
     candidates = {k: v for k, v in loads.items() if k not in exclude}
     cool = {k: v for k, v in candidates.items() if v.kv_usage <= w.hot_kv_usage}
     pool = cool or candidates
     if not pool:
         return None
-    return max(sorted(pool), key=lambda k: decode_score(pool[k], w))
+    return max(sorted(pool), key=lambda k: decode_score(pool[k], w) + w.prefix * shares.get(k, 0.0))
 
 
 class PrefixIndex:
@@ -118,6 +122,11 @@ class PrefixIndex:
     def forget(self, worker: str) -> None:
         for workers in self._seen.values():
             workers.pop(worker, None)
+
+    def forget_blocks(self, worker: str, block_size: int, hashes: list[int]) -> None:
+        seen = self._seen.get(block_size, {}).get(worker)
+        for h in hashes if seen is not None else ():
+            seen.pop(h, None)
 
 
 def choose_prefill(loads: dict[str, WorkerLoad], cached_tokens: dict[str, int], prompt_len: int,

@@ -1,6 +1,7 @@
 """The router's background rounds, every second or so: workers whose lease lapsed leave, hot-spot
-relief moves running requests off overloaded (or draining) decode workers, and the P:D controller
-moves a worker between the pools when its rule says so. A round that fails is logged; the next
+relief moves running requests off overloaded (or draining) decode workers, the P:D controller
+moves a worker between the pools when its rule says so, and hot prefixes are copied to more decode
+workers, or their copies let go (`replicas.py`). A round that fails is logged; the next
 one runs all the same."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Rounds:
         while True:
             await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
             router.drop_expired_workers()
-            for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance)):
+            for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance),
+                                 ("hot-prefix replicas", self.copy_hot_prefixes)):
                 try:
                     await round_()
                 except Exception:  # a round that fails must not end the reaper
@@ -69,6 +71,10 @@ class Rounds:
                                    headers=router.worker_headers, timeout=10.0)
         except httpx.HTTPError as e:
             log.warning("rebalance: %s did not take its new role: %s", worker.worker_id, e)
+
+    async def copy_hot_prefixes(self) -> None:
+        if self.router.replicas is not None:
+            await self.router.replicas.round()
 
     async def relieve_hot_spots(self) -> None:
         """Move requests off decode workers whose KV use is past the hot threshold, at most one per

@@ -15,8 +15,10 @@ from pdserve.http_errors import APIError
 from pdserve.router import routing
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.hot_prefixes import HotPrefixes
 from pdserve.router.policy import Admission, PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
+from pdserve.router.replicas import PrefixReplicas
 from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
 from pdserve.router.tool_calls import ToolCalls, choose
 from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
@@ -39,6 +41,8 @@ class Router:
                  config.tool_call_parser)
         self.registry = Registry(model_hash, config.worker_token, config.lease_s)
         self.index = PrefixIndex()
+        self.replicas = (PrefixReplicas(self, HotPrefixes(config.hot_prefix_rate, config.hot_prefix_window_s))
+                         if config.hot_prefix_rate > 0 else None)  # hot prefixes copied to more decode workers
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.http: httpx.AsyncClient | None = None
@@ -75,6 +79,8 @@ class Router:
         self.registry.note_routed(d.worker_id, 0 if p else decision.decode_uncached, remote=p is not None)
         for r in decision.records:
             self.index.record(r.worker_id, r.block_size, r.hashes)
+            if r.worker_id == d.worker_id and self.replicas is not None:
+                self.replicas.observe(prompt_ids, r.block_size, r.hashes)
         d.in_flight += sequences
         return d, p
 

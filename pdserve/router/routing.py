@@ -9,7 +9,8 @@ The decision, in order:
 1. Decode candidates are the decode and colocated workers not excluded; with none of those alive,
    prefill workers serve colocated (and no worker prefills for another). None at all: `NoWorker`.
 2. Of those, the ones with room; none: `NoRoom` (the request waits for room).
-3. The decode worker with the best score (policy.choose_decode).
+3. The decode worker with the best score (policy.choose_decode), its prefix cache's share of the
+   prompt counted.
 4. The prompt goes to a prefill worker when its part uncached on the decode worker is worth it and
    the prefill pool is not saturated (policy.prefill_remotely): the one with the least prompt work
    ahead, counting what its prefix cache holds (policy.choose_prefill).
@@ -79,8 +80,6 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
     roomy = {k: w.load for k, w in decodes.items() if w.has_room}
     if not roomy:
         raise NoRoom()
-    d = decodes[choose_decode(roomy, weights)]
-
     hashed: dict[int, list[int]] = {}  # block size -> the prompt's hashes: once per size
 
     def hashes(w: Candidate) -> list[int]:
@@ -91,6 +90,8 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
     def cached(w: Candidate) -> int:
         return index.cached_tokens(w.worker_id, w.block_size, hashes(w)) if index is not None else 0
 
+    shares = {k: cached(decodes[k]) / len(prompt_ids) for k in roomy} if index is not None and prompt_ids else {}
+    d = decodes[choose_decode(roomy, weights, cached_share=shares)]
     chosen = [d]
     decode_uncached, prefill_uncached, prefill_id = len(prompt_ids) - cached(d), 0, None
     loads = {k: w.load for k, w in prefills.items()}

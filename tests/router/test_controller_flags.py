@@ -36,10 +36,20 @@ def test_a_time_that_is_not_positive_is_an_argparse_error(command, flag, value, 
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--prefix-affinity", "1.5"), ("--prefix-affinity", "-0.1"),
+                                         ("--prefix-affinity", "nan"), ("--hot-prefix-rate", "-1"),
+                                         ("--hot-prefix-rate", "inf"), ("--hot-prefix-rate", "nan"),
+                                         ("--hot-prefix-rate", "often")])
+def test_hot_prefix_flags_out_of_bounds_are_argparse_errors(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["router", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 # A value other than the default for each router flag, as the config holds it.
 CHANGED = {"max_tokens_default": 64, "lease_s": 2.5, "max_queued_requests": 8, "queue_timeout_s": 12.0,
            "migrate_on_failure": True, "resume_wait_s": 4.5, "migrate_hot_spots": False, "hot_kv_usage": 0.5,
-           "controller": True,
+           "prefix_affinity": 0.0, "hot_prefix_rate": 0.5, "controller": True,
            "rebalance_confirm_s": 2.5, "rebalance_dwell_s": 7.0, "slo_ttft_ms": 4000.0, "slo_tpot_ms": 80.0,
            "tool_call_parser": "mistral"}
 
