@@ -4,6 +4,7 @@
 - `pdserve bench shift`    a workload whose shape shifts: static splits against the P:D controller
 - `pdserve bench chaos`    faults injected into a running cluster, and its recovery
 - `pdserve bench soak`     hours of valid and hostile traffic, audited for leaks
+- `pdserve bench prefix`   a burst on one hot prefix: routing by load, by prefix, with copies
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.chaos.run import main as run
     elif name == "soak":
         from pdserve.bench.soak.run import main as run
+    elif name == "prefix":
+        from pdserve.bench.hot_prefix import main as run
     else:
         from pdserve.bench.serving import main as run
         rest = argv
