@@ -95,6 +95,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.local_kv_store and (args.kv_store or args.ray):
+        raise SystemExit("pdserve serve: --local-kv-store starts a store for this host's workers; not with "
+                         "--kv-store (a store already running) or --ray (give the workers --kv-store URL)")
     if args.ray:
         from pdserve.on_ray.driver import run_serve_on_ray
 

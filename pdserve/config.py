@@ -82,6 +82,10 @@ class EngineConfig:
                              "(checked when read back; kept across restarts of a worker with the same model and "
                              "layout); without --host-kv-memory, a host tier of 64 blocks stages them")
     disk_kv_memory: int | str = flag("8GiB", "the disk KV tier's bound, e.g. 20GiB")
+    kv_store: str = flag("", "a KV tier workers share: evicted prefix blocks also go to this Valkey/Redis server "
+                         "(unix:///path/to.sock or valkey://host:port; password from $PDSERVE_KV_STORE_PASSWORD) and "
+                         "are read back where nothing above holds them (`pip install pdserve[store]`); "
+                         "`pdserve serve --local-kv-store SIZE` starts one")
     block_size: int = flag(16)  # tokens per KV block
     # token budget of one step (prefill chunks + decodes); vLLM's server default. Prompts up to this
     # long are computed whole (a chunk after cached tokens attends through a mask, slower), and a
@@ -131,6 +135,10 @@ class EngineConfig:
         if self.host_kv_memory < 0:
             raise ValueError("host_kv_memory must not be negative")
         self.disk_kv_memory = parse_size(self.disk_kv_memory)
+        if self.kv_store:
+            from pdserve.store_server import parse_store_url
+
+            parse_store_url(self.kv_store)
         if self.host_kv_encoding not in ("raw", "int8"):
             raise ValueError(f"host_kv_encoding must be raw or int8, got {self.host_kv_encoding!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -31,8 +31,10 @@ import httpx
 
 from pdserve import layout
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, read_secret
+from pdserve.config import parse_size
 from pdserve.flags import add_flags, config_argv, flag_argv
 from pdserve.layout import Layout
+from pdserve.store_server import LocalStore
 from pdserve.router.config import RouterConfig
 from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.worker.config import WorkerConfig
@@ -66,6 +68,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="each decode worker keeps its KV pool in a shared-memory file this command holds, with a "
                         "journal: a worker that crashes is restarted and resumes its running requests from their KV, "
                         "and the router resumes their streams (CPU)")
+    g.add_argument("--local-kv-store", type=parse_size, default=0, metavar="SIZE",
+                   help="start a Valkey server of this many bytes (e.g. 4GiB) on a private unix socket as a KV tier "
+                        "the workers share (--kv-store): the prefix blocks their pools evict, read back by any of "
+                        "them (`pip install pdserve[store]`)")
     g.add_argument("--fault-injection", action="store_true",
                    help="workers serve their fault-injection route (`pdserve worker --fault-injection`): a testing "
                         "aid for `pdserve bench chaos`; off by default")
@@ -137,7 +143,13 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     code = 0
     pools: list[str] = []  # durable KV pools this command holds for its decode workers
+    store = None  # the local KV store this command holds for its workers
     try:
+        if args.local_kv_store:
+            store = LocalStore(args.local_kv_store)
+            env.update(store.env)  # the password: in the workers' environment, never on a command line
+            engine_argv = [*engine_argv, "--kv-store", store.url]
+            say(f"KV store: Valkey at {store.url} ({args.local_kv_store >> 20} MiB)")
         t0 = time.perf_counter()
         say(f"layout: {chosen.describe()}")
         router = sup.start("router", router_argv(args, args.host, args.port))
@@ -173,6 +185,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
         say("stopping")
         sup.stop(STOP_GRACE_S)
         remove_durable_pools(pools)
+        if store is not None:
+            store.stop()
         print(json.dumps({"event": "stopped"}), flush=True)
     return code
 

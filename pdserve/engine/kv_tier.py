@@ -35,19 +35,24 @@ STAGING_BLOCKS = 64  # the host tier a disk tier gets where none was asked for: 
 
 
 def make_tiers(config, kv_cache: torch.Tensor, block_bytes: int, kv_name: str) -> HostKVTier | None:
-    """The tiers `config` asks for (`host_kv_memory`, `disk_kv_path`) under a pool of blocks of
-    `block_bytes`; `kv_name` names the model (and head) whose KV the disk's files hold."""
-    if not (config.host_kv_memory or config.disk_kv_path):
+    """The tiers `config` asks for (`host_kv_memory`, `disk_kv_path`, `kv_store`) under a pool of
+    blocks of `block_bytes`; `kv_name` names the model (and head) whose KV the disk's files and the
+    store's keys hold."""
+    if not (config.host_kv_memory or config.disk_kv_path or config.kv_store):
         return None
     tier = HostKVTier(config.host_kv_memory or STAGING_BLOCKS * block_bytes, kv_cache, config.block_size,
                       config.host_kv_encoding)
     log.info("host KV tier: %d blocks (%s)", tier.capacity, config.host_kv_encoding)
-    if config.disk_kv_path:  # files of this model's blocks only: their directory names the KV layout
-        block = kv_cache[:, : config.block_size]
-        layout = f"{kv_name}:{tuple(block.shape)}:{block.dtype}"
-        tier.spill = DiskKVTier(config.disk_kv_path, config.disk_kv_memory,
-                                hashlib.sha256(layout.encode()).hexdigest()[:24], block)
+    block = kv_cache[:, : config.block_size]  # a lower tier holds this model's blocks only: the key names the layout
+    layout_key = hashlib.sha256(f"{kv_name}:{tuple(block.shape)}:{block.dtype}".encode()).hexdigest()[:24]
+    if config.disk_kv_path:
+        tier.spill = DiskKVTier(config.disk_kv_path, config.disk_kv_memory, layout_key, block)
         log.info("disk KV tier: %s, %d blocks", tier.spill.dir, tier.spill.capacity)
+    if config.kv_store:
+        from pdserve.engine.kv_store import StoreKVTier
+
+        tier.store = StoreKVTier(config.kv_store, layout_key, block)
+        log.info("KV store tier: %s", config.kv_store)
     return tier
 
 
@@ -79,7 +84,8 @@ class HostKVTier:
         self.num_saved = 0
         self.num_loaded = 0
         self.spill: DiskKVTier | None = None  # where blocks it lets go are written (`--disk-kv-path`)
-        self.num_from_disk = 0  # of the slots the last `find` gave, those read back from disk
+        self.store = None  # a StoreKVTier: evicted blocks go there too; read where nothing above holds them
+        self.found_below: dict[str, int] = {}  # of the slots the last `find` gave, those from disk, the store
 
     def __len__(self) -> int:
         return len(self._index)
@@ -106,35 +112,49 @@ class HostKVTier:
         self._index[block_hash] = slot
         self._store(slot, self._pool_block(block_id))
         self.num_saved += 1
+        if self.store is not None:  # copied out now, sent by the store's writer thread
+            self.store.save(block_hash, self._pool_block(block_id))
 
     @torch.inference_mode()
     def find(self, hashes: list[int]) -> list[int]:
         """Slots holding the leading blocks of these hashes, up to the first it lacks; a block on
-        disk is read back into a slot on the way (on the engine thread: a disk read per block).
-        `num_from_disk` says how many were."""
+        disk, or in the store, is read back into a slot on the way (on the engine thread: a disk
+        read per block, one store round trip for the rest). `found_below` says how many were."""
         slots: list[int] = []
-        self.num_from_disk = 0
-        for block_hash in hashes:
+        self.found_below = {"disk": 0, "store": 0}
+        for i, block_hash in enumerate(hashes):
             slot = self._index.get(block_hash)
             if slot is None and self.spill is not None and block_hash in self.spill:
                 block = self.spill.load(block_hash)
                 if block is None:
                     break
-                slot = self._take_slot(self._pinned)
-                if slot is None:  # every slot here is spoken for: it goes to the pool from where it is
-                    slot = -1 - len(self._staged)
-                    self._staged[slot] = block
-                else:
-                    self._index[block_hash] = slot
-                    self._store(slot, block)
-                self.num_from_disk += 1
+                slot = self._keep(block_hash, block)
+                self.found_below["disk"] += 1
             if slot is None:
+                if self.store is not None:
+                    for later, block in zip(hashes[i:], self.store.load_run(hashes[i:])):
+                        slots.append(self._keep(later, block, pin=True))
+                        self.found_below["store"] += 1
                 break
             if slot >= 0:
                 self._index.move_to_end(block_hash)
                 self._pinned.add(slot)
             slots.append(slot)
         return slots
+
+    def _keep(self, block_hash: int, block: torch.Tensor, pin: bool = False) -> int:
+        """A block read from below: into a slot, or where every slot is spoken for, staged to go to
+        the pool from where it is (a negative id)."""
+        slot = self._take_slot(self._pinned)
+        if slot is None:
+            slot = -1 - len(self._staged)
+            self._staged[slot] = block
+            return slot
+        self._index[block_hash] = slot
+        self._store(slot, block)
+        if pin:
+            self._pinned.add(slot)
+        return slot
 
     def promote(self, slots: list[int], block_ids: list[int]) -> None:
         """Those slots' KV goes into these pool blocks before the next step."""

@@ -41,7 +41,7 @@ MAX_DRAFT_PAUSE = 64  # steps, at most, a request decodes without proposing afte
 
 # where the KV a request starts from came from: computed here, this worker's prefix cache, its
 # host or disk tier, another worker (a prefill worker's lease), or its pool kept through a restart
-TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "transferred", "resumed")
+TOKEN_SOURCES = ("computed", "prefix_cache", "host", "disk", "store", "transferred", "resumed")
 
 
 class Scheduler:
@@ -186,15 +186,15 @@ class Scheduler:
                 break
             if resumed:
                 num_cached = resumed
-                self._count_sources(0, 0, 0, resumed=resumed, computed=req.num_tokens - resumed)
+                self._count_sources(0, 0, {}, resumed=resumed, computed=req.num_tokens - resumed)
             else:
-                cached, slots, from_disk = self._prefix(req)
+                cached, slots, below = self._prefix(req)
                 num_cached = (len(cached) + len(slots)) * self.blocks.block_size
                 if not self.blocks.allocate(req, len(slots) * self.blocks.block_size
                                             + min(req.num_tokens - num_cached, budget), cached):
                     break
                 self.blocks.promote(req, len(cached), slots)
-                self._count_sources(len(cached), len(slots), from_disk, computed=req.num_tokens - num_cached)
+                self._count_sources(len(cached), len(slots), below, computed=req.num_tokens - num_cached)
             n = min(req.num_tokens - num_cached, budget)
             self.waiting.pop(i)
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -226,26 +226,27 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
-    def _prefix(self, req: Request) -> tuple[list[int], list[int], int]:
+    def _prefix(self, req: Request) -> tuple[list[int], list[int], dict[str, int]]:
         """The request's prefix blocks in the pool, the host tier's slots of those after them, and
-        how many of those the tier read back from disk."""
+        how many of those the tier read back from below it, by tier (disk, store)."""
         cached = self.blocks.find_cached_prefix(req)
         slots = self.blocks.find_in_tier(req, len(cached))
-        return cached, slots, self.blocks.tier.num_from_disk if slots else 0
+        return cached, slots, dict(self.blocks.tier.found_below) if slots else {}
 
-    def _count_sources(self, pool_blocks: int, tier_blocks: int, disk_blocks: int, **more: int) -> None:
-        """A request starts from its KV: its prefix hits' blocks, and `more` tokens (computed here,
-        or transferred)."""
+    def _count_sources(self, pool_blocks: int, tier_blocks: int, below: dict[str, int], **more: int) -> None:
+        """A request starts from its KV: its prefix hits' blocks (in the pool, the host tier, or
+        read from below it), and `more` tokens (computed here, or transferred)."""
         by_source, bs = self.tokens_by_source, self.blocks.block_size
         by_source["prefix_cache"] += pool_blocks * bs
-        by_source["host"] += (tier_blocks - disk_blocks) * bs
-        by_source["disk"] += disk_blocks * bs
+        by_source["host"] += (tier_blocks - sum(below.values())) * bs
+        for tier, blocks in below.items():
+            by_source[tier] += blocks * bs
         for source, n in more.items():
             by_source[source] += n
 
     def _reserve(self, req: Request) -> bool:
         assert req.status == RequestStatus.WAITING
-        cached, slots, from_disk = self._prefix(req)
+        cached, slots, below = self._prefix(req)
         bs = self.blocks.block_size
         num_cached = (len(cached) + len(slots)) * bs
         needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
@@ -256,7 +257,7 @@ class Scheduler:
         self.blocks.promote(req, len(cached), slots)
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
-        self._count_sources(len(cached), len(slots), from_disk)  # what it lacks comes at landing
+        self._count_sources(len(cached), len(slots), below)  # what it lacks comes at landing
         req.status = RequestStatus.WAITING_FOR_KV
         req.first_scheduled_time = self.clock()
         self.waiting_for_kv[req.request_id] = req

@@ -1,0 +1,103 @@
+"""The shared KV tier (`--kv-store`): a real Valkey server on a private unix socket (as `pdserve
+serve --local-kv-store` starts it). A conversation's second turn, on the engine whose pool evicted
+its blocks or on another engine sharing the store, computes only its new tokens and writes what a
+fresh engine writes; a block whose bytes changed in the store is found out, deleted and computed
+again; a store that goes away leaves the engine serving, computing what it would have read."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.prefix_hash import block_hashes
+from pdserve.store_server import PASSWORD_ENV, LocalStore, parse_store_url, server_binary
+from tests.engine.test_kv_tier import SMALL_POOL, second_turn, turn
+from tests.factories import assert_engine_idle, make_llm
+
+try:
+    server_binary()
+    import valkey  # noqa: F401
+    HAVE_STORE = True
+except (RuntimeError, ImportError):
+    HAVE_STORE = False
+
+needs_store = pytest.mark.skipif(not HAVE_STORE, reason="the store extra (a Valkey server) is not installed")
+PREFIX = 52  # turn 1 and its answer but the last token, in whole blocks of 4 (see test_kv_tier)
+
+
+@pytest.fixture()
+def store(monkeypatch):
+    server = LocalStore(64 << 20)
+    monkeypatch.setenv(PASSWORD_ENV, server.password)
+    yield server
+    server.stop()
+
+
+def sent(llm) -> None:
+    assert llm.engine.block_manager.tier.store.flush()
+
+
+@needs_store
+def test_a_returning_conversation_comes_back_from_the_store_on_another_engine(tiny_llama, store):
+    first = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)  # a host tier of 64 blocks stages
+    second, out, added = second_turn(first)
+    fresh = turn(make_llm(tiny_llama), second)
+    assert out == fresh and added["computed"] == len(second) - PREFIX  # from its own host tier
+    sent(first)
+    assert first.engine.block_manager.tier.store.num_written > 0
+    other = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)  # another worker: nothing of it here
+    before = dict(other.engine.scheduler.tokens_by_source)
+    assert turn(other, second) == fresh
+    added = {k: v - before[k] for k, v in other.engine.scheduler.tokens_by_source.items()}
+    assert added["store"] == PREFIX and added["computed"] == len(second) - PREFIX
+    assert other.engine.block_manager.tier.store.num_read == PREFIX // 4
+    assert_engine_idle(first)
+    assert_engine_idle(other)
+
+
+@needs_store
+def test_a_corrupted_block_in_the_store_is_computed_again(tiny_llama, store):
+    import valkey
+
+    first = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    second, _, _ = second_turn(first)
+    sent(first)
+    fresh = turn(make_llm(tiny_llama), second)
+    tier = first.engine.block_manager.tier.store
+    client = valkey.Valkey(**parse_store_url(store.url), password=store.password)
+    victim = tier.key(block_hashes(second, 4)[2])  # the conversation's third block
+    value = bytearray(client.get(victim))
+    value[-1] ^= 0xFF
+    client.set(victim, bytes(value))
+    other = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    assert turn(other, second) == fresh
+    reader = other.engine.block_manager.tier.store
+    assert reader.num_corrupt == 1 and client.get(victim) is None
+    assert other.engine.scheduler.tokens_by_source["store"] == 2 * 4  # the two blocks before it
+    assert_engine_idle(other)
+
+
+@needs_store
+def test_an_engine_whose_store_went_away_goes_on_without_it(tiny_llama, store):
+    llm = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    store.stop()
+    second, out, added = second_turn(llm)  # its own host tier still serves the second turn
+    assert out == turn(make_llm(tiny_llama), second)
+    other = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    before = dict(other.engine.scheduler.tokens_by_source)
+    assert turn(other, second) == out
+    assert other.engine.scheduler.tokens_by_source["computed"] - before["computed"] == len(second)
+    assert other.engine.block_manager.tier.store.num_errors >= 1
+    assert_engine_idle(other)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "unix://", "valkey://:6379", "valkey://h:99999",
+                                 "valkey://user:pw@h:6379", "valkey://h:6379/16", "unix:///s.sock?db=x"])
+def test_bad_store_urls_are_refused(tiny_llama, url):
+    with pytest.raises(ValueError, match="--kv-store"):
+        make_llm(tiny_llama, kv_store=url)
+
+
+def test_store_urls_parse():
+    assert parse_store_url("unix:///run/x/valkey.sock?db=2") == {"unix_socket_path": "/run/x/valkey.sock", "db": 2}
+    assert parse_store_url("valkey://10.0.0.5:6380/3") == {"host": "10.0.0.5", "port": 6380, "db": 3}
+    assert parse_store_url("redis://cache") == {"host": "cache", "port": 6379, "db": 0}
