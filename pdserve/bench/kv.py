@@ -3,8 +3,10 @@ in one run (one engine per setting, taking turns each round).
 
 - `returning`: a conversation's second turn after other prompts pushed its prefix out of the pool:
   its TTFT with no host tier, a raw one and an int8 one (`--host-kv-memory`), and a disk tier
-  under a small host one (`--disk-kv-path`, in a temporary directory), and where its KV came from
-  (tokens by source: a tier that works leaves only the new tokens computed).
+  under a small host one (`--disk-kv-path`, in a temporary directory), and a Valkey store under a
+  small host one (`--kv-store`, a server this command starts on a private socket, where the `store`
+  extra is installed), and where its KV came from (tokens by source: a tier that works leaves only
+  the new tokens computed).
 - `urgent`: short priority-0 prompts arriving while long priority-1 prompts compute in chunks:
   their TTFT with a running prompt pausing between chunks for them, and without.
 - `journal`: what a durable pool's journal (`--durable-kv`) costs: eight streams decoding 128
@@ -65,6 +67,20 @@ def returning(llm, ids: list[int], round_: int, prompt_len: int) -> dict:
     ttft = time.perf_counter() - start
     sources = {k: v - before[k] for k, v in engine.scheduler.tokens_by_source.items() if v != before[k]}
     return {"ms": ttft * 1e3, "sources": sources}
+
+
+def local_store():
+    """A Valkey server for the store setting (its password in this process's environment), or None
+    where the `store` extra is not installed."""
+    from pdserve.store_server import PASSWORD_ENV, LocalStore
+
+    try:
+        store = LocalStore(1 << 30)
+    except RuntimeError as e:
+        _say(f"no store setting: {e}")
+        return None
+    os.environ[PASSWORD_ENV] = store.password
+    return store
 
 
 def urgent(llm, ids: list[int], round_: int, prompt_len: int, pausing: bool) -> dict:
@@ -189,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                               "host int8": {"host_kv_memory": args.host_kv_memory, "host_kv_encoding": "int8"},
                               "disk": {"host_kv_memory": args.disk_host_memory, "disk_kv_path": disk.name}},
                 "urgent": {"no pausing": {}, "pausing": {}}, "journal": {"no journal": {}, "journal": {}}}
+    store = local_store() if "returning" in cases else None
+    if store is not None:
+        settings["returning"]["store"] = {"host_kv_memory": args.disk_host_memory, "kv_store": store.url}
     durable = None
     runs: dict[str, dict[str, list[dict]]] = {}
     for case in cases:
@@ -233,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                                "runs": runs}, indent=2))
     png = plot(results, out.with_suffix(".png"))
     disk.cleanup()
+    if store is not None:
+        store.stop()
     _say(f"wrote {out} and {png}")
     print(json.dumps(results, indent=2))
     return 0

@@ -11,9 +11,8 @@ verbs library even for TCP, takes a second to start, and binds some of its ports
    (`MAX_PENDING_BYTES`); past it a block is not sent (counted), so a slow store never stalls a step.
    A block sent lately is not sent again.
 2. A request whose prefix neither the pool nor the host tier (nor the disk) holds asks here for
-   the blocks after them: one pipelined `GET` of up to `MAX_READ_BLOCKS`, on the engine thread (a
-   block of the default model is 368 KB: 64 of them in about 15 ms, where computing them takes a
-   second). Every value carries the KV layout's key, its length and CRC-32: one that does not
+   the blocks after them: pipelined `GET`s of `MAX_READ_BLOCKS` a round trip, on the engine thread
+   (a block of the default model is 368 KB). Every value carries the KV layout's key, its length and CRC-32: one that does not
    check out is deleted and its block computed again, never served.
 3. The server bounds itself (`maxmemory`, least recently used out first). A store that fails
    (down, slow past `TIMEOUT_S`) is left alone for `BACKOFF_S`: the worker goes on without it and
@@ -119,27 +118,27 @@ class StoreKVTier:
 
     def load_run(self, hashes: list[int]) -> list[torch.Tensor]:
         """The KV of the leading blocks of `hashes` the store holds, up to the first it lacks (or
-        that does not check out), at most `MAX_READ_BLOCKS`."""
-        if not hashes or time.monotonic() < self._down_until:
-            return []
-        hashes = hashes[:MAX_READ_BLOCKS]
-        try:
-            values = self.client.mget([self.key(h) for h in hashes])
-        except self._errors as e:
-            self._failed("read", e)
-            return []
-        blocks = []
-        for block_hash, value in zip(hashes, values):
-            block = self._checked(block_hash, value) if value is not None else None
-            if block is None:
+        that does not check out): `MAX_READ_BLOCKS` a round trip."""
+        blocks: list[torch.Tensor] = []
+        while len(blocks) < len(hashes) and time.monotonic() >= self._down_until:
+            ask = hashes[len(blocks):len(blocks) + MAX_READ_BLOCKS]
+            try:
+                values = self.client.mget([self.key(h) for h in ask])
+            except self._errors as e:
+                self._failed("read", e)
                 break
-            blocks.append(block)
+            for block_hash, value in zip(ask, values):
+                block = self._checked(block_hash, value) if value is not None else None
+                if block is None:
+                    self.num_read += len(blocks)
+                    return blocks
+                blocks.append(block)
         self.num_read += len(blocks)
         return blocks
 
     def _checked(self, block_hash: int, value: bytes) -> torch.Tensor | None:
         head = len(self._header)
-        data = value[head + 8:]
+        data = memoryview(value)[head + 8:]
         if (value[:head] != self._header or int.from_bytes(value[head + 4:head + 8], "little") != len(data)
                 or len(data) != self.block_bytes or zlib.crc32(data) != int.from_bytes(value[head:head + 4], "little")):
             self.num_corrupt += 1
@@ -149,7 +148,7 @@ class StoreKVTier:
             except self._errors as e:
                 self._failed("delete", e)
             return None
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)  # one copy
 
     def _failed(self, what: str, e: Exception) -> None:
         self.num_errors += 1
