@@ -95,6 +95,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.standby and args.ray:
+        raise SystemExit("pdserve serve: --standby keeps spare worker processes under this command; not with --ray "
+                         "(Ray starts a failed actor again itself)")
     if args.local_kv_store and (args.kv_store or args.ray):
         raise SystemExit("pdserve serve: --local-kv-store starts a store for this host's workers; not with "
                          "--kv-store (a store already running) or --ray (give the workers --kv-store URL)")

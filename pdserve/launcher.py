@@ -68,6 +68,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="each decode worker keeps its KV pool in a shared-memory file this command holds, with a "
                         "journal: a worker that crashes is restarted and resumes its running requests from their KV, "
                         "and the router resumes their streams (CPU)")
+    g.add_argument("--standby", action="store_true",
+                   help="each decode (and colocated) worker has a spare process, its model loaded, that takes its "
+                        "place at once when it exits (with --durable-kv: its streams resume in well under a second; "
+                        "costs the model's memory again)")
     g.add_argument("--local-kv-store", type=parse_size, default=0, metavar="SIZE",
                    help="start a Valkey server of this many bytes (e.g. 4GiB) on a private unix socket as a KV tier "
                         "the workers share (--kv-store): the prefix blocks their pools evict, read back by any of "
@@ -162,7 +166,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
             pool = durable_pool_name() if args.durable_kv and role != "prefill" else None
             pools += [pool] if pool else []
             argv = worker_argv(args, engine_argv, role, i, url, args.host, _threads(args, shares[i]), pool)
-            workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None))
+            workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None,
+                                     standby=args.standby and role != "prefill"))
         for w in workers:
             info = w.child.wait_ready(args.ready_timeout)
             say(f"{w.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
@@ -216,7 +221,10 @@ def describe_event(event: dict) -> str:
     if kind == "exited":
         return f"{name} exited with code {event['code']}; starting it again in {event['restart_in_s']}s"
     if kind == "restarted":
-        return f"{name} started again (restart {event['restarts']}, pid {event['pid']})"
+        how = ": its standby took its place" if event.get("standby") else ""
+        return f"{name} started again (restart {event['restarts']}, pid {event['pid']}){how}"
+    if kind == "standby":
+        return f"{name} has a standby, loaded in {event['load_seconds']}s (pid {event['pid']})"
     if kind == "ready_again":
         loaded = f" (loaded in {event['load_seconds']}s)" if event.get("load_seconds") is not None else ""
         return f"{name} ready again at {event['url']}{loaded}"

@@ -7,6 +7,7 @@ the router's process loads neither."""
 from __future__ import annotations
 
 import json
+import weakref
 
 from pdserve.sampling_params import Structure
 from pdserve.tokenizer import Tokenizer
@@ -32,9 +33,12 @@ def grammar_of(structure: Structure) -> str:
     return LLMatcher.grammar_from_lark(structure.spec)
 
 
+_ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> {(vocab, eos): built}
+
+
 class Grammars:
-    """One model's tokenizer as llguidance reads it (built on first use, ~0.3 s), and the matchers
-    of structures over it."""
+    """One model's tokenizer as llguidance reads it (built on first use, ~0.3 s, once per tokenizer
+    object: a standby worker builds it before its engine), and the matchers of structures over it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
@@ -69,6 +73,10 @@ class Grammars:
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer
 
-            self._ll_tokenizer = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                             eos_token=list(self.eos_token_ids))
+            built = _ll_tokenizers.setdefault(self.tokenizer, {})
+            key = (self.vocab_size, self.eos_token_ids)
+            if key not in built:
+                built[key] = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                         eos_token=list(self.eos_token_ids))
+            self._ll_tokenizer = built[key]
         return self._ll_tokenizer

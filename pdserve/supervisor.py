@@ -9,6 +9,12 @@ Lifecycle of one supervised child:
 3. Past `crash_loop_exits` exits in the window it is reported as crash-looping (once, on entering
    that state) and restarted at the longest backoff from then on: never given up on in silence.
    A child that stays up `stable_s` is healthy again; its backoff starts over.
+   A member started with a standby (`start(..., standby=True)`) has a second process, its argv with
+   `--standby`, started once the first is ready: it loads what it can and says so (`standby`),
+   then waits. When the member's restart is due, the standby is told to go on (a line on its
+   stdin) and becomes the member's child, ready in a fraction of a second instead of a full load;
+   a new standby starts once it is ready. A standby not yet waiting is not used (a fresh child is
+   started as without one).
 4. `retire(member)`: SIGTERM to that child, never started again (a pool scaled down).
 5. `stop()`: no more restarts; every child gets SIGTERM, then SIGKILL after a grace period.
 
@@ -72,13 +78,16 @@ class Child:
     """One process of `pdserve` (`python -m pdserve.cli ARGV`), its ready line read as it comes."""
 
     def __init__(self, name: str, argv: list[str], cpus: list[int] | None, env: dict[str, str],
-                 death_signal: int = signal.SIGTERM) -> None:
+                 death_signal: int = signal.SIGTERM, standby: bool = False) -> None:
         self.name = name
         self.cpus = cpus
         self.proc = subprocess.Popen(  # secrets travel in the environment (only this user reads it), not argv
-            [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
+            [sys.executable, "-m", "pdserve.cli", *argv, *(["--standby"] if standby else [])], stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE if standby else None, text=True, env=env,
             preexec_fn=lambda: _in_child(cpus, death_signal))
         self.ready: dict | None = None
+        self.standing_by = False  # a standby that has loaded and waits to be told to go on
+        self.said_standby: dict = {}  # its `standby` line
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -86,9 +95,22 @@ class Child:
         for line in self.proc.stdout:
             if self.ready is None and line.startswith("{"):
                 try:
-                    self.ready = json.loads(line)
+                    said = json.loads(line)
                 except ValueError:
-                    pass
+                    continue
+                if isinstance(said, dict) and said.get("event") == "standby":
+                    self.said_standby, self.standing_by = said, True
+                else:
+                    self.ready = said
+
+    def go_on(self) -> bool:
+        """A waiting standby takes over: False where it cannot be told (it is gone)."""
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+            return True
+        except (OSError, ValueError):
+            return False
 
     @property
     def alive(self) -> bool:
@@ -124,6 +146,12 @@ class Supervised:
     crash_looping: bool = False
     ready_reported: bool = False  # a restarted child's ready line was reported
     retired: bool = False  # sent away for good (`retire`): never started again
+    has_standby: bool = False  # keeps a standby process loaded to take over when it exits
+    standby: Child | None = None
+    standby_reported: bool = False  # its standby's `standby` line was reported
+
+    def children(self) -> list[Child]:
+        return [c for c in (self.child, self.standby) if c is not None]
 
 
 class Supervisor:
@@ -140,8 +168,8 @@ class Supervisor:
         self.members: list[Supervised] = []
         self.stopping = False
 
-    def start(self, name: str, argv: list[str], cpus: list[int] | None = None) -> Supervised:
-        member = Supervised(name, argv, cpus)
+    def start(self, name: str, argv: list[str], cpus: list[int] | None = None, standby: bool = False) -> Supervised:
+        member = Supervised(name, argv, cpus, has_standby=standby)
         self._launch(member)
         self.members.append(member)
         return member
@@ -163,16 +191,42 @@ class Supervisor:
                 self._exited(m, now)
             elif m.restart_at is not None and now >= m.restart_at:
                 m.restarts += 1
-                self._launch(m)
+                took_over = self._take_over(m)
+                if not took_over:
+                    self._launch(m)
                 self.report({"event": "restarted", "name": m.name, "restarts": m.restarts,
-                             "pid": m.child.proc.pid})
+                             "pid": m.child.proc.pid, **({"standby": True} if took_over else {})})
             elif m.child is not None and m.child.alive and m.exits and now - m.started_at >= self.policy.stable_s:
                 m.exits.clear()  # up long enough: healthy again
                 m.crash_looping = False
+            self._keep_standby(m)
+            if m.standby is not None and m.standby.standing_by and not m.standby_reported:
+                m.standby_reported = True
+                self.report({"event": "standby", "name": m.name, "pid": m.standby.proc.pid,
+                             "load_seconds": m.standby.said_standby.get("load_seconds")})
             if not m.ready_reported and m.child is not None and m.child.ready is not None:
                 m.ready_reported = True
                 self.report({"event": "ready_again", "name": m.name, "pid": m.child.proc.pid,
                              "url": m.child.ready.get("url"), "load_seconds": m.child.ready.get("load_seconds")})
+
+    def _take_over(self, m: Supervised) -> bool:
+        """The member's standby, if it waits, becomes its child."""
+        standby = m.standby
+        if standby is None or not standby.alive or not standby.standing_by or not standby.go_on():
+            return False
+        m.child, m.standby = standby, None
+        m.started_at, m.restart_at, m.ready_reported = self.clock(), None, False
+        return True
+
+    def _keep_standby(self, m: Supervised) -> None:
+        """A member with a standby gets a new one once its child is ready (not while it loads: they
+        would share its cores); one that died is forgotten, and started again so."""
+        if m.standby is not None and not m.standby.alive:
+            m.standby = None
+        if (m.has_standby and m.standby is None and m.restart_at is None and m.child is not None
+                and m.child.alive and m.child.ready is not None):
+            m.standby = Child(m.name + " (standby)", m.argv, m.cpus, self.env, self.death_signal, standby=True)
+            m.standby_reported = False
 
     def _exited(self, m: Supervised, now: float) -> None:
         m.exits = self.policy.recent(m.exits, now) + [now]
@@ -188,13 +242,13 @@ class Supervisor:
     def retire(self, member: Supervised) -> None:
         """SIGTERM to one child (a worker drains and exits 0), which is not started again."""
         member.retired, member.restart_at = True, None
-        if member.child is not None:
-            member.child.signal(signal.SIGTERM)
+        for child in member.children():
+            child.signal(signal.SIGTERM)
 
     def stop(self, grace_s: float) -> None:
         """No more restarts; SIGTERM to every child (the last started first), SIGKILL after `grace_s`."""
         self.stopping = True
-        children = [m.child for m in self.members if m.child is not None]
+        children = [c for m in self.members for c in m.children()]
         for child in reversed(children):
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -38,16 +38,20 @@ def stream(client: openai.OpenAI, model: str, tokens: list[int], out: list[str],
         errors.append(e)
 
 
-def test_a_killed_decode_worker_resumes_its_streams_from_its_kv(tiny_llama):
+@pytest.mark.parametrize("standby", [False, True], ids=["restarted", "standby"])
+def test_a_killed_decode_worker_resumes_its_streams_from_its_kv(tiny_llama, standby):
+    """Restarted as a new process, or (`--standby`) replaced by its spare, loaded and waiting."""
     c = ServeProcess("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "1", "--dtype", "float32",
                      "--kv-cache-memory", "8MiB", "--max-restart-backoff", "0.5", "--durable-kv",
-                     env={**os.environ, TOKEN_ENV: TOKEN})
+                     *(["--standby"] if standby else []), env={**os.environ, TOKEN_ENV: TOKEN})
     try:
         wait_for(lambda: c.event("ready") or c.proc.poll() is not None, 240, "the cluster", state=lambda: c.log[-5:])
         ready = c.event("ready")
         assert ready is not None, c.log[-20:]
         url, model = ready["url"], ready["model"]
         victim = next(p for p in ready["processes"] if p["name"] == "decode worker 1")
+        if standby:
+            wait_for(lambda: c.event("standby", "decode worker 1"), 120, "the standby", state=lambda: c.log[-5:])
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         outs, errors = [[] for _ in PROMPTS], []
         threads = [threading.Thread(target=stream, args=(client, model, p, o, errors)) for p, o in zip(PROMPTS, outs)]
@@ -62,6 +66,7 @@ def test_a_killed_decode_worker_resumes_its_streams_from_its_kv(tiny_llama):
         assert all(n < MAX_TOKENS for n in at_kill), "the streams ended before the kill: nothing was resumed"
         restarted = c.event("ready_again", "decode worker 1")
         assert restarted is not None, c.log[-20:]
+        assert c.event("restarted", "decode worker 1").get("standby", False) == standby
         stats = httpx.get(restarted["url"] + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert stats["kv_pool_generation"] == 2 and stats["kv_resumed_requests"] == len(PROMPTS), stats
         assert stats["kv_resume_recomputed_prompt_tokens"] == 0 and stats["kv_resume_rejected"] == 0

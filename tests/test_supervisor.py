@@ -141,6 +141,12 @@ if what in ("exit", "worker"):
     sys.exit(3)
 if what == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[-1] == "--standby" and what == "slow-standby":  # still loading, as long as the test runs
+    time.sleep(600)
+if sys.argv[-1] == "--standby":  # load, say so, wait for "go" (or for stdin to close: exit)
+    print(json.dumps({"event": "standby", "pid": os.getpid(), "load_seconds": 0.5}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        sys.exit(0)
 print(json.dumps({"event": "ready", "url": f"http://127.0.0.1:{1000 + os.getpid() % 1000}",
                   "load_seconds": 0.0}), flush=True)
 while True:
@@ -175,6 +181,48 @@ def test_a_child_that_dies_after_it_was_ready_is_restarted_and_ready_again(super
     assert events[-1] == {"event": "ready_again", "name": "w", "pid": new_pid, "url": again["url"],
                           "load_seconds": 0.0}
     assert member.child.alive and member.restarts == 1 and not member.crash_looping
+
+
+def test_a_standby_takes_the_place_of_a_child_that_dies(supervisor, fake_children):
+    """A member with a standby: the spare starts once the child is ready, says it waits; the child
+    is killed; at the restart the spare goes on (no new process), and a new spare starts once it is
+    ready. At stop no spare outlives the supervisor."""
+    sup, events, clock = supervisor
+    member = sup.start("w", ["ready"], standby=True)
+    member.child.wait_ready(30)
+    wait_for(lambda: (sup.check() or True) and any(e["event"] == "standby" for e in events), 30, "a standby")
+    spare = member.standby
+    assert events[-1] == {"event": "standby", "name": "w", "pid": spare.proc.pid, "load_seconds": 0.5}
+    os.kill(member.child.proc.pid, signal.SIGKILL)
+    wait_for(lambda: (sup.check() or True) and events[-1]["event"] == "exited", 30, "the exit to be noticed")
+    clock.now += 0.5
+    sup.check()
+    assert member.child is spare and events[-1] == {"event": "restarted", "name": "w", "restarts": 1,
+                                                    "pid": spare.proc.pid, "standby": True}
+    again = spare.wait_ready(30)
+    wait_for(lambda: (sup.check() or True) and events[-1]["event"] == "standby", 30, "the next standby")
+    assert [e["event"] for e in events] == ["standby", "exited", "restarted", "ready_again", "standby"]
+    assert events[3]["url"] == again["url"] and member.standby is not None and member.standby is not spare
+    next_spare = member.standby
+    sup.stop(5.0)
+    assert not spare.alive and not next_spare.alive
+
+
+def test_a_standby_not_yet_waiting_is_not_used(supervisor, fake_children, monkeypatch):
+    sup, events, clock = supervisor
+    member = sup.start("w", ["slow-standby"], standby=True)
+    member.child.wait_ready(30)
+    sup.check()
+    loading = member.standby
+    assert loading is not None and not loading.standing_by
+    os.kill(member.child.proc.pid, signal.SIGKILL)
+    wait_for(lambda: (sup.check() or True) and events and events[-1]["event"] == "exited", 30, "the exit to be noticed")
+    clock.now += 0.5
+    sup.check()
+    assert member.child is not loading and member.standby is loading and "standby" not in events[-1]
+    member.child.wait_ready(30)
+    sup.stop(5.0)
+    assert not loading.alive
 
 
 def test_a_child_that_exits_before_it_is_ready_is_named(fake_children):

@@ -3,6 +3,8 @@ mid-stream, against the other ways to take it (one cluster per setting, taking t
 
 - `durable` (1P1D, `--durable-kv`): the worker is restarted, finds its KV pool in shared memory, and
   the router resumes each stream there without computing the prompt again.
+- `standby` (1P1D, `--durable-kv --standby`): the same, the restarted worker a spare process whose
+  model was loaded (the kill waits for it to be): it only maps the pool and starts serving.
 - `migrate` (1P2D, `--migrate-on-failure`): the streams on the killed worker (the one running the
   most, by its /stats) continue on the other, which computes prompt + output again (the streams
   already there are not interrupted).
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 SETTINGS = {"durable": ["--prefill", "1", "--decode", "1", "--durable-kv"],
+            "standby": ["--prefill", "1", "--decode", "1", "--durable-kv", "--standby"],
             "migrate": ["--prefill", "1", "--decode", "2", "--migrate-on-failure"],
             "none": ["--prefill", "1", "--decode", "1"]}
 
@@ -146,6 +149,8 @@ def one_round(setting: str, args, r: int, lo: int, hi: int, out: Path) -> dict:
         if (ready := c.wait("ready", None, 600)) is None:
             raise RuntimeError(f"{setting}: the cluster did not start: {''.join(x for _, x in c.log[-15:])}")
         ready = ready[1]
+        if setting == "standby" and c.wait("standby", None, 600) is None:
+            raise RuntimeError(f"{setting}: no standby came up: {''.join(x for _, x in c.log[-15:])}")
         result["start_s"] = round(time.perf_counter() - start, 1)
         url, model = ready["url"], ready["model"]
         client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get(API_KEY_ENV) or "none", max_retries=0,
@@ -182,7 +187,7 @@ def one_round(setting: str, args, r: int, lo: int, hi: int, out: Path) -> dict:
         result["load_seconds"] = again[1].get("load_seconds") if again else None
         metrics = httpx.get(url + "/metrics", timeout=30).text
         result["migrations"] = {k: metric(metrics, k) for k in ("resumed", "failure", "hot_spot")}
-        durable = setting == "durable"
+        durable = setting in ("durable", "standby")
         result["streams"] = [analyse(x, t_kill, t_ready if durable else None, t_reg if durable else None,
                                      args.max_tokens) for x in recs]
     finally:
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.bench.machine import environment
     from pdserve.kv_transfer.shm import shm_available
 
-    if "durable" in settings and not shm_available():
+    if {"durable", "standby"} & set(settings) and not shm_available():
         p.error("durable needs a writable /dev/shm")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

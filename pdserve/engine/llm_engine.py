@@ -16,24 +16,23 @@ import torch
 from pdserve.config import EngineConfig, resolve_device
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.completions import Completion, Completions, make_detokenizer
-from pdserve.engine.dtype_choice import choose_dtype
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.isolation import run_isolating
 from pdserve.engine.kv_tier import make_tiers
+from pdserve.engine.model_load import load as load_model
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec.draft import DraftModelProposer
 from pdserve.engine.spec.head import HeadProposer, feature_from_wire
-from pdserve.engine.spec.proposers import HEAD_PREFIX, make_proposer
+from pdserve.engine.spec.proposers import make_proposer
 from pdserve.engine.step import SchedulerOutput
 from pdserve.engine.structured import Structures
 from pdserve.engine.warm_up import warm_up
 from pdserve.layers.sampler import skip_draws
 from pdserve.limits import MAX_ABS_PRIORITY
-from pdserve.models.arch_config import ArchConfig, model_fingerprint
+from pdserve.models.arch_config import model_fingerprint
 from pdserve.models.draft_head import load_draft_head
-from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.outputs import RequestOutput, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
@@ -55,24 +54,13 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.hooks = hooks or RoleHooks()
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step before it runs
-        ckpt = load_checkpoint(config.model)
+        loaded = load_model(config, device, LLMEngine)
+        ckpt, model, compile_decode, head_path = loaded.checkpoint, loaded.model, loaded.compile_decode, loaded.head_path
         self.tokenizer = ckpt.tokenizer
-        self.model_config = ArchConfig.from_hf_config(ckpt.hf_config)
-        self.dtype = choose_dtype(config, device, self.model_config, LLMEngine)
-        compile_decode = config.compile_decode and config.role != "prefill"  # a prefill worker never decodes
-        quantization = config.quantization if device.type == "cpu" else "none"  # auto: CPU kernels only
-        if compile_decode and (quantization in ("int4", "int8") or (quantization == "auto" and ckpt.quantized_bits)):
-            log.warning("compiled decode needs dense weights (--quantization none): quantized weights run "
-                        "pdserve's kernels, which a compiled graph cannot hold; decode runs eager")
-            compile_decode = False
-        head_path = config.speculative.removeprefix(HEAD_PREFIX).strip() if config.speculative.startswith(HEAD_PREFIX) else ""
-        if head_path and compile_decode:
-            log.warning("a draft head reads the model's hidden states, which a compiled decode graph does not "
-                        "give: decode runs eager")
-            compile_decode = False
-        model = build_model(ckpt, self.dtype, device, quantization, pack_weights=not compile_decode)
+        self.model_config = loaded.arch
+        self.dtype = loaded.dtype
         head = load_draft_head(head_path, self.model_config, self.dtype, device) if head_path else None
-        self.max_model_len = self._max_model_len(config)
+        self.max_model_len = loaded.max_model_len(config)
         block_bytes = kv_bytes_per_block(model, config.block_size, self.dtype, head is not None)
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
@@ -88,7 +76,7 @@ class LLMEngine:
             self.block_manager,
             config.max_num_batched_tokens,
             config.max_num_seqs,
-            self._eos_token_ids(ckpt.generation_config),
+            loaded.eos_token_ids(),
             self.hooks,
             config.decode_headroom_tokens,
             config.max_queue_wait_s if config.shortest_prompt_first else None,
@@ -107,22 +95,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_aborted = 0  # requests ended by abort() while live, since start
         self.num_failed = 0  # requests that failed a step on their own, since start
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            limit = min(limit, self.model_config.sliding_window)  # full attention is exact up to here
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
-        return config.max_model_len or limit
-
-    def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        eos = generation_config.get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # -- requests ------------------------------------------------------------------------------
 

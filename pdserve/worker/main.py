@@ -21,6 +21,8 @@ from pdserve.worker.config import WorkerConfig
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, default="both")
+    p.add_argument("--standby", action="store_true",
+                   help="load the model, then wait for a line 'go' on stdin before serving (a supervisor's spare)")
     add_flags(p, WorkerConfig, "worker")
     add_secret_args(p, "token", TOKEN_ENV, "the cluster's shared secret for the control endpoint and KV connections "
                     "(none: one is made and written to a file, on a loopback address without --router only)")
@@ -65,6 +67,12 @@ def run_worker(args: argparse.Namespace, engine_kwargs: dict) -> int:
         raise ValueError(f"--transfer takes a list of {', '.join(PRODUCTION_BACKENDS)}; got {args.transfer!r}")
     token, token_file = worker_token(args)
     config = EngineConfig(model=resolve_model(args.model), role=args.role, **engine_kwargs)
+    if args.standby:
+        from pdserve.worker.standby import stand_by
+
+        if not stand_by(config):
+            return 0
+        t0 = time.perf_counter()  # its load: from standing in
     worker = Worker(config, settings, token, name=f"{args.role}@{socket.gethostname()}")
     compiled = worker.engine.runner.compiled
     if compiled is not None:  # ready means at full speed: no compile competes with requests for the cores
