@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pdserve.cli import main
@@ -43,3 +44,23 @@ def test_export_round_trips(tmp_path, tiny_llama):
 def test_bad_model_path_is_a_clear_error(capsys):
     assert main(["generate", "--model", "/no/such/model", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--standby", "--ray"], "--standby keeps spare worker processes"),
+    (["--local-kv-store", "64MiB", "--kv-store", "unix:///tmp/x.sock"], "--local-kv-store starts a store"),
+    (["--local-kv-store", "64MiB", "--ray"], "--local-kv-store starts a store"),
+])
+def test_serve_refuses_flags_that_do_not_go_together(flags, message):
+    from pdserve.cli import build_parser, cmd_serve
+
+    with pytest.raises(SystemExit, match=message):
+        cmd_serve(build_parser().parse_args(["serve", *flags]))
+
+
+def test_local_kv_store_takes_a_size(capsys):
+    from pdserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--local-kv-store", "lots"])
+    assert "--local-kv-store" in capsys.readouterr().err
