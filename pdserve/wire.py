@@ -410,6 +410,13 @@ class WorkerStats(Message):
     kv_resume_rejected: Count = 0  # journaled requests whose KV failed its checks (computed again)
     kv_resume_recomputed_prompt_tokens: Count = 0  # prompt tokens a resumed request computed again
     kv_resumable: Size = 0  # requests whose kept KV waits for them to come back
+    # a shared store tier (`--kv-store`): workers saying the same id read each other's blocks
+    kv_store: Annotated[str, Meta(max_length=32, pattern=r"^[0-9a-f]*\Z")] = ""
+    kv_store_blocks_written: Count = 0
+    kv_store_blocks_read: Count = 0
+    kv_store_blocks_corrupt: Count = 0  # read back and failed their checks (computed again)
+    kv_store_blocks_dropped: Count = 0  # not sent: too much waited to be sent already
+    kv_store_errors: Count = 0
     # prefill side
     kv_shipments: Size = 0
     kv_notified: Count = 0

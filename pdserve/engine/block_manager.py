@@ -120,8 +120,9 @@ class BlockManager:
             self._num_hashed[request.request_id] = len(cached_blocks)
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the blocks that the request's computed tokens have filled."""
+    def cache_full_blocks(self, request: Request, computed: bool = True) -> None:
+        """Register the blocks that the request's computed tokens have filled (`computed`: here; a
+        tier that shares blocks with other workers gets those at once)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request.request_id]
@@ -136,6 +137,8 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
+                if computed and self.tier is not None:
+                    self.tier.computed(block_hash, block.block_id)
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

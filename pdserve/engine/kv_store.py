@@ -5,9 +5,10 @@ loopback): a 1 MiB value in about 0.5-0.8 ms either way over a unix socket or TC
 in 50 ms with 6 MB of memory and listens only where told, where Mooncake's store needs the RDMA
 verbs library even for TCP, takes a second to start, and binds some of its ports to every address.
 
-1. A block the pool evicts goes here as well as to the host tier: the engine thread copies it
-   out (the pool block is reused at once) and a writer thread sends it, `SET` under a key named
-   by the KV layout and the block's prefix hash. What waits to be sent is bounded
+1. A full block a step computed goes here at once (so other workers read it rather than compute it
+   while it is still in this pool), and a block the pool evicts (one that came by transfer, or was
+   not sent): the engine thread copies it out and a writer thread sends it, `SET` under a key
+   named by the KV layout and the block's prefix hash. What waits to be sent is bounded
    (`MAX_PENDING_BYTES`); past it a block is not sent (counted), so a slow store never stalls a step.
    A block sent lately is not sent again.
 2. A request whose prefix neither the pool nor the host tier (nor the disk) holds asks here for
@@ -23,9 +24,11 @@ The password, if any, comes from `PDSERVE_KV_STORE_PASSWORD`, never from a comma
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -38,7 +41,7 @@ from pdserve.store_server import PASSWORD_ENV, parse_store_url
 log = logging.getLogger("pdserve.engine")
 
 MAGIC = b"PDSKV2\0\0"
-MAX_PENDING_BYTES = 64 << 20
+MAX_PENDING_BYTES = 128 << 20
 MAX_READ_BLOCKS = 64
 RECENTLY_SENT = 65536  # block hashes remembered as sent: not sent again
 TIMEOUT_S = 2.0
@@ -68,6 +71,17 @@ class StoreKVTier:
         self.num_written = self.num_read = self.num_corrupt = self.num_dropped = self.num_errors = 0
         self.num_from_store = 0
         threading.Thread(target=self._send_loop, name="kv-store-writer", daemon=True).start()
+
+    @property
+    def identity(self) -> str:
+        """The same for every worker that reaches this store: its URL (a socket's path, on this host)."""
+        where = self.url + (f"@{socket.gethostname()}" if self.url.startswith("unix:") else "")
+        return hashlib.sha256(where.encode()).hexdigest()[:16]
+
+    def stats(self) -> dict:
+        return {"kv_store": self.identity, "kv_store_blocks_written": self.num_written,
+                "kv_store_blocks_read": self.num_read, "kv_store_blocks_corrupt": self.num_corrupt,
+                "kv_store_blocks_dropped": self.num_dropped, "kv_store_errors": self.num_errors}
 
     def key(self, block_hash: int) -> bytes:
         return f"pdserve:kv:{self.layout_key}:{block_hash:032x}".encode()

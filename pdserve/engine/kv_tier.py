@@ -56,6 +56,11 @@ def make_tiers(config, kv_cache: torch.Tensor, block_bytes: int, kv_name: str) -
     return tier
 
 
+def tier_stats(tier: HostKVTier | None) -> dict:
+    """What a worker's stats say of its tiers below the pool (a shared store's id and counters)."""
+    return tier.store.stats() if tier is not None and tier.store is not None else {}
+
+
 class HostKVTier:
     def __init__(self, capacity_bytes: int, kv_cache: torch.Tensor, block_size: int, encoding: str = "raw") -> None:
         if encoding not in ENCODINGS:
@@ -113,6 +118,12 @@ class HostKVTier:
         self._store(slot, self._pool_block(block_id))
         self.num_saved += 1
         if self.store is not None:  # copied out now, sent by the store's writer thread
+            self.store.save(block_hash, self._pool_block(block_id))
+
+    def computed(self, block_hash: int, block_id: int) -> None:
+        """A pool block just filled by a step: a store shares it now (copied out at once), so other
+        workers read it rather than compute it, whether or not this pool ever lets it go."""
+        if self.store is not None:
             self.store.save(block_hash, self._pool_block(block_id))
 
     @torch.inference_mode()

@@ -291,7 +291,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens  # prompt and any resumed output
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)
-        self.blocks.cache_full_blocks(req)
+        self.blocks.cache_full_blocks(req, computed=False)  # its prefill worker shared what it computed
         req.output_token_ids.append(first_token)
         if req.params.logprobs is not None:
             req.output_logprobs.append(first_logprobs)

@@ -14,7 +14,8 @@ so a burst on one shared prefix piles onto its first holder until that worker is
 - more holders than it wants, with copies this round made: the most loaded copy is dropped. The
   index forgets the prefix there, so routing stops drawing its requests to that worker, whose prefix
   cache then lets the blocks go as it needs room (they are cached blocks no request holds).
-A copy runs at the lowest client priority, at most one per worker at a time; one that fails is
+A worker that shares a KV store with a holder holds the prefix already (a read away), and gets
+no copy. A copy runs at the lowest client priority, at most one per worker at a time; one that fails is
 logged and counted, and tried again a round later if the prefix is still hot.
 """
 
@@ -33,6 +34,7 @@ from pdserve.limits import MAX_CLIENT_PRIORITY
 from pdserve.router.hot_prefixes import HotPrefix, HotPrefixes
 from pdserve.router.policy import decode_score
 from pdserve.router.registry import WorkerEntry
+from pdserve.router.routing import STORE_PREFIX
 
 log = logging.getLogger("pdserve.router")
 
@@ -60,8 +62,7 @@ class PrefixReplicas:
         for prefix, wanted in self.hot.tracked(time.monotonic()):
             copies = self.copies.setdefault(prefix.key, set())
             copies.intersection_update(decodes)  # a worker that left took its copy along
-            holders = [w for w in decodes.values() if w.block_size == prefix.block_size and router.index.cached_tokens(
-                w.worker_id, prefix.block_size, list(prefix.hashes)) >= prefix.num_tokens]
+            holders = [w for w in decodes.values() if self._holds(w, prefix)]
             if holders and len(holders) < wanted:
                 self._copy(prefix, holders, decodes, wanted - len(holders))
             elif len(holders) > max(1, wanted) and copies:
@@ -70,6 +71,13 @@ class PrefixReplicas:
                 self.hot.forget(prefix)
                 del self.copies[prefix.key]
         router.metrics.prefix_copies_held.set(self.count)
+
+    def _holds(self, w: WorkerEntry, prefix: HotPrefix) -> bool:
+        """In its own prefix cache, as far as the index knows, or in a KV store it shares (a read away)."""
+        names = [w.worker_id] + ([STORE_PREFIX + w.stats.kv_store] if w.stats.kv_store else [])
+        return w.block_size == prefix.block_size and any(
+            self.router.index.cached_tokens(n, prefix.block_size, list(prefix.hashes)) >= prefix.num_tokens
+            for n in names)
 
     def _copy(self, prefix: HotPrefix, holders: list[WorkerEntry], decodes: dict[str, WorkerEntry], n: int) -> None:
         weights = self.router.config.decode_weights

@@ -62,7 +62,7 @@ class Router:
         `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
         NoRoom when every decode worker holds as many sequences from here as it said it can."""
         entries = {w.worker_id: w for w in self.registry.workers() if not w.stats.draining}
-        workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size)
+        workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size, w.stats.kv_store)
                    for k, w in entries.items()]
         try:
             decision = routing.route(workers, prompt_ids, self.index, self.config.decode_weights,

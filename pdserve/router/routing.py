@@ -14,6 +14,9 @@ The decision, in order:
 4. The prompt goes to a prefill worker when its part uncached on the decode worker is worth it and
    the prefill pool is not saturated (policy.prefill_remotely): the one with the least prompt work
    ahead, counting what its prefix cache holds (policy.choose_prefill).
+A worker's cached part is what the index says its own prefix cache holds, or, where it shares a KV
+store (`Candidate.store`), what any worker of that store computed: every full block a worker
+computes goes to its store at once, and reading it back costs a fraction of computing it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pdserve.router.policy import (
 )
 
 DECODE_ROLES = ("decode", "both")
+STORE_PREFIX = "store:"  # the prefix index's name for a shared KV store: what its workers computed
 
 
 class NoWorker(Exception):
@@ -45,13 +49,14 @@ class Candidate:
     load: WorkerLoad  # its last report, plus what was routed to it since
     has_room: bool = True  # it can take this request's sequences on top of those it holds
     block_size: int = 16  # tokens per block of its prefix cache
+    store: str = ""  # the shared KV store it reads and writes (its id; "": none)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixRecord:
     """Block hashes a chosen worker will hold once it has the prompt, for the prefix index."""
 
-    worker_id: str
+    worker_id: str  # a worker, or a store ("store:" + its id): what a worker computes, its store holds
     block_size: int
     hashes: list[int]
 
@@ -87,8 +92,11 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
             hashed[w.block_size] = block_hashes(prompt_ids, w.block_size)
         return hashed[w.block_size]
 
-    def cached(w: Candidate) -> int:
-        return index.cached_tokens(w.worker_id, w.block_size, hashes(w)) if index is not None else 0
+    def cached(w: Candidate) -> int:  # in its own cache, or in a store it reads (a read, not a computation)
+        if index is None:
+            return 0
+        own = index.cached_tokens(w.worker_id, w.block_size, hashes(w))
+        return max(own, index.cached_tokens(STORE_PREFIX + w.store, w.block_size, hashes(w))) if w.store else own
 
     shares = {k: cached(decodes[k]) / len(prompt_ids) for k in roomy} if index is not None and prompt_ids else {}
     d = decodes[choose_decode(roomy, weights, cached_share=shares)]
@@ -101,5 +109,6 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
         prefill_uncached, prefill_id = len(prompt_ids) - cached(p), p.worker_id
     if index is None:
         return RoutingDecision(d.worker_id, prefill_id, decode_uncached, prefill_uncached, ())
-    records = tuple(PrefixRecord(w.worker_id, w.block_size, hashes(w)) for w in chosen)
+    records = tuple(PrefixRecord(w.worker_id, w.block_size, hashes(w)) for w in chosen) + tuple(
+        PrefixRecord(STORE_PREFIX + w.store, w.block_size, hashes(w)) for w in chosen if w.store)
     return RoutingDecision(d.worker_id, prefill_id, decode_uncached, prefill_uncached, records)

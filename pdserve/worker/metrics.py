@@ -32,6 +32,11 @@ _HELP = {
     "kv_resume_rejected": "durable KV pool: journaled requests whose KV failed its checks, computed again",
     "kv_resume_recomputed_prompt_tokens": "durable KV pool: prompt tokens resumed requests computed again",
     "kv_resumable": "durable KV pool: requests whose kept KV waits for them to come back",
+    "kv_store_blocks_written": "KV store tier: blocks sent to the shared store",
+    "kv_store_blocks_read": "KV store tier: blocks read back from the shared store",
+    "kv_store_blocks_corrupt": "KV store tier: blocks read back that failed their checks (computed again)",
+    "kv_store_blocks_dropped": "KV store tier: blocks not sent, too many waiting to be sent already",
+    "kv_store_errors": "KV store tier: calls to the store that failed (it is left alone for a few seconds)",
 }
 
 
@@ -43,8 +48,8 @@ class _Snapshot:
         stats = dict(self.stats)
         by_source = CounterMetricFamily("pdserve_prompt_tokens_by_source", "tokens whose KV requests started from, "
                                         "by where it came from: computed here, the prefix cache, the host or disk tier, "
-                                        "another worker (transferred), or this worker's pool kept through a restart "
-                                        "(resumed)", labels=["source"])
+                                        "the shared store, another worker (transferred), or this worker's pool kept "
+                                        "through a restart (resumed)", labels=["source"])
         for source, count in stats.pop("tokens_by_source", {}).items():
             by_source.add_metric([source], count)
         yield by_source

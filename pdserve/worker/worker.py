@@ -30,6 +30,7 @@ import msgspec
 from pdserve import wire
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.durable_kv import durable_pool
+from pdserve.engine.kv_tier import tier_stats
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
@@ -381,6 +382,7 @@ class Worker:
             "engine_alive": True,  # this ran on the engine thread
             "engine_failures": self.loop.num_failures,
             "draining": self.draining,
+            **tier_stats(blocks.tier),
         }
         for part in (self.decode, self.prefill):
             out.update(part.stats())
@@ -390,11 +392,9 @@ class Worker:
 
 
 def _built_on_own_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
-    """`build()` run on a thread that ends with it. OpenMP keeps a pool of threads for each thread
-    that ever ran a parallel region; while the process holds more of them than it has cores, each
-    waiting thread spins only briefly before sleeping, so every parallel region of a step waits for
-    sleeping threads to wake (measured here: a decode step twice as long as the same step in a
-    process with one pool). Loading on a thread that exits frees its pool: the engine thread's own
-    is then the only one."""
+    """`build()` run on a thread that ends with it. OpenMP keeps a thread pool for each thread that
+    ran a parallel region; with more of them than cores, every parallel region of a step waits for
+    sleeping threads to wake (measured: a decode step twice as long as with one pool). Loading on a
+    thread that exits frees its pool: the engine thread's own is then the only one."""
     with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as load:  # its thread ends on leaving
         return load.submit(build).result()

@@ -1,7 +1,8 @@
 """The shared KV tier (`--kv-store`): a real Valkey server on a private unix socket (as `pdserve
 serve --local-kv-store` starts it). A conversation's second turn, on the engine whose pool evicted
-its blocks or on another engine sharing the store, computes only its new tokens and writes what a
-fresh engine writes; a block whose bytes changed in the store is found out, deleted and computed
+its blocks or on another engine sharing the store (every full block a step computes is shared at
+once), computes only its new tokens and writes what a fresh engine writes; a prompt another engine
+computed is read, not computed, while it is still in that engine's pool; a block whose bytes changed in the store is found out, deleted and computed
 again; a store that goes away leaves the engine serving, computing what it would have read."""
 
 from __future__ import annotations
@@ -48,9 +49,23 @@ def test_a_returning_conversation_comes_back_from_the_store_on_another_engine(ti
     before = dict(other.engine.scheduler.tokens_by_source)
     assert turn(other, second) == fresh
     added = {k: v - before[k] for k, v in other.engine.scheduler.tokens_by_source.items()}
-    assert added["store"] == PREFIX and added["computed"] == len(second) - PREFIX
-    assert other.engine.block_manager.tier.store.num_read == PREFIX // 4
+    shared = (len(second) - 1) // 4 * 4  # every full block of it: the first engine computed turn 2 too
+    assert added["store"] == shared and added["computed"] == len(second) - shared
+    assert other.engine.block_manager.tier.store.num_read == shared // 4
     assert_engine_idle(first)
+    assert_engine_idle(other)
+
+
+@needs_store
+def test_a_prompt_computed_on_one_engine_is_read_by_another(tiny_llama, store):
+    tokens = list(range(10, 10 + 45))
+    one, other = (make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL) for _ in range(2))
+    out = turn(one, tokens)  # its blocks stay in its pool: they reach the store as computed
+    sent(one)
+    assert turn(other, tokens) == out
+    assert other.engine.scheduler.tokens_by_source["store"] == 44  # all but the last token, in whole blocks
+    assert other.engine.scheduler.tokens_by_source["computed"] == 1
+    assert_engine_idle(one)
     assert_engine_idle(other)
 
 
@@ -65,14 +80,17 @@ def test_a_corrupted_block_in_the_store_is_computed_again(tiny_llama, store):
     tier = first.engine.block_manager.tier.store
     client = valkey.Valkey(**parse_store_url(store.url), password=store.password)
     victim = tier.key(block_hashes(second, 4)[2])  # the conversation's third block
-    value = bytearray(client.get(victim))
-    value[-1] ^= 0xFF
-    client.set(victim, bytes(value))
+    good = client.get(victim)
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    client.set(victim, bytes(bad))
     other = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
     assert turn(other, second) == fresh
     reader = other.engine.block_manager.tier.store
-    assert reader.num_corrupt == 1 and client.get(victim) is None
+    assert reader.num_corrupt == 1
     assert other.engine.scheduler.tokens_by_source["store"] == 2 * 4  # the two blocks before it
+    sent(other)  # the block it computed again is shared again, whole
+    assert client.get(victim) == good
     assert_engine_idle(other)
 
 

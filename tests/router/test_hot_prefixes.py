@@ -84,3 +84,22 @@ def test_routing_counts_what_the_index_says_each_decode_worker_holds():
     decision = route(workers, ids, index)
     assert decision.decode_id == "b" and decision.decode_uncached == len(ids) - len(ids) // BS * BS
     assert route(workers, [1, 2, 3, 4, 5, 6, 7, 8, 9], index).decode_id == "a"
+
+
+def test_a_prompt_computed_on_one_worker_counts_as_cached_on_every_worker_of_its_store():
+    """Every full block a worker computes goes to its KV store: a worker of the same store reads the
+    prompt, so it is not sent to a prefill worker, and a worker of another store (or none) is."""
+    index = PrefixIndex()
+    ids = list(range(1000, 1000 + 300 * BS))  # 1200 tokens: past the 256 a decode worker computes itself
+    first = [Candidate("a", "decode", WorkerLoad(), block_size=BS, store="s1"),
+             Candidate("p", "prefill", WorkerLoad(), block_size=BS)]
+    decision = route(first, ids, index)
+    assert decision.decode_id == "a" and decision.prefill_id == "p"
+    for r in decision.records:
+        index.record(r.worker_id, r.block_size, r.hashes)
+    assert {r.worker_id for r in decision.records} == {"a", "p", "store:s1"}
+    same_store = [Candidate("b", "decode", WorkerLoad(), block_size=BS, store="s1"), first[1]]
+    d = route(same_store, ids, index)
+    assert d.decode_id == "b" and d.prefill_id is None and d.decode_uncached == 0
+    other_store = [Candidate("c", "decode", WorkerLoad(), block_size=BS, store="s2"), first[1]]
+    assert route(other_store, ids, index).prefill_id == "p"
