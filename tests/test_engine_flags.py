@@ -14,7 +14,7 @@ from pdserve.flags import Option, add_flags, flag, options
 
 MODEL = "some-model"
 # Values for flags whose type suggests none the config accepts.
-STRING_VALUES = {"model": "tiny", "dtype": "bfloat16", "device": "cuda", "kv_cache_memory": "512MiB", "host_kv_memory": "2GiB", "disk_kv_path": "/var/cache/pdserve", "disk_kv_memory": "20GiB",
+STRING_VALUES = {"model": "tiny", "dtype": "bfloat16", "device": "cuda", "kv_cache_memory": "512MiB", "host_kv_memory": "2GiB", "disk_kv_path": "/var/cache/pdserve", "disk_kv_memory": "20GiB", "kv_store": "unix:///run/pdserve/valkey.sock",
                  "speculative": "draft:/models/small"}
 
 

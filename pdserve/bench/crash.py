@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.workload.args import chosen
+
 SETTINGS = {"durable": ["--prefill", "1", "--decode", "1", "--durable-kv"],
             "standby": ["--prefill", "1", "--decode", "1", "--durable-kv", "--standby"],
             "migrate": ["--prefill", "1", "--decode", "2", "--migrate-on-failure"],
@@ -255,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="bench-crash-results", help="folder for the JSON, the PNG and the logs")
     args = p.parse_args(argv)
-    settings = args.settings.split(",")
-    if unknown := [s for s in settings if s not in SETTINGS]:
-        p.error(f"unknown setting(s) {unknown}: choose from {', '.join(SETTINGS)}")
+    settings = chosen(p, args.settings, SETTINGS)
     if args.rounds < 1 or args.streams < 1 or not 0 < args.kill_after < args.max_tokens - 1:
         p.error("--rounds and --streams must be positive, and --kill-after below --max-tokens")
     from pdserve.bench.machine import environment

@@ -7,6 +7,8 @@ Settings (each a `pdserve serve --colocated N --pin-cpus` cluster of its own, st
   the burst piles onto the prefix's first holder;
 - `copies`: affinity and hot-prefix copies (`--hot-prefix-rate R`): the router copies the prefix's
   KV to the other workers as its rate asks, and the burst spreads over its holders.
+- `store`: affinity, no copies, a shared KV store (`--local-kv-store`): the prefix's blocks reach
+  the store as its first holder computes them, and every worker reads them from there.
 
 Each run: one request on the prefix (untimed: the prefix is then in one worker's cache, as a hot
 prefix is), then `--requests` streamed completions of the prefix (`--prefix-tokens` random token ids,
@@ -33,6 +35,7 @@ import httpx
 from pdserve.bench.crash import token_range
 from pdserve.bench.local_cluster import LocalCluster
 from pdserve.bench.serving import run_load, server_info
+from pdserve.workload.args import chosen
 from pdserve.workload.loadgen import BenchRequest
 from pdserve.workload.metrics import RequestRecord, distribution
 
@@ -40,6 +43,7 @@ SETTINGS = {
     "load": ["--prefix-affinity", "0", "--hot-prefix-rate", "0"],
     "affinity": ["--hot-prefix-rate", "0"],
     "copies": [],  # --hot-prefix-rate from the bench's own flag
+    "store": ["--hot-prefix-rate", "0", "--local-kv-store", "1GiB"],  # the `store` extra
 }
 
 
@@ -138,14 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-prefix-results", help="folder for the JSON, the PNG and the logs")
     args = p.parse_args(argv)
-    settings = args.settings.split(",")
-    if unknown := [s for s in settings if s not in SETTINGS]:
-        p.error(f"unknown setting(s) {unknown}: choose from {', '.join(SETTINGS)}")
+    settings = chosen(p, args.settings, SETTINGS)
     if min(args.workers, args.requests, args.prefix_tokens, args.own_tokens, args.max_tokens) < 1 or not (
             args.rate > 0 and args.copy_rate > 0):
         p.error("counts, --rate and --copy-rate must be positive")
     from pdserve.bench.machine import environment
+    from pdserve.store_server import server_binary
 
+    if "store" in settings:
+        try:
+            server_binary()
+        except RuntimeError as e:
+            _say(f"no store setting: {e}")
+            settings.remove("store")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = environment()

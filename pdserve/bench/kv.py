@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.workload.args import chosen
+
 CASES = ("returning", "urgent", "journal")
 MEASURED = {"returning": "TTFT", "urgent": "TTFT", "journal": "8 streams x 128 tokens"}
 
@@ -189,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the host tier in front of the disk one (0: 64 blocks), small so the prefix reaches disk")
     p.add_argument("--result-json", default="results/bench_kv.json")
     args = p.parse_args(argv)
-    cases = args.cases.split(",")
-    if unknown := [c for c in cases if c not in CASES]:
-        p.error(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
+    cases = chosen(p, args.cases, CASES, "case")
     if args.rounds < 1 or args.prompt_len < 64:
         p.error("--rounds must be positive and --prompt-len at least 64")
 

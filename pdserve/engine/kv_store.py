@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import zlib
@@ -75,7 +74,7 @@ class StoreKVTier:
     @property
     def identity(self) -> str:
         """The same for every worker that reaches this store: its URL (a socket's path, on this host)."""
-        where = self.url + (f"@{socket.gethostname()}" if self.url.startswith("unix:") else "")
+        where = self.url + (f"@{os.uname().nodename}" if self.url.startswith("unix:") else "")
         return hashlib.sha256(where.encode()).hexdigest()[:16]
 
     def stats(self) -> dict:

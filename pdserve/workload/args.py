@@ -71,3 +71,12 @@ def spec_from_args(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
     return WorkloadSpec(args.num_requests, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len),
                         args.seed, vocab_size, args.shared_prefix_len, args.num_prefixes, args.turns, args.dataset,
                         args.think_time)
+
+
+def chosen(p: argparse.ArgumentParser, given: str, known, what: str = "setting") -> list[str]:
+    """A benchmark's comma-separated settings (or cases), each one it knows; an argparse error
+    naming those it does not."""
+    names = given.split(",")
+    if unknown := [n for n in names if n not in known]:
+        p.error(f"unknown {what}(s) {unknown}: choose from {', '.join(known)}")
+    return names
