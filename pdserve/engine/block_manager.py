@@ -84,6 +84,18 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.tier.find(request.block_hashes[start:max_blocks])
 
+    def prefetch(self, request: Request) -> None:
+        """A request enters the queue: the tier reads ahead the prefix blocks after the pool's."""
+        if self.tier is None or not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hashes = request.block_hashes[:max_blocks]
+        i = 0
+        while i < len(hashes) and hashes[i] in self._cached:
+            i += 1
+        self.tier.prefetch(hashes[i:])
+
     def promote(self, request: Request, start: int, slots: list[int]) -> None:
         """The request was given blocks for its prefix blocks from `start` on that the tier holds
         (`allocate`): their KV comes from those slots before the next step."""

@@ -22,11 +22,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
+
+from pdserve.engine.tier_prefetch import Prefetcher
 
 log = logging.getLogger("pdserve.engine")
 
@@ -53,6 +56,8 @@ def make_tiers(config, kv_cache: torch.Tensor, block_bytes: int, kv_name: str) -
 
         tier.store = StoreKVTier(config.kv_store, layout_key, block)
         log.info("KV store tier: %s", config.kv_store)
+    if tier.spill is not None or tier.store is not None:
+        tier.prefetcher = Prefetcher(tier.spill, tier.store, max(tier.capacity, STAGING_BLOCKS))
     return tier
 
 
@@ -91,6 +96,7 @@ class HostKVTier:
         self.spill: DiskKVTier | None = None  # where blocks it lets go are written (`--disk-kv-path`)
         self.store = None  # a StoreKVTier: evicted blocks go there too; read where nothing above holds them
         self.found_below: dict[str, int] = {}  # of the slots the last `find` gave, those from disk, the store
+        self.prefetcher: Prefetcher | None = None  # reads waiting requests' blocks from disk and the store
 
     def __len__(self) -> int:
         return len(self._index)
@@ -102,6 +108,8 @@ class HostKVTier:
         self._to_load.clear()
         self._pinned.clear()
         self._staged.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
 
     # -- the block manager's side ---------------------------------------------------------------
 
@@ -126,15 +134,30 @@ class HostKVTier:
         if self.store is not None:
             self.store.save(block_hash, self._pool_block(block_id))
 
+    def prefetch(self, hashes: list[int]) -> None:
+        """A waiting request's prefix blocks after the pool's: those not here are read ahead from
+        the tiers below, off the engine thread (`tier_prefetch.py`)."""
+        if self.prefetcher is None:
+            return
+        i = 0
+        while i < len(hashes) and hashes[i] in self._index:
+            i += 1
+        if i < len(hashes):
+            self.prefetcher.ask(hashes[i:])
+
     @torch.inference_mode()
     def find(self, hashes: list[int]) -> list[int]:
         """Slots holding the leading blocks of these hashes, up to the first it lacks; a block on
-        disk, or in the store, is read back into a slot on the way (on the engine thread: a disk
-        read per block, one store round trip for the rest). `found_below` says how many were."""
+        disk, or in the store, is read back into a slot on the way: taken from what was read ahead
+        while the request waited, else read here (a disk read per block, one store round trip for
+        the rest). `found_below` says how many were."""
         slots: list[int] = []
         self.found_below = {"disk": 0, "store": 0}
         for i, block_hash in enumerate(hashes):
             slot = self._index.get(block_hash)
+            if slot is None and self.prefetcher is not None and (ahead := self.prefetcher.take(block_hash)):
+                slot = self._keep(block_hash, ahead[1])
+                self.found_below[ahead[0]] += 1
             if slot is None and self.spill is not None and block_hash in self.spill:
                 block = self.spill.load(block_hash)
                 if block is None:
@@ -244,27 +267,31 @@ class DiskKVTier:
         self.num_written = 0
         self.num_read = 0
         self.num_corrupt = 0
+        self._lock = threading.Lock()  # the engine thread writes and reads, the prefetch thread reads
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index
 
     def save(self, block_hash: int, block: torch.Tensor) -> None:
-        if block_hash in self._index:
-            self._index.move_to_end(block_hash)
-            return
-        while len(self._index) >= self.capacity:
-            self._drop(next(iter(self._index)))
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+                return
+            while len(self._index) >= self.capacity:
+                self._drop(next(iter(self._index)))
         data = block.to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
         path = self.dir / f"{block_hash:032x}.kv"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(self.MAGIC + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little") + data)
         os.replace(tmp, path)
-        self._index[block_hash] = path
+        with self._lock:
+            self._index[block_hash] = path
         self.num_written += 1
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         """The block's KV, or None where its file is gone or does not check out (then deleted)."""
-        path = self._index.get(block_hash)
+        with self._lock:
+            path = self._index.get(block_hash)
         if path is None:
             return None
         try:
@@ -275,10 +302,14 @@ class DiskKVTier:
         data = raw[head + 8 :]
         if (raw[:head] != self.MAGIC or int.from_bytes(raw[head + 4 : head + 8], "little") != len(data)
                 or len(data) != self.block_bytes or zlib.crc32(data) != int.from_bytes(raw[head : head + 4], "little")):
-            self.num_corrupt += 1
-            self._drop(block_hash)
+            with self._lock:
+                if self._index.get(block_hash) == path:  # not let go meanwhile (its file then gone)
+                    self.num_corrupt += 1
+                    self._drop(block_hash)
             return None
-        self._index.move_to_end(block_hash)
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
         self.num_read += 1
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)
 

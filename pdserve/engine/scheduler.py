@@ -102,6 +102,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
+        self.blocks.prefetch(request)
 
     # -- one step ------------------------------------------------------------------------------
 

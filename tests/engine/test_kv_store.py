@@ -70,6 +70,30 @@ def test_a_prompt_computed_on_one_engine_is_read_by_another(tiny_llama, store):
 
 
 @needs_store
+def test_a_waiting_requests_prefix_is_read_ahead_of_its_admission(tiny_llama, store):
+    """Queued, a request's prefix blocks are read from the store on the prefetch thread; its
+    admission takes them from there: each read once, none on the engine thread."""
+    from tests.engine.test_kv_tier import GREEDY
+
+    tokens = list(range(10, 10 + 45))
+    one = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    out = turn(one, tokens)
+    sent(one)
+    other = make_llm(tiny_llama, kv_store=store.url, **SMALL_POOL)
+    engine, tier = other.engine, other.engine.block_manager.tier
+    engine.add_request("r", {"prompt_token_ids": tokens}, GREEDY)
+    assert tier.prefetcher.wait(10)
+    assert tier.prefetcher.num_read == 11 and tier.prefetcher.num_used == 0  # read, before any step
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == out
+    assert tier.prefetcher.num_used == 11 and tier.store.num_read == 11  # taken, not read again
+    assert engine.scheduler.tokens_by_source["store"] == 44
+    assert_engine_idle(other)
+
+
+@needs_store
 def test_a_corrupted_block_in_the_store_is_computed_again(tiny_llama, store):
     import valkey
 
