@@ -76,6 +76,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def find_prefix(self, request: Request) -> tuple[list[int], list[int], dict[str, int]]:
+        """The request's prefix blocks in the pool, the host tier's slots of those after them, and
+        how many of those the tier read back from below it, by tier (disk, store)."""
+        cached = self.find_cached_prefix(request)
+        slots = self.find_in_tier(request, len(cached))
+        return cached, slots, dict(self.tier.found_below) if slots else {}
+
     def find_in_tier(self, request: Request, start: int) -> list[int]:
         """The host tier's slots holding the request's prefix blocks from block `start` on (after
         `find_cached_prefix`, which hashed them), with one token still left to compute."""

@@ -155,6 +155,33 @@ class Request:
             transfer = waited - remote_queue - prefill
         return {"queue_s": queue, "prefill_s": prefill, "transfer_s": transfer, "decode_s": max(0.0, end - first)}
 
+    def stop_status(self, token: int, eos_token_ids: frozenset[int] | set[int]) -> RequestStatus | None:
+        """Whether the request ends at its newest token, `token`, and why (None: it goes on)."""
+        params = self.params
+        if self.matcher is not None and self.matcher.done:  # the structure is complete: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token in eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_landed(self, first_token: int, first_logprobs: TokenLogprobs | None,
+                     prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+        """ValueError unless a first token sampled elsewhere brings what this request asks for."""
+        if self.params.logprobs is not None and first_logprobs is None:
+            raise ValueError("the first token came without the log-probabilities the request asks for")
+        if self.prompt_logprobs is not None:
+            if prompt_logprobs is None or [e and e.token_id for e in prompt_logprobs] != [
+                    None, *self.prompt_token_ids[1:]]:
+                raise ValueError("the first token came without the prompt's log-probabilities the request asks for")
+        if self.matcher is not None and not self.matcher.allows(first_token):
+            raise ValueError(f"the first token ({first_token}) is outside the request's structure")
+
     def sort_key(self) -> tuple[int, float]:
         """Lower priority value first, then first come, first served."""
         return (self.priority, self.arrival_time)
@@ -164,3 +191,23 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
             f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
         )
+
+
+def next_waiting(waiting: list[Request], max_wait_s: float | None, now: float) -> int:
+    """Index of the waiting request to admit next (`waiting` in the scheduler's order: priority,
+    then arrival). First come, first served within a priority; or (`max_wait_s` given) the shortest
+    prompt (with any output so far), unless one has waited `max_wait_s` (or was preempted, holding
+    progress): then the earliest of those goes first."""
+    if max_wait_s is None:
+        return 0
+    top = waiting[0].priority
+    best, best_key = 0, None
+    for i, req in enumerate(waiting):
+        if req.priority != top:
+            break
+        if req.status == RequestStatus.PREEMPTED or now - req.arrival_time >= max_wait_s:
+            return i  # the list is in arrival order within a priority: the earliest overdue one
+        key = (req.num_tokens, req.arrival_time)
+        if best_key is None or key < best_key:
+            best, best_key = i, key
+    return best

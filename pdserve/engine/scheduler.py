@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, next_waiting
 from pdserve.engine.role import RoleHooks
 from pdserve.engine.spec.budget import DraftBudget
 from pdserve.engine.spec.ngram import NgramProposer
@@ -175,7 +175,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         now = self.clock()
         while self.waiting and budget > 0 and self.num_live < self.max_num_seqs:
-            i = self._next_waiting(now)
+            i = next_waiting(self.waiting, self.max_wait_s, now)
             req = self.waiting[i]
             if req.remote_prefill:
                 if not self._reserve(req):
@@ -189,7 +189,7 @@ class Scheduler:
                 num_cached = resumed
                 self._count_sources(0, 0, {}, resumed=resumed, computed=req.num_tokens - resumed)
             else:
-                cached, slots, below = self._prefix(req)
+                cached, slots, below = self.blocks.find_prefix(req)
                 num_cached = (len(cached) + len(slots)) * self.blocks.block_size
                 if not self.blocks.allocate(req, len(slots) * self.blocks.block_size
                                             + min(req.num_tokens - num_cached, budget), cached):
@@ -209,31 +209,6 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_waiting(self, now: float) -> int:
-        """Index of the waiting request to admit next. First come, first served within a priority;
-        or the shortest prompt (with any output so far), unless one has waited `max_wait_s` (or was
-        preempted, holding progress): then the earliest of those goes first."""
-        if self.max_wait_s is None:
-            return 0
-        top = self.waiting[0].priority
-        best, best_key = 0, None
-        for i, req in enumerate(self.waiting):
-            if req.priority != top:
-                break
-            if req.status == RequestStatus.PREEMPTED or now - req.arrival_time >= self.max_wait_s:
-                return i  # the list is in arrival order within a priority: the earliest overdue one
-            key = (req.num_tokens, req.arrival_time)
-            if best_key is None or key < best_key:
-                best, best_key = i, key
-        return best
-
-    def _prefix(self, req: Request) -> tuple[list[int], list[int], dict[str, int]]:
-        """The request's prefix blocks in the pool, the host tier's slots of those after them, and
-        how many of those the tier read back from below it, by tier (disk, store)."""
-        cached = self.blocks.find_cached_prefix(req)
-        slots = self.blocks.find_in_tier(req, len(cached))
-        return cached, slots, dict(self.blocks.tier.found_below) if slots else {}
-
     def _count_sources(self, pool_blocks: int, tier_blocks: int, below: dict[str, int], **more: int) -> None:
         """A request starts from its KV: its prefix hits' blocks (in the pool, the host tier, or
         read from below it), and `more` tokens (computed here, or transferred)."""
@@ -247,7 +222,7 @@ class Scheduler:
 
     def _reserve(self, req: Request) -> bool:
         assert req.status == RequestStatus.WAITING
-        cached, slots, below = self._prefix(req)
+        cached, slots, below = self.blocks.find_prefix(req)
         bs = self.blocks.block_size
         num_cached = (len(cached) + len(slots)) * bs
         needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
@@ -277,14 +252,7 @@ class Scheduler:
         req = self.waiting_for_kv.get(request_id)
         if req is None:
             return None
-        if req.params.logprobs is not None and first_logprobs is None:
-            raise ValueError("the first token came without the log-probabilities the request asks for")
-        if req.prompt_logprobs is not None:
-            if prompt_logprobs is None or [e and e.token_id for e in prompt_logprobs] != [
-                    None, *req.prompt_token_ids[1:]]:
-                raise ValueError("the first token came without the prompt's log-probabilities the request asks for")
-        if req.matcher is not None and not req.matcher.allows(first_token):
-            raise ValueError(f"the first token ({first_token}) is outside the request's structure")
+        req.check_landed(first_token, first_logprobs, prompt_logprobs)
         del self.waiting_for_kv[request_id]
         assert req.status == RequestStatus.WAITING_FOR_KV
         req.remote_prefill = False  # from now on its KV is computed here (after a preemption too)
@@ -302,7 +270,7 @@ class Scheduler:
             req.matcher.consume(first_token)
         req.kv_landed_time = req.first_token_time = self.clock()
         req.remote_queue_s, req.remote_compute_s = prefill_times
-        status = self._stop_status(req, first_token)
+        status = req.stop_status(first_token, self.eos_token_ids)
         if status is not None:
             self.finish(request_id, status)
         return req
@@ -371,7 +339,7 @@ class Scheduler:
             req.matcher.consume(token)
         if req.first_token_time is None:
             req.first_token_time = self.clock()
-        status = self._stop_status(req, token)
+        status = req.stop_status(token, self.eos_token_ids)
         if status is not None:
             self.finish(req.request_id, status)
         return status is not None
@@ -393,21 +361,6 @@ class Scheduler:
                 return
         req.num_computed_tokens += len(tokens)  # all but the newest token, as after any decode step
         self.blocks.cache_full_blocks(req)
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.params
-        if req.matcher is not None and req.matcher.done:  # the structure is complete: nothing may follow
-            return RequestStatus.FINISHED_STOPPED
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= req.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def restate_finish(self, req: Request, status: RequestStatus) -> None:
         """A finished request's reason, corrected: a stop string found in its text ended it at an
