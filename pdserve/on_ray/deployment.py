@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pdserve.credentials import API_KEY_ENV
 from pdserve.launcher import router_argv, served_model, wait_registered, worker_argv
+from pdserve.on_ray.process_actor import DURABLE_PLACEHOLDER
 from pdserve.on_ray.placement import Resources
 from pdserve.on_ray.process_actor import ProcessActor
 
@@ -142,6 +143,8 @@ class Deployment:
             number = next(self._numbers)
             argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.router_url, "{node_ip}",
                                  self.args.threads or resources.threads()), "--node-name", "{node}"]
+            if self.args.durable_kv and pool != "prefill":  # its actor names the pool file, on its node
+                argv += ["--durable-kv", DURABLE_PLACEHOLDER]
             added.append(self._add_actor(f"{pool} worker {number}", pool, argv, resources, slot))
         try:
             self._await_ready(added, timeout)

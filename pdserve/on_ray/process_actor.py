@@ -10,8 +10,14 @@ Lifecycle:
 3. Should the actor itself die (its node lost, its raylet gone), the child dies with it (SIGKILL:
    Ray starts the actor again on a node that fits, up to its restart limit, and a second copy
    must not linger). That is step 1 again, on the new node, with a new `incarnation`.
+   A decode worker with a durable KV pool (`pdserve serve --ray --durable-kv`) has it named by its
+   actor (`{durable_kv}` in its argv), after the actor's process: the actor holds it, so a child
+   that crashes and is started again in the actor finds its KV and resumes its requests, as under
+   `pdserve serve`. An actor that dies takes the pool's node-local file with it (reaped there); its
+   new incarnation starts a new pool.
 4. `drain()`: SIGTERM to the child, which finishes its requests, leaves the router and exits 0,
-   and is not started again. `stop()`: every child stopped, SIGKILL after a grace period.
+   and is not started again. `stop()`: every child stopped, SIGKILL after a grace period; the
+   durable pool removed.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import subprocess
 import threading
 import time
 
+from pdserve.launcher import durable_pool_name, remove_durable_pools
 from pdserve.supervisor import RestartPolicy, Supervisor
+
+DURABLE_PLACEHOLDER = "{durable_kv}"
 
 
 class ProcessActor:
@@ -36,8 +45,9 @@ class ProcessActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         self.incarnation = secrets.token_hex(6)  # another after Ray restarts this actor
+        self.pools = [durable_pool_name()] if DURABLE_PLACEHOLDER in argv else []  # after this process
         self.argv = [a.replace("{node_ip}", self.node_ip).replace("{node}", f"ray-{self.node_id[:16]}")
-                     for a in argv]
+                     .replace(DURABLE_PLACEHOLDER, self.pools[0] if self.pools else "") for a in argv]
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._started = threading.Event()
@@ -78,9 +88,12 @@ class ProcessActor:
         still running after `timeout` seconds."""
         self.sup.retire(self.member)
         try:
-            return self.member.child.proc.wait(timeout)
+            code = self.member.child.proc.wait(timeout)
         except subprocess.TimeoutExpired:  # the caller decides what comes next
             return None
+        remove_durable_pools(self.pools)  # drained: nothing in it waits to resume
+        return code
 
     def stop(self, grace_s: float) -> None:
         self.sup.stop(grace_s)
+        remove_durable_pools(self.pools)

@@ -1,12 +1,16 @@
 """`pdserve serve --ray` on a Ray cluster of four nodes on this machine (`ray.cluster_utils.Cluster`,
 every node on 127.0.0.1): a head node for the router, a node marked `prefill_node` and two marked
 `decode_node`. One deployment (1P2D, each pool in a spread placement group, KV over tcp only) serves the module's scenarios in order:
-placement and token-exact output, a decode node lost mid-stream (its requests recover, its actor
-comes back when a node fits again), and `pdserve scale`."""
+placement and token-exact output, a decode worker's process killed mid-stream (its actor holds its
+durable KV pool: the worker comes back in the actor and resumes its streams), a decode node lost
+mid-stream (its requests recover, its actor comes back when a node fits again), and `pdserve scale`."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +63,7 @@ def deployment(cluster, tiny_llama):
         "--ray", c.address, "--name", "test", "--model", str(tiny_llama), "--port", str(_free_port()),
         "--decode", "2", "--transfer", "tcp", "--prefill-resources", '{"prefill_node": 1}',
         "--decode-resources", '{"decode_node": 1}', "--placement", "spread", "--migrate-on-failure", "--dtype", "float32",
+        "--durable-kv", "--resume-wait", "5",
         "--kv-cache-memory", "8MiB", "--block-size", "4", "--max-restart-backoff", "1",
         env={**os.environ, "PDSERVE_TOKEN": TOKEN, "PDSERVE_ADMIN_KEY": ADMIN_KEY})
     try:
@@ -124,23 +129,21 @@ def test_one_prefill_two_decode_on_their_nodes_token_exact_over_tcp(cluster, dep
         wait_for(lambda: _idle(d["url"]), 30, "the decode workers to hold nothing")
 
 
-def test_a_lost_decode_node_loses_no_request_and_its_worker_comes_back(cluster, deployment, offline):
-    c, nodes = cluster
-    actors, url, model = _actors(deployment), deployment.event("ready")["url"], deployment.event("ready")["model"]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    prompts, texts, firsts = [f"a long answer number {i}" for i in range(4)], {}, threading.Semaphore(0)
-    errors: list[BaseException] = []
+def _streams(client: openai.OpenAI, model: str, prompts: list[str], max_tokens: int):
+    """Streamed completions on threads: (threads, texts by prompt, a semaphore released at each first
+    token, errors)."""
+    texts, firsts, errors = {}, threading.Semaphore(0), []
 
     def stream(prompt: str) -> None:
         try:
             parts = []
-            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=600, temperature=0,
+            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True}):
                 if not parts:
                     firsts.release()
                 parts.append(chunk.choices[0].text)
             texts[prompt] = "".join(parts)
-        except BaseException as e:  # read below: a stream that failed fails the test
+        except BaseException as e:  # read by the test: a stream that failed fails it
             errors.append(e)
             firsts.release()
 
@@ -149,6 +152,37 @@ def test_a_lost_decode_node_loses_no_request_and_its_worker_comes_back(cluster, 
         t.start()
     for _ in prompts:
         assert firsts.acquire(timeout=60), "a stream got no first token"
+    return threads, texts, errors
+
+
+def test_a_killed_decode_worker_resumes_from_the_pool_its_actor_holds(deployment, offline):
+    actors, url, model = _actors(deployment), deployment.event("ready")["url"], deployment.event("ready")["model"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"a story that goes on, number {i}" for i in range(3)]
+    threads, texts, errors = _streams(client, model, prompts, 400)
+    running = {name: httpx.get(actors[name]["url"] + "/stats", headers=WORKER_AUTH).json()["running"]
+               for name in ("decode worker 1", "decode worker 2")}
+    victim = actors[max(running, key=running.get)]
+    assert glob.glob("/dev/shm/pdserve-kv-*")  # the actors' pools
+    os.kill(victim["pid"], signal.SIGKILL)  # the worker process; its actor (and the pool it holds) live on
+    for t in threads:
+        t.join(180)
+        assert not t.is_alive(), "a stream never ended"
+    assert not errors, errors
+    for prompt in prompts:
+        assert texts[prompt] == offline_text(offline, prompt, 400, ignore_eos=True)
+    metrics = httpx.get(url + "/metrics").text
+    resumed = float(re.search(r'pdserve_migrations_total\{reason="resumed"\} (\S+)', metrics).group(1))
+    assert resumed == max(running.values()), metrics  # each of its streams, from its KV
+    wait_for(lambda: httpx.get(url + "/health").json()["workers"] == 3, 60, "the worker back in its actor")
+
+
+def test_a_lost_decode_node_loses_no_request_and_its_worker_comes_back(cluster, deployment, offline):
+    c, nodes = cluster
+    actors, url, model = _actors(deployment), deployment.event("ready")["url"], deployment.event("ready")["model"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"a long answer number {i}" for i in range(4)]
+    threads, texts, errors = _streams(client, model, prompts, 600)
     lost = actors["decode worker 1"]
     node = next(n for n in nodes["decode"] if n.node_id == lost["node_id"])
     c.remove_node(node, allow_graceful=False)  # the machine is gone: its raylet, actors and their children
