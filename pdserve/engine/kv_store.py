@@ -143,6 +143,8 @@ class StoreKVTier:
             for block_hash, value in zip(ask, values):
                 block = self._checked(block_hash, value) if value is not None else None
                 if block is None:
+                    with self._lock:  # the store let it go (or it failed its checks): send it again when computed
+                        self._sent.pop(block_hash, None)
                     self.num_read += len(blocks)
                     return blocks
                 blocks.append(block)
