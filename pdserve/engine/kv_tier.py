@@ -22,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -35,6 +37,7 @@ log = logging.getLogger("pdserve.engine")
 
 ENCODINGS = ("raw", "int8")
 STAGING_BLOCKS = 64  # the host tier a disk tier gets where none was asked for: its reads and writes pass it
+MAX_PENDING_WRITES = 256  # blocks copied out for the disk tier's writer, not yet written
 
 
 def make_tiers(config, kv_cache: torch.Tensor, block_bytes: int, kv_name: str) -> HostKVTier | None:
@@ -243,7 +246,9 @@ class DiskKVTier:
     (`--disk-kv-path`, bounded by `--disk-kv-memory`): one file a block, named by its prefix hash,
     written whole then renamed into place, its bytes checked (CRC-32) when read back. A file that
     does not check out is deleted and its block computed again, never served. The files outlive
-    the worker: one started again with the same model and layout finds them."""
+    the worker: one started again with the same model and layout finds them. The engine thread
+    only copies a block out; a writer thread writes it (until then it is read from the copy), at
+    most `MAX_PENDING_WRITES` waiting, past which a block is not kept (counted)."""
 
     MAGIC = b"PDSKV1\0\0"
 
@@ -267,19 +272,52 @@ class DiskKVTier:
         self.num_written = 0
         self.num_read = 0
         self.num_corrupt = 0
-        self._lock = threading.Lock()  # the engine thread writes and reads, the prefetch thread reads
+        self.num_dropped = 0  # not kept: too many waited to be written
+        self._lock = threading.Lock()  # the engine thread saves and reads, the writer writes, the prefetch reads
+        self._pending: dict[int, torch.Tensor] = {}  # copied out, not yet written
+        self._writes: queue.Queue = queue.Queue()
+        threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._index
+        return block_hash in self._index or block_hash in self._pending
 
     def save(self, block_hash: int, block: torch.Tensor) -> None:
+        """Keep this block's KV on disk: copied now, written by the writer thread."""
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
                 return
-            while len(self._index) >= self.capacity:
+            if block_hash in self._pending:
+                return
+            if len(self._pending) >= MAX_PENDING_WRITES:
+                self.num_dropped += 1
+                return
+            self._pending[block_hash] = block.to("cpu", self.dtype, copy=True).contiguous()
+        self._writes.put(block_hash)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until what was saved is written (tests, benchmarks); False if it took longer."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not self._pending
+
+    def _write_loop(self) -> None:
+        while True:
+            block_hash = self._writes.get()
+            try:
+                self._write(block_hash, self._pending[block_hash])
+            except OSError as e:  # a full or failing disk: the block is not kept, the worker goes on
+                log.warning("disk KV tier: could not write a block (%s)", e)
+            finally:
+                with self._lock:
+                    self._pending.pop(block_hash, None)
+
+    def _write(self, block_hash: int, block: torch.Tensor) -> None:
+        with self._lock:
+            while self._index and len(self._index) >= self.capacity:
                 self._drop(next(iter(self._index)))
-        data = block.to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        data = block.view(torch.uint8).numpy().tobytes()
         path = self.dir / f"{block_hash:032x}.kv"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(self.MAGIC + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little") + data)
@@ -291,7 +329,10 @@ class DiskKVTier:
     def load(self, block_hash: int) -> torch.Tensor | None:
         """The block's KV, or None where its file is gone or does not check out (then deleted)."""
         with self._lock:
-            path = self._index.get(block_hash)
+            path, pending = self._index.get(block_hash), self._pending.get(block_hash)
+        if pending is not None:
+            self.num_read += 1
+            return pending.clone()
         if path is None:
             return None
         try:

@@ -120,6 +120,7 @@ def test_the_disk_tier_outlives_its_engine_and_refuses_a_corrupted_block(tiny_ll
     first = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
     second, _, _ = second_turn(first)
     fresh = turn(make_llm(tiny_llama), second)
+    assert first.engine.block_manager.tier.spill.flush()  # written by the tier's writer thread
     files = sorted(first.engine.block_manager.tier.spill.dir.glob("*.kv"))
     assert files
     again = make_llm(tiny_llama, disk_kv_path=str(tmp_path), **DISK)
