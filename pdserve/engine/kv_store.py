@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 import torch
 
+from pdserve.engine.tier_prefetch import waited
 from pdserve.store_server import PASSWORD_ENV, parse_store_url
 
 log = logging.getLogger("pdserve.engine")
@@ -102,13 +103,7 @@ class StoreKVTier:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until what was queued is sent (tests, benchmarks); False if it took longer."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._pending_bytes == 0:
-                    return True
-            time.sleep(0.005)
-        return False
+        return waited(lambda: self._pending_bytes == 0, timeout_s)
 
     def _send_loop(self) -> None:
         while True:

@@ -24,14 +24,13 @@ import logging
 import os
 import queue
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.tier_prefetch import Prefetcher
+from pdserve.engine.tier_prefetch import Prefetcher, waited
 
 log = logging.getLogger("pdserve.engine")
 
@@ -297,10 +296,7 @@ class DiskKVTier:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until what was saved is written (tests, benchmarks); False if it took longer."""
-        deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return not self._pending
+        return waited(lambda: not self._pending, timeout_s)
 
     def _write_loop(self) -> None:
         while True:

@@ -30,6 +30,17 @@ MAX_ASKED_BLOCKS = 1024  # of one request
 MAX_WAIT_S = 10.0  # for a block on its way (a store past its timeout has failed by then)
 
 
+def waited(done, timeout_s: float) -> bool:
+    """Poll `done()` until it holds (True) or `timeout_s` passes (False): a tier's writer or reader
+    thread caught up, for tests and benchmarks."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 class Prefetcher:
     def __init__(self, disk, store, capacity: int) -> None:
         self.disk, self.store, self.capacity = disk, store, capacity
@@ -61,13 +72,7 @@ class Prefetcher:
 
     def wait(self, timeout_s: float = 30.0) -> bool:
         """Until every ask so far is read (tests, benchmarks); False if it took longer."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._pending == 0:
-                    return True
-            time.sleep(0.002)
-        return False
+        return waited(lambda: self._pending == 0, timeout_s)
 
     def clear(self) -> None:
         with self._lock:
