@@ -153,10 +153,16 @@ class Scheduler:
         if not any(r.priority > req.priority and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
             return None
         # a reservation takes its whole prompt and headroom at once; a prompt computed here, a chunk
-        first = req.num_tokens + self.headroom_tokens if req.remote_prefill else min(req.num_tokens, budget)
-        if self.blocks.blocks_needed(first) > self.blocks.num_free_blocks:
+        first = self._reservation_blocks(req) if req.remote_prefill else self.blocks.blocks_needed(
+            min(req.num_tokens, budget))
+        if first > self.blocks.num_free_blocks:
             return None
         return req.priority
+
+    def _reservation_blocks(self, req: Request) -> int:
+        """Blocks a reservation takes: the prompt's and the headroom's, at most the whole pool (a
+        prompt that fits it alone must not wait for room that can never come, holding up the queue)."""
+        return min(self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens), self.blocks.num_blocks)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode-only step's rows and seconds, which price the rows drafts add."""
@@ -225,7 +231,7 @@ class Scheduler:
         cached, slots, below = self.blocks.find_prefix(req)
         bs = self.blocks.block_size
         num_cached = (len(cached) + len(slots)) * bs
-        needed = self.blocks.blocks_needed(req.num_tokens + self.headroom_tokens) - len(cached)
+        needed = self._reservation_blocks(req) - len(cached)
         if needed > self.blocks.num_free_blocks:
             return False
         if not self.blocks.allocate(req, req.num_tokens - len(cached) * bs, cached):

@@ -119,3 +119,23 @@ def test_a_landed_request_preempted_later_recomputes_here():
         run_fake_step(sched)
     assert req.status == RequestStatus.FINISHED_LENGTH and hooks.reserved == [req.request_id]
     assert_no_leaks(sched.blocks)
+
+
+def test_a_prompt_whose_headroom_the_pool_cannot_hold_is_still_reserved_when_the_pool_is_free():
+    """A prompt that fits the pool, but not with the headroom on top (a request moved here whole by
+    hot-spot relief, near the pool's size), is reserved once nothing else holds blocks: waiting for
+    room that can never come would hold every request behind it forever."""
+    sched, hooks = scheduler(num_blocks=8, headroom=8)  # 32 slots
+    big, after = remote(num_prompt_tokens=30, max_tokens=2), remote(num_prompt_tokens=4)
+    sched.add(big)
+    sched.add(after)
+    sched.schedule()
+    assert big.status == RequestStatus.WAITING_FOR_KV and len(sched.blocks.block_table(big.request_id)) == 8
+    assert after.status == RequestStatus.WAITING  # no room left: it waits for the big one
+    assert sched.kv_landed(big.request_id, first_token=7) is big
+    run_fake_step(sched)
+    assert big.status == RequestStatus.FINISHED_LENGTH
+    sched.schedule()
+    assert after.status == RequestStatus.WAITING_FOR_KV
+    sched.finish(after.request_id, RequestStatus.FINISHED_ABORTED)
+    assert_no_leaks(sched.blocks)
