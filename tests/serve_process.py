@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
+
+from pdserve.bench.local_cluster import stop_serve
 
 
 class ServeProcess:
@@ -25,10 +26,4 @@ class ServeProcess:
         return next((e for e in self.events[after:] if e["event"] == kind and name in (None, e.get("name"))), None)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its children
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
-                self.proc.wait(10)
+        stop_serve(self.proc)

@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.bench.local_cluster import stop_serve
 from pdserve.workload.args import chosen
 
 SETTINGS = {"durable": ["--prefill", "1", "--decode", "1", "--durable-kv"],
@@ -81,13 +82,7 @@ class Cluster:
         return None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its children
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
-                self.proc.wait(10)
+        stop_serve(self.proc)
 
 
 def token_range(model: str | None) -> tuple[int, int]:

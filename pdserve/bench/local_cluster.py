@@ -15,6 +15,18 @@ from pathlib import Path
 from typing import Callable
 
 
+def stop_serve(proc: subprocess.Popen) -> None:
+    """Stop a `pdserve serve` process: SIGTERM (it stops its children), SIGKILL after a minute (its
+    children then get SIGTERM from the kernel: PR_SET_PDEATHSIG)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class LocalCluster:
     """`pdserve serve --port 0 ...` as a child until `stop()`: its ready line parsed (`ready`, `url`,
     `pids` by process name), its stderr in `log_path` (or dropped), `env` added to its environment
@@ -59,12 +71,6 @@ class LocalCluster:
 
     def stop(self) -> None:
         """SIGTERM (the launcher stops its children), then SIGKILL after a minute."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_serve(self.proc)
         if self.log is not None:
             self.log.close()

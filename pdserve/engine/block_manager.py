@@ -93,8 +93,9 @@ class BlockManager:
 
     def prefetch(self, request: Request) -> None:
         """A request enters the queue: the tier reads ahead the prefix blocks after the pool's."""
-        if self.tier is None or not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
-            return
+        if (self.tier is None or self.tier.prefetcher is None or not self.enable_prefix_caching
+                or request.params.prompt_logprobs is not None):
+            return  # nothing below host memory to read from
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
         hashes = request.block_hashes[:max_blocks]

@@ -11,8 +11,8 @@ hold a copy of each. Pure bookkeeping over plain data (no workers, no HTTP); the
 2. Such a prefix is tracked with its tokens (one past its last block where the prompt has it: the
    copy's source then computes that one token, its blocks all cached). Nested prefixes are tracked
    apart (a system prompt, and a document many of its requests go on with): their rates differ.
-3. The copies a prefix wants: one per `rate_per_copy` of its rate, at least one (its first holder),
-   at most the decode workers. A prefix whose rate fell below `FORGET_SHARE` of `rate_per_copy`
+3. The copies a prefix wants: one per `rate_per_copy` of its rate, at least one (its first holder);
+   the replica round makes at most as many as there are decode workers to hold them. A prefix whose rate fell below `FORGET_SHARE` of `rate_per_copy`
    is forgotten, once its copies are dropped.
 """
 

@@ -92,11 +92,16 @@ def route(workers: list[Candidate], prompt_ids: list[int], index: PrefixIndex | 
             hashed[w.block_size] = block_hashes(prompt_ids, w.block_size)
         return hashed[w.block_size]
 
+    known: dict[str, int] = {}  # worker id -> its cached tokens: each worker looked up once
+
     def cached(w: Candidate) -> int:  # in its own cache, or in a store it reads (a read, not a computation)
         if index is None:
             return 0
-        own = index.cached_tokens(w.worker_id, w.block_size, hashes(w))
-        return max(own, index.cached_tokens(STORE_PREFIX + w.store, w.block_size, hashes(w))) if w.store else own
+        if w.worker_id not in known:
+            own = index.cached_tokens(w.worker_id, w.block_size, hashes(w))
+            known[w.worker_id] = max(own, index.cached_tokens(STORE_PREFIX + w.store, w.block_size, hashes(w))) \
+                if w.store else own
+        return known[w.worker_id]
 
     shares = {k: cached(decodes[k]) / len(prompt_ids) for k in roomy} if index is not None and prompt_ids else {}
     d = decodes[choose_decode(roomy, weights, cached_share=shares)]

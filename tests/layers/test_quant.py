@@ -213,6 +213,28 @@ def test_quantization_settings_are_checked(tiny_llama):
         LLM(str(tiny_llama), quantization="int8", device="cuda")
 
 
+@needs_kernels
+def test_calibrated_thresholds_are_measured_once_per_machine_and_kernel_set(monkeypatch, tmp_path):
+    """A model's thresholds are kept in the cache: measured at the first load only, again for other
+    kernels (`PDSERVE_CPU_ISA` forcing a fallback), other weights, or a cache entry that is not one."""
+    from pdserve.layers import quant
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(quant, "calibrate", lambda weights, dtype: measured.append(len(weights)) or (None, 2, 64))
+    held = quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)), 4, torch.float32, native.load())
+    assert quant.calibrated([held, held], torch.float32) == (None, 2, 64)
+    assert quant.calibrated([held, held], torch.float32) == (None, 2, 64) and measured == [2]
+    quant.calibrated([held], torch.float32)  # another count of weights
+    monkeypatch.setenv(native.ISA_ENV, "portable")
+    quant.calibrated([held, held], torch.float32)  # another kernel set
+    assert measured == [2, 1, 2]
+    monkeypatch.delenv(native.ISA_ENV)
+    quant.THRESHOLDS.path.write_text('{"x": {"rows": "not rows"}}')  # unreadable entries are measured again
+    quant.calibrated([held, held], torch.float32)
+    assert measured == [2, 1, 2, 2]
+
+
 def test_kernels_that_cannot_be_built_are_reported_and_left_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails every build
