@@ -30,6 +30,12 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(architecture="qwen2"),
     # q/k RMSNorm, explicit head_dim (heads * head_dim != hidden)
     "qwen3": dict(architecture="qwen3", head_dim=32),
+    # routed experts (top 2 of 4, renormalized), GQA
+    "mixtral": dict(architecture="mixtral"),
+    # q/k/v biases, a dense first layer, a shared expert with its gate, top-k weights as the router gives them
+    "qwen2_moe": dict(architecture="qwen2_moe"),
+    # q/k RMSNorm, top 2 of 8 renormalized
+    "qwen3_moe": dict(architecture="qwen3_moe"),
 }
 
 

@@ -8,10 +8,10 @@ import torch
 from pdserve.models.arch_config import ArchConfig
 
 FLOP_COUNT = (
-    "MFU = 2 * non-embedding parameters * prompt tokens / seconds / measured matmul peak (the Kaplan "
-    "et al. count: one multiply-add per weight per token; embedding lookup and the one-token lm_head "
-    "excluded). Causal attention adds 2 * layers * q_size * L**2 FLOP (QK^T and AV); "
-    "mfu_incl_attention_pct counts it too."
+    "MFU = 2 * non-embedding parameters (of a mixture of experts, those a token computes with) * prompt "
+    "tokens / seconds / measured matmul peak (the Kaplan et al. count: one multiply-add per weight per "
+    "token; embedding lookup and the one-token lm_head excluded). Causal attention adds "
+    "2 * layers * q_size * L**2 FLOP (QK^T and AV); mfu_incl_attention_pct counts it too."
 )
 BYTE_COUNT = (
     "MBU = bytes read per decode step / step time / measured read bandwidth, where a step reads every "
@@ -20,13 +20,16 @@ BYTE_COUNT = (
 )
 
 
-def non_embedding_parameters(cfg: ArchConfig) -> int:
-    return cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+def non_embedding_parameters(cfg: ArchConfig, active: bool = False) -> int:
+    """Every non-embedding parameter, or with `active` those one token computes with (a
+    mixture-of-experts model's top-k experts)."""
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_parameters(active) - embeddings
 
 
 def prefill_flops(cfg: ArchConfig, tokens: int) -> tuple[float, float]:
     """(matmul FLOP, causal attention FLOP) of one prompt."""
-    return 2.0 * non_embedding_parameters(cfg) * tokens, 2.0 * cfg.num_layers * cfg.q_size * tokens**2
+    return 2.0 * non_embedding_parameters(cfg, active=True) * tokens, 2.0 * cfg.num_layers * cfg.q_size * tokens**2
 
 
 def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_context: float) -> float:

@@ -1,6 +1,8 @@
 """Architecture hyper-parameters of a Llama-family model, read from a Hugging Face config.json.
 
-Llama, Mistral, Qwen2 and Qwen3 share one forward pass; they differ only by the flags below.
+Llama, Mistral, Qwen2 and Qwen3 share one forward pass; they differ only by the flags below. Their
+mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP of some or all layers by
+routed experts (`experts`).
 A config.json means what transformers' class for its architecture makes of it: a field left out
 takes that class's default, and the layouts of transformers 4 and 5 are both read (the rotary
 fields in `rope_config`, the sliding window here). What transformers would honour and we cannot
@@ -25,7 +27,10 @@ class _Family:
     qkv_bias: bool = False  # hard-coded by the class: Qwen2 biases q/k/v (not o_proj) whatever the config says
     # Flags the class honours that need weights we do not implement (Llama's attention_bias biases o_proj too).
     unsupported_flags: tuple[str, ...] = ()
-    sliding: str = "never"  # "never" | "always" (every layer, when a window is set) | "opt_in" (Qwen's flags)
+    # "never" | "always" (every layer, when a window is set) | "opt_in" (Qwen's flags) |
+    # "opt_in_all" (every layer, with use_sliding_window)
+    sliding: str = "never"
+    experts: str | None = None  # how its MoE config reads: "mixtral" | "qwen_moe"; None: dense
     defaults: dict[str, Any] = field(default_factory=dict)  # the class's values for fields left out
 
 
@@ -41,6 +46,18 @@ _ARCHITECTURES: dict[str, _Family] = {
     "Qwen2ForCausalLM": _Family(qkv_bias=True, sliding="opt_in", defaults=_QWEN_DEFAULTS),
     "Qwen3ForCausalLM": _Family(qk_norm=True, unsupported_flags=("attention_bias",), sliding="opt_in",
                                 defaults=_QWEN_DEFAULTS | dict(head_dim=128)),
+    "MixtralForCausalLM": _Family(sliding="always", experts="mixtral", defaults=dict(
+        num_key_value_heads=8, max_position_embeddings=131072, num_local_experts=8, num_experts_per_tok=2)),
+    # Qwen2-MoE's sliding layers follow a pattern of their own (odd layers below max_window_layers): refused
+    "Qwen2MoeForCausalLM": _Family(qkv_bias=True, unsupported_flags=("use_sliding_window",), experts="qwen_moe",
+                                   defaults=dict(num_key_value_heads=16, max_position_embeddings=32768,
+                                                 num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                                 shared_expert_intermediate_size=5632)),
+    "Qwen3MoeForCausalLM": _Family(qk_norm=True, unsupported_flags=("attention_bias",), sliding="opt_in_all",
+                                   experts="qwen_moe", defaults=dict(
+                                       num_key_value_heads=4, max_position_embeddings=32768, head_dim=128,
+                                       sliding_window=4096, num_local_experts=128, num_experts_per_tok=8,
+                                       moe_intermediate_size=768)),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -66,6 +83,7 @@ class ArchConfig:
     sliding_window: int | None = None  # window of the layers that slide; None when none does
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    experts: Experts | None = None  # the routed experts of a mixture-of-experts model; None: dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,14 +100,29 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is routed experts (else the dense one of `intermediate_size`)."""
+        return self.experts is not None and layer not in self.experts.dense_layers
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Every parameter, or with `active` those one token computes with (its top-k experts)."""
+        h, v = self.hidden_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        mlps = 0
+        for layer in range(self.num_layers):
+            if not self.sparse(layer):
+                mlps += 3 * h * self.intermediate_size
+                continue
+            e = self.experts
+            routed = e.per_token if active else e.count
+            mlps += routed * 3 * h * e.intermediate_size + h * e.count
+            if e.shared_intermediate_size:
+                mlps += 3 * h * e.shared_intermediate_size + h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        return self.num_layers * per_layer + mlps + embeddings + h
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -128,9 +161,46 @@ class ArchConfig:
                 sliding_window=_sliding_window(cfg, family, num_layers),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+                experts=_experts(cfg, family, num_layers),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class Experts:
+    """A mixture-of-experts MLP: a router picks each token's `per_token` experts of `count`, whose
+    outputs add up weighted by the router's probabilities (renormalized over the picked ones where
+    `normalize`); a shared expert, where the model has one, adds its output to every token's, scaled
+    by a sigmoid gate of its own."""
+
+    count: int
+    per_token: int
+    intermediate_size: int  # of each routed expert
+    normalize: bool
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is the dense one instead
+
+
+def _experts(cfg: dict[str, Any], family: _Family, num_layers: int) -> Experts | None:
+    if family.experts is None:
+        return None
+    if family.experts == "mixtral":  # every layer routed; the top-k weights always renormalized
+        return Experts(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+                       int(cfg["intermediate_size"]), normalize=True)
+    # Qwen-MoE: `num_experts` (transformers 5 writes Qwen3-MoE's as `num_local_experts`), sparse
+    # layers every `decoder_sparse_step`th except `mlp_only_layers`
+    count = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in only_mlp or count == 0 or (i + 1) % step)
+    experts = Experts(count, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                      normalize=bool(cfg.get("norm_topk_prob", False)),
+                      shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                      dense_layers=dense)
+    if count and not 0 < experts.per_token <= count:
+        raise ValueError(f"num_experts_per_tok ({experts.per_token}) must be between 1 and num_experts ({count})")
+    return experts
 
 
 def _refuse_unsupported(cfg: dict[str, Any], arch: str, family: _Family) -> None:
@@ -146,8 +216,10 @@ def _sliding_window(cfg: dict[str, Any], family: _Family, num_layers: int) -> in
     if family.sliding == "never":  # transformers' Llama ignores any window a config names
         return None
     window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
-    if family.sliding == "always":  # Mistral: every layer slides (it ignores layer_types too)
+    if family.sliding == "always":  # Mistral, Mixtral: every layer slides (they ignore layer_types too)
         return window
+    if family.sliding == "opt_in_all":  # Qwen3-MoE: every layer, with use_sliding_window
+        return window if cfg.get("use_sliding_window") else None
     # Qwen2/Qwen3: only with use_sliding_window, and only the layers marked in layer_types
     # (transformers 5 writes it; the window is then saved as null when the flag is off), or in
     # older configs every layer from max_window_layers on.

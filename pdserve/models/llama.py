@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model; variants are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and with routed experts Mixtral, Qwen2-MoE,
+Qwen3-MoE) as one model; variants are config flags.
 
 Weights are stored fused: q/k/v projections as one `qkv_proj`, gate/up as one `gate_up_proj`, so
 a decode step issues two matmuls fewer per layer.
@@ -13,16 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.attention import AttentionMetadata, attend_cached, paged_attention, paged_attention_op
-from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.linear import linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pdserve.models.arch_config import ArchConfig
+from pdserve.models.mlp import GatedMLP, feed_forward, weight
 from pdserve.models.native_decode import NativeDecode
-
-
-def _weight(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class LlamaAttention(nn.Module):
@@ -32,9 +29,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = _weight(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
-        self.qkv_bias = _weight(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
-        self.o_proj = _weight(cfg.hidden_size, cfg.q_size)
+        self.qkv_proj = weight(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+        self.qkv_bias = weight(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
+        self.o_proj = weight(cfg.hidden_size, cfg.q_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -81,28 +78,13 @@ class LlamaAttention(nn.Module):
         return attend_cached(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache, meta, self.scale)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = _weight(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _weight(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor, kernels: NativeKernels | None = None) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
-        if kernels is not None:
-            return linear(kernels.silu_mul(gate_up), self.down_proj)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = feed_forward(cfg, layer)
 
     def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta: the previous layer's MLP output, None before the
@@ -118,10 +100,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = weight(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weight(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.use_decode_stack = True  # decode steps in one kernel call where they can (`native_decode`)
         self._decode_stack: NativeDecode | None = None
@@ -163,11 +145,17 @@ class LlamaForCausalLM(nn.Module):
     def products(self, max_tokens: int, max_sequences: int) -> list[tuple[object, torch.Tensor | None, int]]:
         """The matmuls a step runs, one per weight shape (the layers share them), as (weight, bias,
         the most rows it takes): a step's tokens for the layers', its sequences for the head's."""
-        layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        return [(attn.qkv_proj, attn.qkv_bias, max_tokens), (attn.o_proj, None, max_tokens),
-                (mlp.gate_up_proj, None, max_tokens), (mlp.down_proj, None, max_tokens),
-                (self.lm_head, None, max_sequences)]
+        attn = self.layers[0].self_attn
+        products = [(attn.qkv_proj, attn.qkv_bias, max_tokens), (attn.o_proj, None, max_tokens)]
+        kinds: dict[tuple[int, int], object] = {}  # one MLP of each size: dense, an expert, a shared expert
+        for layer in self.layers:
+            mlp = layer.mlp
+            for part in (mlp,) if isinstance(mlp, GatedMLP) else (mlp.experts[0], mlp.shared_expert):
+                if part is not None:
+                    kinds.setdefault((part.intermediate, id(type(mlp))), part)
+        for part in kinds.values():
+            products += [(part.gate_up_proj, None, max_tokens), (part.down_proj, None, max_tokens)]
+        return products + [(self.lm_head, None, max_sequences)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return linear(hidden, self.lm_head).float()

@@ -13,6 +13,7 @@ from pdserve.layers.linear import pack_weight
 from pdserve.layers.kernels.native import load as load_kernels
 from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrated, dense_memory_budget, quantize
 from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.models.expert_weights import gated_mlps, take_experts, take_mlp
 from pdserve.models.llama import LlamaForCausalLM
 
 # Tensors some checkpoints carry that the model recomputes itself.
@@ -52,7 +53,7 @@ def build_model(
     params["norm.weight"] = tensors.take("model.norm.weight", (cfg.hidden_size,))
     # each matmul weight's checkpoint tensors, for the bits they were stored in
     sources = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
-    h, q, kv, inter, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    h, q, kv, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
@@ -71,15 +72,12 @@ def build_model(
             params[dst + "self_attn.q_norm.weight"] = tensors.take(attn + "q_norm.weight", (hd,))
             params[dst + "self_attn.k_norm.weight"] = tensors.take(attn + "k_norm.weight", (hd,))
         params[dst + "self_attn.o_proj"] = tensors.take(attn + "o_proj.weight", (h, q))
-        params[dst + "mlp.gate_up_proj"] = torch.cat([
-            tensors.take(src + "mlp.gate_proj.weight", (inter, h)),
-            tensors.take(src + "mlp.up_proj.weight", (inter, h)),
-        ])
-        params[dst + "mlp.down_proj"] = tensors.take(src + "mlp.down_proj.weight", (h, inter))
         sources[dst + "self_attn.qkv_proj"] = [attn + f"{x}_proj.weight" for x in "qkv"]
         sources[dst + "self_attn.o_proj"] = [attn + "o_proj.weight"]
-        sources[dst + "mlp.gate_up_proj"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
-        sources[dst + "mlp.down_proj"] = [src + "mlp.down_proj.weight"]
+        if cfg.sparse(i):
+            take_experts(tensors, cfg, src, dst + "mlp.", params, sources)
+        else:
+            take_mlp(tensors, h, cfg.intermediate_size, src + "mlp.", dst + "mlp.", params, sources)
         params[dst + "input_layernorm.weight"] = tensors.take(src + "input_layernorm.weight", (h,))
         params[dst + "post_attention_layernorm.weight"] = tensors.take(src + "post_attention_layernorm.weight", (h,))
     if cfg.tie_word_embeddings:
@@ -136,11 +134,14 @@ def _bits(quantization: str | None, stored: list[int | None]) -> int | None:
 
 def matmul_weights(model: LlamaForCausalLM):
     """(name, module, attribute) of every matmul weight; a tied head is its own entry (its packed or
-    quantized copy is the head's; the embedding lookup keeps the plain table)."""
+    quantized copy is the head's; the embedding lookup keeps the plain table). A router's weight is
+    not one: its logits pick experts, and stay in the model's precision."""
     for i, layer in enumerate(model.layers):
-        for module, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            yield f"layers.{i}.{'self_attn' if module is layer.self_attn else 'mlp'}.{attr}", module, attr
+        for attr in ("qkv_proj", "o_proj"):
+            yield f"layers.{i}.self_attn.{attr}", layer.self_attn, attr
+        for name, mlp in gated_mlps(layer.mlp, f"layers.{i}.mlp"):
+            for attr in ("gate_up_proj", "down_proj"):
+                yield f"{name}.{attr}", mlp, attr
     yield "lm_head", model, "lm_head"
 
 
@@ -165,6 +166,9 @@ class _TensorSource:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {shape}")
         self._unused.discard(name)
         return t.to(self._dtype, copy=True)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
 
     def drop(self, name: str) -> None:
         self._unused.discard(name)

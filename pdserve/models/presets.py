@@ -22,4 +22,19 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                   use_sliding_window=False),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
                   attention_bias=False, use_sliding_window=False),
+    # mixtures of experts, scaled to the preset: its intermediate size split among the top-k
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None,
+                    tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=False,
+                      use_sliding_window=False, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[0]),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", tie_word_embeddings=False,
+                      attention_bias=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+}
+
+# The sizes of a mixture-of-experts preset's experts, as fractions of its `intermediate_size`.
+EXPERT_SIZES: dict[str, dict[str, float]] = {
+    "qwen2_moe": dict(moe_intermediate_size=0.5, shared_expert_intermediate_size=1.0),
+    "qwen3_moe": dict(moe_intermediate_size=0.5),
 }

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from pdserve.models.checkpoint import Checkpoint
-from pdserve.models.presets import ARCHITECTURES, PRESETS
+from pdserve.models.presets import ARCHITECTURES, EXPERT_SIZES, PRESETS
 from pdserve.tokenizer import Tokenizer
 
 
@@ -75,6 +75,7 @@ def make_model(preset: str = "tiny", architecture: str = "llama", seed: int = 0,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32",
         "initializer_range": 0.02,
     }
+    cfg.update({key: int(share * cfg["intermediate_size"]) for key, share in EXPERT_SIZES.get(architecture, {}).items()})
     cfg.update(overrides)
     # Stated even when it is hidden / heads: left out, Qwen3 means 128.
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -95,7 +96,7 @@ def write_model(out_dir: str | Path, preset: str = "tiny", architecture: str = "
 def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["head_dim"]
 
@@ -112,19 +113,49 @@ def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         t[p + "self_attn.k_proj.weight"] = normal(kv_heads * hd, h)
         t[p + "self_attn.v_proj.weight"] = normal(kv_heads * hd, h)
         t[p + "self_attn.o_proj.weight"] = normal(h, heads * hd)
-        if cfg["architectures"][0] == "Qwen2ForCausalLM" or cfg.get("attention_bias"):
+        if cfg["architectures"][0] in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or cfg.get("attention_bias"):
             t[p + "self_attn.q_proj.bias"] = normal(heads * hd)
             t[p + "self_attn.k_proj.bias"] = normal(kv_heads * hd)
             t[p + "self_attn.v_proj.bias"] = normal(kv_heads * hd)
-        if cfg["architectures"][0] == "Qwen3ForCausalLM":
+        if cfg["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             t[p + "self_attn.q_norm.weight"] = norm_weight(hd)
             t[p + "self_attn.k_norm.weight"] = norm_weight(hd)
-        t[p + "mlp.gate_proj.weight"] = normal(inter, h)
-        t[p + "mlp.up_proj.weight"] = normal(inter, h)
-        t[p + "mlp.down_proj.weight"] = normal(h, inter)
+        t.update(_mlp_tensors(cfg, i, normal))
         t[p + "input_layernorm.weight"] = norm_weight(h)
         t[p + "post_attention_layernorm.weight"] = norm_weight(h)
     t["model.norm.weight"] = norm_weight(h)
     if not cfg.get("tie_word_embeddings"):
         t["lm_head.weight"] = normal(v, h)
     return t
+
+
+def _mlp_tensors(cfg: dict[str, Any], layer: int, normal) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP: dense, or routed experts named as the released checkpoints name them."""
+    h = cfg["hidden_size"]
+    arch = cfg["architectures"][0]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    sparse = (experts and layer not in cfg.get("mlp_only_layers", [])
+              and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+    p = f"model.layers.{layer}."
+    if not sparse:
+        return _gated(f"{p}mlp.", h, cfg["intermediate_size"], normal)
+    if arch == "MixtralForCausalLM":
+        t = {f"{p}block_sparse_moe.gate.weight": normal(experts, h)}
+        for j in range(experts):
+            t.update(_gated(f"{p}block_sparse_moe.experts.{j}.", h, cfg["intermediate_size"], normal,
+                            ("w1", "w3", "w2")))
+        return t
+    t = {f"{p}mlp.gate.weight": normal(experts, h)}
+    for j in range(experts):
+        t.update(_gated(f"{p}mlp.experts.{j}.", h, cfg["moe_intermediate_size"], normal))
+    if cfg.get("shared_expert_intermediate_size"):
+        t.update(_gated(f"{p}mlp.shared_expert.", h, cfg["shared_expert_intermediate_size"], normal))
+        t[f"{p}mlp.shared_expert_gate.weight"] = normal(1, h)
+    return t
+
+
+def _gated(prefix: str, h: int, inter: int, normal, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+           ) -> dict[str, torch.Tensor]:
+    gate, up, down = names
+    return {f"{prefix}{gate}.weight": normal(inter, h), f"{prefix}{up}.weight": normal(inter, h),
+            f"{prefix}{down}.weight": normal(h, inter)}
