@@ -20,6 +20,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 ROLES = ("both", "prefill", "decode")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
+MAX_TENSOR_PARALLEL = 64
 
 
 def parse_size(value: int | str) -> int:
@@ -126,6 +127,13 @@ class EngineConfig:
         "auto", "the draft model's weights (--speculative draft:PATH): auto keeps a quantized file's "
         "and makes a dense one 4-bit on CPU (a draft is cheap or it does not pay); int4, int8 or none",
         choices=QUANTIZATIONS)
+    tensor_parallel_size: int = flag(  # engine/parallel/
+        1, "split the model across this many ranks of one worker (processes; GPUs cuda:0.. on CUDA): "
+        "attention heads and their KV, MLP columns and the head's vocabulary, one all-reduce after each "
+        "layer's attention and MLP; the model's KV heads and sizes must divide by it")
+    expert_parallel: bool = flag(
+        False, "with --tensor-parallel-size: each rank holds whole experts of a mixture-of-experts model "
+               "(a share of them) instead of a slice of every expert")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -170,3 +178,22 @@ class EngineConfig:
             raise ValueError("max_queue_wait_s must be positive")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if not 1 <= n <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size must be 1 to {MAX_TENSOR_PARALLEL}, got {n}")
+        if self.expert_parallel and n == 1:
+            raise ValueError("expert_parallel splits experts across ranks: it needs tensor_parallel_size > 1")
+        if n == 1:
+            return
+        # What reads or writes the whole KV cache of a worker from rank 0 alone, which holds only its heads'.
+        unsupported = {"role": self.role != "both", "host_kv_memory": self.host_kv_memory > 0,
+                       "disk_kv_path": bool(self.disk_kv_path), "kv_store": bool(self.kv_store),
+                       "compile_decode": self.compile_decode, "speculative head": self.speculative.startswith("head:")}
+        refused = [name for name, on in unsupported.items() if on]
+        if refused:
+            raise ValueError(f"tensor_parallel_size {n} cannot yet be combined with {', '.join(refused)}: each "
+                             "rank holds the KV of its own heads only, and these read a worker's KV from one "
+                             "process (or, compiled decode, run its layers as one graph)")

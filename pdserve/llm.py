@@ -25,6 +25,16 @@ class LLM:
             model = str(default_model_path())
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if it has any (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

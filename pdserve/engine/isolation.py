@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from pdserve.engine.parallel.group import RanksLost
 from pdserve.engine.step import SchedulerOutput
 
 log = logging.getLogger("pdserve.engine")
@@ -24,6 +25,8 @@ def run_isolating(step: SchedulerOutput, run: StepRun) -> tuple[list[int | None]
     seeded = {r.request_id: r.generator.get_state() for r in step.requests if r.generator is not None}
     try:
         return run(step), {}
+    except RanksLost:  # no request's fault: the worker cannot compute any step
+        raise
     except Exception as e:
         if len(step.requests) == 1:
             log.exception("a step failed on request %s", step.requests[0].request_id)

@@ -56,6 +56,7 @@ class LLMEngine:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step before it runs
         loaded = load_model(config, device, LLMEngine)
         ckpt, model, compile_decode, head_path = loaded.checkpoint, loaded.model, loaded.compile_decode, loaded.head_path
+        self.ranks = loaded.ranks  # tensor parallel: the other ranks (`close` stops them)
         self.tokenizer = ckpt.tokenizer
         self.model_config = loaded.arch
         self.dtype = loaded.dtype
@@ -279,6 +280,11 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel ranks). Idempotent."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def warm_up(self) -> float:
         """Run what a server's first requests would otherwise wait for (`engine.warm_up`). The engine

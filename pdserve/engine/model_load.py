@@ -6,17 +6,19 @@ and the engine later made with the same config takes that one instead of buildin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.dtype_choice import choose_dtype
+from pdserve.engine.parallel.ranks import Ranks, threads_per_rank
 from pdserve.engine.spec.proposers import HEAD_PREFIX
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import Checkpoint
 from pdserve.models.loader import build_model, load_checkpoint
+from pdserve.models.shard import Shard, check_divisible
 
 log = logging.getLogger("pdserve.engine")
 
@@ -29,6 +31,7 @@ class LoadedModel:
     compile_decode: bool
     head_path: str  # a draft head's weights ("": none)
     model: torch.nn.Module
+    ranks: Ranks | None = None  # tensor parallel: the worker's other ranks, running their shards
 
     def max_model_len(self, config: EngineConfig) -> int:
         limit = self.arch.max_position_embeddings
@@ -77,5 +80,19 @@ def _build(config: EngineConfig, device: torch.device, make_engine: Callable[[En
         log.warning("a draft head reads the model's hidden states, which a compiled decode graph does not "
                     "give: decode runs eager")
         compile_decode = False
-    model = build_model(ckpt, dtype, device, quantization, pack_weights=not compile_decode)
-    return LoadedModel(ckpt, arch, dtype, compile_decode, head_path, model)
+    size = config.tensor_parallel_size
+    if size == 1:
+        model = build_model(ckpt, dtype, device, quantization, pack_weights=not compile_decode)
+        return LoadedModel(ckpt, arch, dtype, compile_decode, head_path, model)
+    # the other ranks load while this one does; each takes its share of the CPU threads
+    check_divisible(arch, Shard(0, size, config.expert_parallel))
+    ranks = Ranks(replace(config, dtype=str(dtype).removeprefix("torch."), quantization=quantization), size)
+    torch.set_num_threads(threads_per_rank(config, size))
+    try:
+        model = build_model(ckpt, dtype, device, quantization, shard=Shard(0, size, config.expert_parallel))
+        model.join(ranks.join(device))
+    except BaseException:
+        ranks.stop()
+        raise
+    log.info("tensor parallel: %d ranks of %d threads each", size, torch.get_num_threads())
+    return LoadedModel(ckpt, arch, dtype, compile_decode, head_path, model, ranks)

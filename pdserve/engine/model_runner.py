@@ -18,6 +18,7 @@ from pdserve.layers.sampler import Sampler, SamplingBatch, skip_draws, token_log
 from pdserve.models.draft_head import DraftHead
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprobs
+from pdserve.engine.step_plan import step_plan
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 x a 50k vocabulary is 50 MB
 
@@ -72,6 +73,8 @@ class ModelRunner:
         its row in the step and 1 (its last position), or for one verifying a draft, its row and
         `1 + len(draft)` (its last token and each draft). `on_layer(i)` is called as soon as layer
         i's KV for the step is in the cache."""
+        if self.model.ranks is not None:  # tensor parallel: the other ranks run the same step
+            self.model.ranks.send_step(step_plan(step, self.block_size))
         input_ids, positions, meta, heads, logits_index = self._prepare(step)
         plain = not meta.prefills and len(heads) == len(step.requests) and len(logits_index) == len(heads)
         if self.compiled is not None and on_layer is None and plain:
@@ -86,6 +89,13 @@ class ModelRunner:
         if not heads:
             return None, heads
         return self.model.compute_logits(hidden[logits_index]), heads
+
+    @torch.inference_mode()
+    def run_layers(self, step: SchedulerOutput) -> None:
+        """The step's layers alone, their KV into this cache: a tensor-parallel rank other than 0
+        (rank 0 asks for logits itself, when it needs them)."""
+        input_ids, positions, meta, _, _ = self._prepare(step)
+        self.model(input_ids, positions, self.kv_cache, meta)
 
     def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
                 ) -> list[int | list[int] | None]:

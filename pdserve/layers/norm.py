@@ -19,7 +19,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: NativeKernels | None = None) -> torch.Tensor:
         if kernels is not None:  # any shape: normalized over the last dimension
-            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            # (a slice of one head per row, as one KV head's keys, reshapes to a strided view: copied)
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As the reference: normalize in float32, round to the activation dtype, then scale.

@@ -64,6 +64,7 @@ def gated_mlps(mlp: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.nn.
         yield name, mlp
         return
     for j, expert in enumerate(experts):
-        yield f"{name}.experts.{j}", expert
+        if mlp.held is None or j in mlp.held:
+            yield f"{name}.experts.{j}", expert
     if mlp.shared_expert is not None:
         yield f"{name}.shared_expert", mlp.shared_expert

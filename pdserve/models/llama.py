@@ -85,6 +85,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = feed_forward(cfg, layer)
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums the ranks' partial outputs
 
     def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta: the previous layer's MLP output, None before the
@@ -92,8 +93,12 @@ class LlamaDecoderLayer(nn.Module):
         after them (pdserve's kernels add in place, in the same pass)."""
         kernels = None if meta is None else meta.kernels  # pdserve's, when the step runs them
         x, h = self.input_layernorm.add_and_norm(x, delta, kernels)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos_sin, kv_cache, meta), kernels)
-        return x, self.mlp(h, kernels)
+        attended = self.self_attn(h, cos_sin, kv_cache, meta)
+        if self.all_reduce is not None:  # tensor parallel: each rank's heads gave a partial sum
+            attended = self.all_reduce(attended)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attended, kernels)
+        out = self.mlp(h, kernels)
+        return x, out if self.all_reduce is None else self.all_reduce(out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,6 +115,16 @@ class LlamaForCausalLM(nn.Module):
         self._decode_stack_built = False
         self.keep_residual = False  # keep the last step's hidden states before the final norm (an MTP head reads them)
         self.residual: torch.Tensor | None = None
+        self.ranks = None  # tensor parallel: the ranks' group (`parallel.group.RankGroup`); None: one process
+
+    def join(self, ranks) -> None:
+        """Run as one rank of `ranks`: each layer adds the ranks' partial outputs, logits are
+        gathered across the ranks' vocabulary rows, and the one-call decode stack (which knows
+        no ranks) is off."""
+        self.ranks = ranks
+        for layer in self.layers:
+            layer.all_reduce = ranks.all_reduce
+        self.use_decode_stack = False
 
     def forward(
         self,
@@ -150,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         kinds: dict[tuple[int, int], object] = {}  # one MLP of each size: dense, an expert, a shared expert
         for layer in self.layers:
             mlp = layer.mlp
-            for part in (mlp,) if isinstance(mlp, GatedMLP) else (mlp.experts[0], mlp.shared_expert):
+            for part in (mlp,) if isinstance(mlp, GatedMLP) else (mlp.first_held(), mlp.shared_expert):
                 if part is not None:
                     kinds.setdefault((part.intermediate, id(type(mlp))), part)
         for part in kinds.values():
@@ -158,4 +173,10 @@ class LlamaForCausalLM(nn.Module):
         return products + [(self.lm_head, None, max_sequences)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        if self.ranks is not None:
+            return self.ranks.logits(hidden, self.local_logits, self.cfg.vocab_size)
+        return self.local_logits(hidden)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the head's rows this process holds (all of them, but under tensor parallelism)."""
         return linear(hidden, self.lm_head).float()

@@ -15,6 +15,7 @@ from pdserve.layers.quant import DenseProducts, QuantizedWeight, calibrated, den
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.expert_weights import gated_mlps, take_experts, take_mlp
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.shard import Shard, check_divisible, local_config, shard_params
 
 # Tensors some checkpoints carry that the model recomputes itself.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -36,16 +37,17 @@ def load_checkpoint(model: str | Path) -> Checkpoint:
 
 def build_model(
     ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, quantization: str | None = "none",
-    pack_weights: bool = True,
+    pack_weights: bool = True, shard: Shard = Shard(0, 1),
 ) -> LlamaForCausalLM:
     """`quantization`: "none", "int4" or "int8" (every matmul weight, the head included), or
     "auto": each weight as its checkpoint stored it (`Checkpoint.quantized_bits`; a fused weight
     only when all its parts agree), the rest unquantized.
     `pack_weights=False` keeps unquantized matmul weights as plain parameters (a compiled graph
-    freezes and packs them itself)."""
+    freezes and packs them itself). `shard`: the tensor-parallel rank's share (`parallel/shard.py`)."""
     cfg = ArchConfig.from_hf_config(ckpt.hf_config)
+    check_divisible(cfg, shard)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(local_config(cfg, shard))
     tensors = _TensorSource(ckpt.tensors, dtype)  # cast before fusing: half the bytes to copy in bf16
     params: dict[str, torch.Tensor] = {"embed_tokens": tensors.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))}
     if not cfg.tie_word_embeddings:
@@ -83,9 +85,19 @@ def build_model(
     if cfg.tie_word_embeddings:
         tensors.drop("lm_head.weight")  # some tied checkpoints still store a copy
     tensors.check_all_used()
+    if cfg.tie_word_embeddings and shard.size > 1:  # the head's rows: a slice of the (whole) table
+        params["lm_head"] = params["embed_tokens"]
+    params = shard_params(params, cfg, shard)
     placed = {name: t.to(device=device) for name, t in params.items()}
+    head = placed.pop("lm_head", None)
+    if shard.expert_parallel:
+        for i, layer in enumerate(model.layers):
+            if cfg.sparse(i):
+                layer.mlp.hold_only(shard.held_experts(cfg.experts.count))
     model.load_state_dict(placed, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if head is not None:
+        _replace(model, "lm_head", torch.nn.Parameter(head, requires_grad=False))
+    elif cfg.tie_word_embeddings:
         model.lm_head = model.embed_tokens
     # Built for real here: under the meta device above its cos/sin tables hold no values.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

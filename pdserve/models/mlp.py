@@ -71,6 +71,16 @@ class SparseMoE(nn.Module):
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x, kernels)
         return out
 
+    def first_held(self) -> GatedMLP:
+        return self.experts[min(self.held) if self.held is not None else 0]
+
+    def hold_only(self, held: range) -> None:
+        """Keep only experts `held` (expert parallelism): the others' places stay, empty."""
+        self.held = frozenset(held)
+        for j in range(len(self.experts)):
+            if j not in self.held:
+                self.experts[j] = nn.Module()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ([tokens, k]) and their weights (float32)."""
         probs = F.softmax(F.linear(x, self.gate).float(), dim=-1)

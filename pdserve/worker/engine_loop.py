@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import IO, Callable
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parallel.group import RanksLost
 from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.layers.kernels.native import bind_team_to_cores
 from pdserve.outputs import RequestOutput
@@ -38,6 +40,8 @@ from pdserve.outputs import RequestOutput
 log = logging.getLogger("pdserve.worker")
 
 IDLE_WAIT_S = 0.02
+RANKS_LOST_EXIT = 75  # the worker's exit status when a tensor-parallel rank of its own died
+RANKS_LOST_GRACE_S = 0.5
 FAILURE_LOG_S = 10.0
 EWMA_ALPHA = 0.1
 
@@ -137,6 +141,11 @@ class EngineLoop:
             t_turn, cpu_turn = t0, time.thread_time()
         try:
             outputs = self.engine.step()
+        except RanksLost as e:  # a rank of this worker died: the worker is gone too, and restarts whole
+            log.critical("%s; failing every request and exiting for the supervisor to restart the worker", e)
+            self._fail_all(e)
+            time.sleep(RANKS_LOST_GRACE_S)  # the failed requests' errors reach their clients
+            os._exit(RANKS_LOST_EXIT)
         except Exception as e:
             self._log_failure("an engine step")
             self._fail_all(e)

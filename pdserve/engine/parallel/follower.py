@@ -1,0 +1,62 @@
+"""A tensor-parallel rank other than 0: builds its shard of the worker's model and KV cache, joins
+the worker's group, then runs what rank 0 sends until told to stop or rank 0 is gone.
+
+Started by rank 0 (`ranks.Ranks`) as `python -m pdserve.engine.parallel.follower RANK SIZE RENDEZVOUS`,
+the engine config as JSON on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+from pdserve.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.engine.parallel.group import LOGITS, STEP, STOP, RanksLost, join
+from pdserve.engine.parallel.ranks import die_with_parent, rank_device
+from pdserve.models.shard import Shard
+from pdserve.engine.step_plan import planned_step
+
+log = logging.getLogger("pdserve.parallel")
+
+
+def serve_rank(rank: int, size: int, rendezvous: str, config: EngineConfig) -> None:
+    from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+    from pdserve.models.loader import build_model, load_checkpoint
+
+    device = rank_device(resolve_device(config.device), rank)
+    dtype = resolve_dtype(config.dtype, device)
+    quantization = config.quantization if device.type == "cpu" else "none"
+    model = build_model(load_checkpoint(config.model), dtype, device, quantization,
+                        shard=Shard(rank, size, config.expert_parallel))
+    group = join(rank, size, rendezvous, device)
+    model.join(group)
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(model, config.block_size, dtype)
+    runner = ModelRunner(model, num_blocks, config.block_size, dtype, device, config.seed)
+    while True:
+        command, payload = group.receive(dtype)
+        if command == STEP:
+            runner.run_layers(planned_step(payload.tolist()))
+        elif command == LOGITS:
+            with torch.inference_mode():
+                model.compute_logits(payload)
+        elif command == STOP:
+            return
+
+
+def main() -> None:
+    rank, size, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    die_with_parent()
+    config = EngineConfig(**json.loads(sys.stdin.read()))
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    try:
+        serve_rank(rank, size, rendezvous, config)
+    except RanksLost:
+        log.warning("tensor-parallel rank %d: rank 0 is gone; stopping", rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The ranks of one tensor-parallel worker as a torch.distributed group (gloo on CPU, NCCL on
+CUDA), and what rank 0 tells the others.
+
+Rank 0 leads: before each step it sends the step's plan (`step_plan`: per request its position,
+its new tokens, its block table: what `ModelRunner` prepares a step from), and before each product
+of the head it sends the hidden rows to multiply (prompt log-probabilities and samples alike), so
+the others run the same collectives in the same order. Messages are int64 or float tensors
+broadcast from rank 0: a header (command, sizes), then the payload. No pickled object crosses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STEP, LOGITS, STOP = 1, 2, 3
+JOIN_TIMEOUT_S = 300.0  # the ranks load the checkpoint before they join
+
+
+class RanksLost(RuntimeError):
+    """Another rank of this worker is gone: the worker cannot compute a step without it."""
+
+
+def join(rank: int, size: int, rendezvous: str, device: torch.device) -> RankGroup:
+    """Join this worker's group: `rendezvous` is a file in a directory only this user can read.
+    The group is a backend object of its own, not torch.distributed's default group: a process may
+    hold several (tests run engines side by side)."""
+    store = dist.PrefixStore("pdserve-tp/", dist.FileStore(rendezvous, size))
+    timeout = timedelta(seconds=JOIN_TIMEOUT_S)
+    if device.type == "cuda":
+        backend = dist.ProcessGroupNCCL(store, rank, size)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback only
+        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return RankGroup(rank, size, device, backend)
+
+
+@dataclass
+class RankGroup:
+    rank: int
+    size: int
+    device: torch.device
+    backend: object  # torch.distributed's ProcessGroupGloo or ProcessGroupNCCL
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial sums added, in place (in their own dtype: half-precision partials are
+        each rounded by their matmul already, so adding them in float32 changed nothing measured)."""
+        try:
+            self.backend.allreduce([x]).wait()
+        except RuntimeError as e:
+            raise RanksLost(f"a tensor-parallel rank is gone: {e}") from None
+        return x
+
+    def logits(self, hidden: torch.Tensor, local_logits, vocab: int) -> torch.Tensor:
+        """[rows, vocab] float32: each rank's vocabulary rows, gathered. Rank 0 sends the rows first."""
+        if self.rank == 0:
+            self._send(LOGITS, [hidden.shape[0], hidden.shape[1]])
+            self._broadcast(hidden.contiguous())
+        part = local_logits(hidden)
+        width = -(-vocab // self.size)
+        if part.shape[1] < width:  # the last rank's share is short: padded to gather, cut after
+            part = torch.nn.functional.pad(part, (0, width - part.shape[1]))
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        try:
+            self.backend.allgather([parts], [part.contiguous()]).wait()
+        except RuntimeError as e:
+            raise RanksLost(f"a tensor-parallel rank is gone: {e}") from None
+        return torch.cat(parts, dim=1)[:, :vocab]
+
+    def send_step(self, plan: list[int]) -> None:
+        self._send(STEP, [len(plan)])
+        self._broadcast(torch.tensor(plan, dtype=torch.int64, device=self.device))
+
+    def send_stop(self) -> None:
+        self._send(STOP, [])
+
+    def receive(self, dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
+        """(command, payload) from rank 0, on the other ranks."""
+        header = self._broadcast(torch.zeros(4, dtype=torch.int64, device=self.device))
+        command, sizes = int(header[0]), header[1:].tolist()
+        if command == STEP:
+            return command, self._broadcast(torch.empty(sizes[0], dtype=torch.int64, device=self.device))
+        if command == LOGITS:
+            return command, self._broadcast(torch.empty(sizes[0], sizes[1], dtype=dtype, device=self.device))
+        return command, None
+
+    def _send(self, command: int, sizes: list[int]) -> None:
+        self._broadcast(torch.tensor([command, *sizes, *[0] * (3 - len(sizes))], dtype=torch.int64,
+                                     device=self.device))
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            self.backend.broadcast(t, 0).wait()
+        except RuntimeError as e:
+            raise RanksLost(f"a tensor-parallel rank is gone: {e}") from None
+        return t
