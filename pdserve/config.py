@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.flags import flag
+from pdserve.limits import MAX_TENSOR_PARALLEL
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +21,6 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 ROLES = ("both", "prefill", "decode")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
-MAX_TENSOR_PARALLEL = 64
 
 
 def parse_size(value: int | str) -> int:
@@ -133,7 +133,7 @@ class EngineConfig:
         "layer's attention and MLP; the model's KV heads and sizes must divide by it")
     expert_parallel: bool = flag(
         False, "with --tensor-parallel-size: each rank holds whole experts of a mixture-of-experts model "
-               "(a share of them) instead of a slice of every expert")
+               "(a share of them) instead of a slice of every expert (one rank holds them all anyway)")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -184,16 +184,15 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if not 1 <= n <= MAX_TENSOR_PARALLEL:
             raise ValueError(f"tensor_parallel_size must be 1 to {MAX_TENSOR_PARALLEL}, got {n}")
-        if self.expert_parallel and n == 1:
-            raise ValueError("expert_parallel splits experts across ranks: it needs tensor_parallel_size > 1")
         if n == 1:
             return
-        # What reads or writes the whole KV cache of a worker from rank 0 alone, which holds only its heads'.
-        unsupported = {"role": self.role != "both", "host_kv_memory": self.host_kv_memory > 0,
-                       "disk_kv_path": bool(self.disk_kv_path), "kv_store": bool(self.kv_store),
-                       "compile_decode": self.compile_decode, "speculative head": self.speculative.startswith("head:")}
-        refused = [name for name, on in unsupported.items() if on]
+        refused = [name for name, on in {
+            "compile_decode": self.compile_decode,  # a graph of one process's layers, without the ranks' sums
+            "speculative draft head or model": self.speculative.startswith(("head:", "draft:")),
+        }.items() if on]
+        if str(self.device).split(":")[0] == "cuda":  # each GPU holds its own ranks' KV: no pool to ship or keep
+            refused += [name for name, on in {
+                "role": self.role != "both", "host_kv_memory": self.host_kv_memory > 0,
+                "disk_kv_path": bool(self.disk_kv_path), "kv_store": bool(self.kv_store)}.items() if on]
         if refused:
-            raise ValueError(f"tensor_parallel_size {n} cannot yet be combined with {', '.join(refused)}: each "
-                             "rank holds the KV of its own heads only, and these read a worker's KV from one "
-                             "process (or, compiled decode, run its layers as one graph)")
+            raise ValueError(f"tensor_parallel_size {n} cannot yet be combined with {', '.join(refused)}")

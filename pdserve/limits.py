@@ -45,3 +45,5 @@ MAX_SEQUENCE_TOKENS = 1 << 20  # prompt (or generated) token ids in one request;
 MAX_MESSAGES = 4096  # chat messages in one request, and content parts in one message
 MAX_BLOCK_SIZE = 1024  # tokens per KV block a worker may announce
 MAX_FENCE = (1 << 63) - 1  # KV lease fences
+
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker (`--tensor-parallel-size`), and of a peer's KV offer

@@ -30,7 +30,7 @@ from msgspec import Meta, Struct
 from pdserve.limits import (
     MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_BLOCK_SIZE, MAX_FENCE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N,
     MAX_REPETITION_PENALTY, MAX_SEQUENCE_TOKENS, MAX_STRUCTURE_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_K,
-    MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
+    MAX_TENSOR_PARALLEL, MAX_WIRE_PRIORITY, SEED_LIMIT, TOKEN_ID_LIMIT,
 )
 from pdserve.sampling_params import SamplingParams, Structure
 # Ids that peers send; '#' and '@' stay free for the ids the engine derives from them.
@@ -260,11 +260,16 @@ Host = Annotated[str, Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.
 Slots = Annotated[int, Meta(ge=1, le=1 << 40)]
 
 
+# A decode worker's tensor-parallel ranks: a sender writes its pool's split of the heads
+KVRanks = Annotated[int, Meta(ge=1, le=MAX_TENSOR_PARALLEL)]
+
+
 class TcpOffer(Message):
     """Where a decode worker's KV port listens."""
 
     host: Host
     port: Port
+    ranks: KVRanks = 1
 
 
 class ShmOffer(Message):
@@ -272,6 +277,7 @@ class ShmOffer(Message):
     port: Port
     path: Annotated[str, Meta(max_length=255)]
     num_slots: Slots
+    ranks: KVRanks = 1
 
 
 class NixlOffer(Message):
@@ -282,6 +288,7 @@ class NixlOffer(Message):
     num_slots: Slots
     mem: Literal["DRAM", "VRAM"] = "DRAM"
     device_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    ranks: KVRanks = 1
 
 
 class MemoryOffer(Message):
@@ -291,6 +298,7 @@ class MemoryOffer(Message):
     port: Port
     pid: Annotated[int, Meta(ge=1, le=1 << 31)]
     endpoint: Annotated[str, Meta(pattern=r"^[0-9a-f]{1,64}\Z")]
+    ranks: KVRanks = 1
 
 
 class DecodeOffers(Message, omit_defaults=True):

@@ -69,8 +69,12 @@ class LLMEngine:
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block of this model; raise it"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.ranks is not None and kv_allocator is None and device.type == "cpu":
+            kv_allocator = self.ranks.pool  # one the other ranks can map
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, device, config.seed, kv_allocator,
                                   compile_decode=compile_decode, head=head)
+        if self.ranks is not None:
+            self.ranks.share_pool(self.runner.kv_cache, num_blocks)
         self.block_manager.tier = make_tiers(config, self.runner.kv_cache, block_bytes,
                                              f"{model_fingerprint(self.model_config)}:{head.name if head else ''}")
         self.scheduler = Scheduler(

@@ -24,9 +24,22 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
-    """Bytes of one block of the paged cache: the model's layers, and `extra_layers` more (a draft head's)."""
+    """Bytes of one block of the paged cache: the model's layers (every rank's heads, under tensor
+    parallelism on a CPU: one pool holds them all), and `extra_layers` more (a draft head's)."""
     cfg = model.cfg
-    return 2 * (cfg.num_layers + extra_layers) * block_size * cfg.kv_size * torch.finfo(dtype).bits // 8
+    layers = cfg.num_layers * pool_ranks(model)[0] + extra_layers
+    return 2 * layers * block_size * cfg.kv_size * torch.finfo(dtype).bits // 8
+
+
+def pool_ranks(model: LlamaForCausalLM) -> tuple[int, int]:
+    """(ranks whose KV one pool holds, this rank's place among them). On a CPU a tensor-parallel
+    worker's ranks share one pool: layer i of rank r is its layer `i * ranks + r`, each rank's
+    heads one contiguous layer, so the pool is what a worker of as many ranks ships and keeps,
+    block for block. On GPUs each rank holds its own cache (1, 0)."""
+    ranks = model.ranks
+    if ranks is None or ranks.device.type != "cpu":
+        return 1, 0
+    return ranks.size, ranks.rank
 
 
 class ModelRunner:
@@ -51,11 +64,14 @@ class ModelRunner:
         self.head = head
         model.keep_residual = head is not None and not head.reads_final_norm
         # [layers, slots, K/V, kv_heads, head_dim]; one slot per token position of a block
-        shape = (cfg.num_layers + (head is not None), num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
+        n, rank = pool_ranks(model)
+        shape = (cfg.num_layers * n + (head is not None), num_blocks * block_size, 2, cfg.num_kv_heads, cfg.head_dim)
         if kv_allocator is not None:  # e.g. in shared memory, for a same-host prefill worker to fill
             self.kv_cache = kv_allocator(shape, dtype)
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # the layers this process computes: its own rank's, where the pool holds several (`pool_ranks`)
+        self.layer_kv = self.kv_cache if n == 1 else self.kv_cache.view(cfg.num_layers, n, *shape[1:])[:, rank]
         self.sampler = Sampler(seed)
         self.compiled = CompiledDecode(model, self.kv_cache) if compile_decode else None
         # pdserve's CPU kernels for norms, rotary, cache writes and decode attention; a compiled
@@ -81,7 +97,7 @@ class ModelRunner:
             logits = self.compiled(input_ids, positions, meta)
             if logits is not None:
                 return logits, heads
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
+        hidden = self.model(input_ids, positions, self.layer_kv, meta, on_layer)
         if self.head is not None:  # what the head's pass reads once the step has sampled
             self._features = (hidden if self.head.reads_final_norm else self.model.residual, positions, meta)
         if any(r.prompt_logprobs is not None for r in step.requests[step.num_decodes :]):
@@ -95,7 +111,7 @@ class ModelRunner:
         """The step's layers alone, their KV into this cache: a tensor-parallel rank other than 0
         (rank 0 asks for logits itself, when it needs them)."""
         input_ids, positions, meta, _, _ = self._prepare(step)
-        self.model(input_ids, positions, self.kv_cache, meta)
+        self.model(input_ids, positions, self.layer_kv, meta)
 
     def execute(self, step: SchedulerOutput, on_layer: Callable[[int], None] | None = None
                 ) -> list[int | list[int] | None]:

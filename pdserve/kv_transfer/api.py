@@ -29,6 +29,7 @@ PeerAbort = Callable[[str, int | None], None]
 
 class KVSender(Protocol):
     bytes_sent: int  # KV bytes that left this side (on the wire, or copied into the peer)
+    layout: KVLayout  # the peer's pool, as this side's KV fills it: layers number by it
 
     def check(self, lease: Lease) -> None:
         """Raise ValueError if the lease names memory this sender cannot write."""
@@ -40,7 +41,7 @@ class KVSender(Protocol):
 
     def write(self, lease: Lease, layer: int, start: int, end: int, src_runs: list[tuple[int, int]]) -> None:
         """Queue layer `layer`'s KV of positions [start, end), read from this side's slot runs
-        (layers past the model's are its draft model's, `DraftKV`)."""
+        (a layer of the peer's pool, `layout`; layers past the model's are its draft model's, `DraftKV`)."""
         ...
 
     def notify(self, lease: Lease, first_token: int, times: tuple[float, float] = (0.0, 0.0),

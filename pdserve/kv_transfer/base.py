@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from pdserve.errors import LayoutMismatch, ModelMismatch, TransferError
+from pdserve.limits import MAX_TENSOR_PARALLEL
 from pdserve.models.arch_config import ArchConfig, model_fingerprint
 
 
@@ -33,22 +34,46 @@ class TransferStatus(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The shape of one token's KV (all layers) in a worker's cache, and the model it belongs to."""
+    """The shape of one token's KV (all layers) in a worker's pool, and the model it belongs to.
+
+    A tensor-parallel worker's pool holds each rank's heads as a layer of its own (`ranks` of them
+    per model layer: layer i of rank r is layer `i * ranks + r`, with `num_kv_heads` of the model's
+    heads, the rank's share). A sender writes in the layout of the worker it writes to
+    (`split_across` its ranks), so the receiving side never re-sorts anything."""
 
     model_hash: str
-    num_layers: int
-    num_kv_heads: int
+    num_layers: int  # layers of the pool: the model's (times its ranks), and a draft head's
+    num_kv_heads: int  # heads of one pool layer
     head_dim: int
     dtype: str  # torch dtype name of the cache, e.g. "float32"
+    ranks: int = field(default=1, compare=False)  # implied by the two above, for a given model
 
     @classmethod
-    def of(cls, cfg: ArchConfig, dtype: torch.dtype, head: str = "") -> KVLayout:
+    def of(cls, cfg: ArchConfig, dtype: torch.dtype, head: str = "", ranks: int = 1) -> KVLayout:
         """A model's KV layout; with a draft head (named `head`), its layer is one more, and the
         layout names both (workers share KV only where their heads agree too)."""
         name = model_fingerprint(cfg)
         if head:
             name = hashlib.sha256(f"{name}:{head}".encode()).hexdigest()
-        return cls(name, cfg.num_layers + bool(head), cfg.num_kv_heads, cfg.head_dim, str(dtype).split(".")[-1])
+        return cls(name, cfg.num_layers * ranks + bool(head), cfg.num_kv_heads // ranks, cfg.head_dim,
+                   str(dtype).split(".")[-1], ranks)
+
+    def split_across(self, ranks: int) -> KVLayout:
+        """The same model's KV as a worker of `ranks` tensor-parallel ranks holds it."""
+        if ranks == self.ranks:
+            return self
+        heads = self.num_kv_heads * self.ranks
+        if ranks < 1 or heads % ranks or self.num_layers % self.ranks:
+            raise LayoutMismatch(f"KV layout mismatch: {heads} KV heads cannot be split across {ranks} ranks")
+        return KVLayout(self.model_hash, self.num_layers // self.ranks * ranks, heads // ranks, self.head_dim,
+                        self.dtype, ranks)
+
+    def pool_layers(self, layer: int) -> range:
+        """The pool layers holding model layer `layer`'s KV (one per rank); past the model's layers
+        (a draft head's), the one layer it names."""
+        if self.ranks == 1:
+            return range(layer, layer + 1)
+        return range(layer * self.ranks, (layer + 1) * self.ranks)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,6 +146,24 @@ class DraftKV:
         layout = KVLayout.of(cfg, cache.dtype)
         name = hashlib.sha256(f"{layout.model_hash}:{weights}".encode()).hexdigest()
         return cls(replace(layout, model_hash=name), cache)
+
+
+def peer_ranks(peer: dict) -> int:
+    """The tensor-parallel ranks a decode worker's offer names (1 where it names none)."""
+    ranks = peer.get("ranks", 1)
+    if type(ranks) is not int or not 1 <= ranks <= MAX_TENSOR_PARALLEL:
+        raise TransferError(f"bad offer from the decode worker: ranks {ranks!r}")
+    return ranks
+
+
+def split_layout(layout: KVLayout, peer: dict, draft: DraftKV | None = None) -> KVLayout:
+    """This side's layout as the decode worker of `peer` (an offer) holds it: a sender writes the
+    peer's pool layers. A draft model's KV has no ranks to split: it goes only to as many ranks."""
+    ranks = peer_ranks(peer)
+    if draft is not None and ranks != layout.ranks:
+        raise TransferError(f"a draft model's KV goes to a worker of as many tensor-parallel ranks "
+                            f"({layout.ranks}), not {ranks}")
+    return layout.split_across(ranks)
 
 
 def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kv_transfer.api import PeerAbort
-from pdserve.kv_transfer.base import DraftKV, KVLayout, LayoutMismatch, Lease, TransferError, TransferStatus
+from pdserve.kv_transfer.base import (
+    DraftKV, KVLayout, LayoutMismatch, Lease, TransferError, TransferStatus, split_layout,
+)
 from pdserve.kv_transfer.codec import AbortHeader, FrameError, Header, NotifyHeader, StaleWrite, WriteHeader
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.quant import dequantize_into, encoded_size, gather_slots, quantize
+from pdserve.kv_transfer.quant import dequantize_into, encoded_size, gather_slots, gather_split, quantize
 from pdserve.outputs import TokenLogprobs
 
 
@@ -95,11 +97,13 @@ class MemorySender:
         endpoint = _endpoint(peer)
         if not hmac.compare_digest(token.encode(), endpoint.token.encode()):
             raise TransferError("the decode worker refused the KV connection: bad token")
+        own, layout = layout, split_layout(layout, peer, draft)  # the peer's pool layers are written
         try:
             endpoint.layout.check_compatible(layout)
         except LayoutMismatch as e:
             raise type(e)(f"the decode worker refused the KV connection: {e}") from None
         encoded_size(layout, 1, encoding)  # ValueError for an unknown encoding
+        self.own_layout = own
         self.layout, self.kv_cache, self.encoding, self.on_peer_abort = layout, kv_cache, encoding, on_peer_abort
         self.draft = draft
         self.leases = endpoint.leases
@@ -256,7 +260,10 @@ class MemorySender:
             layout, src, dst, encoding, draft = ours.layout, ours.cache, theirs.cache, "raw", True
             layer -= self.layout.num_layers
         dst_runs = lease.slot_runs(start, end, draft)
-        kv = gather_slots(src, layer, src_runs)  # [tokens, 2, kv_heads, head_dim]
+        if draft:
+            kv = gather_slots(src, layer, src_runs)  # [tokens, 2, kv_heads, head_dim]
+        else:  # as the peer's pool layer holds it
+            kv = gather_split(src, self.own_layout.ranks, layout.ranks, layer, src_runs)
         if encoding == "raw":
             offset = 0
             for slot, n in dst_runs:

@@ -224,6 +224,9 @@ class NixlSender(InPlaceSender):
         super()._setup(peer)
         if not nixl_available():
             raise TransferError("NIXL is not installed (pip install 'pdserve[nixl]')")
+        if self.layout.ranks != self.own_layout.ranks:  # a raw copy of slot ranges cannot re-split heads
+            raise TransferError(f"NIXL copies KV between pools of as many tensor-parallel ranks; this worker has "
+                                f"{self.own_layout.ranks}, the decode worker {self.layout.ranks}")
         try:
             metadata = base64.b64decode(peer["agent_metadata"], validate=True)
             self.peer_base = int(peer["base_addr"])

@@ -34,6 +34,25 @@ def gather_slots(kv_cache: torch.Tensor, layer: int | slice, runs: list[tuple[in
     return torch.cat(parts, dim=0 if isinstance(layer, int) else 1)
 
 
+def gather_split(kv_cache: torch.Tensor, own_ranks: int, wire_ranks: int, layer: int,
+                 runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Pool layer `layer` of a worker of `wire_ranks` ranks, at the slot runs, read from this pool of
+    `own_ranks` (`KVLayout`): the heads that rank holds of that model layer, taken from the pool
+    layers of this side's ranks that hold them. [tokens, 2, heads, head_dim]."""
+    if own_ranks == wire_ranks:
+        return gather_slots(kv_cache, layer, runs)
+    own_heads = kv_cache.shape[3]
+    wire_heads = own_heads * own_ranks // wire_ranks
+    model_layer, rank = divmod(layer, wire_ranks)
+    lo, hi = rank * wire_heads, (rank + 1) * wire_heads  # of the model's heads
+    parts = []
+    for own in range(lo // own_heads, -(-hi // own_heads)):
+        first = own * own_heads
+        kv = gather_slots(kv_cache, model_layer * own_ranks + own, runs)
+        parts.append(kv[:, :, max(lo, first) - first : min(hi, first + own_heads) - first])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def quantize(kv: torch.Tensor, encoding: str) -> bytes:
     """[tokens, 2, kv_heads, head_dim] in any float dtype -> the encoded payload."""
     qdtype, qmax = _QUANT[encoding]

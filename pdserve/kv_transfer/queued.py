@@ -23,13 +23,15 @@ from collections import deque
 import torch
 
 from pdserve.kv_transfer.api import PeerAbort
-from pdserve.kv_transfer.base import DraftKV, KVLayout, Lease, TransferError, TransferStatus, cut_runs, kv_bytes_view
+from pdserve.kv_transfer.base import (
+    DraftKV, KVLayout, Lease, TransferError, TransferStatus, cut_runs, kv_bytes_view, split_layout,
+)
 from pdserve.kv_transfer.codec import (
     AbortHeader, AckHeader, FrameError, FrameLimits, Header, NotifyHeader, RenewHeader, WriteHeader,
 )
 from pdserve.kv_transfer.control import ControlLink
 from pdserve.kv_transfer.jobs import AbortJob, AckJob, ClaimJob, ForgetJob, Job, NotifyJob, RenewJob, WriteJob
-from pdserve.kv_transfer.quant import encoded_size, gather_slots, quantize
+from pdserve.kv_transfer.quant import encoded_size, gather_slots, gather_split, quantize
 from pdserve.layers.kernels.native import serial_torch_on_this_thread
 from pdserve.outputs import TokenLogprobs
 
@@ -51,7 +53,8 @@ class QueuedSender:
         limits: FrameLimits = FrameLimits(),
         draft: DraftKV | None = None,
     ) -> None:
-        self.layout = layout
+        self.own_layout = layout  # this side's pool
+        self.layout = split_layout(layout, peer, draft)  # the peer's: what the frames name and carry
         self.kv_cache = kv_cache
         self.draft = draft  # a draft model's cache: its layers follow the target's (`DraftKV`)
         self._byte_views: dict[int, torch.Tensor] = {}
@@ -67,7 +70,7 @@ class QueuedSender:
         self.bytes_sent = 0
         self._setup(peer)
         try:
-            self.link = ControlLink(peer, layout, self.backend, token, name, limits)
+            self.link = ControlLink(peer, self.layout, self.backend, token, name, limits)
         except TransferError:
             self._teardown()
             raise
@@ -171,6 +174,12 @@ class QueuedSender:
             raise TransferError(f"layer {layer} is neither the model's nor its draft model's")
         return self.draft.cache, layer - self.layout.num_layers, self.draft.layout
 
+    def _gather(self, cache: torch.Tensor, index: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """One layer of `_source`'s cache at the slot runs, as the peer's pool holds that layer."""
+        if cache is not self.kv_cache:
+            return gather_slots(cache, index, runs)
+        return gather_split(cache, self.own_layout.ranks, self.layout.ranks, index, runs)
+
     def _encoding(self, layer: int) -> str:
         """How a layer's KV travels in a frame: as `--kv-transfer-dtype` says; a draft model's raw."""
         return self.encoding if layer < self.layout.num_layers else "raw"
@@ -182,15 +191,17 @@ class QueuedSender:
         payload = []
         for layer in job.layers:
             cache, index, _ = self._source(layer)
-            if encoding == "raw" and cache.device.type == "cpu":
+            split = cache is self.kv_cache and self.own_layout.ranks != self.layout.ranks
+            if encoding == "raw" and cache.device.type == "cpu" and not split:
                 view = self._byte_views.get(id(cache))
                 if view is None:
                     view = self._byte_views[id(cache)] = kv_bytes_view(cache)
                 payload += [view[index, s : s + n].numpy().data for s, n in job.src_runs]
             elif encoding == "raw":
-                payload.append(gather_slots(cache, index, job.src_runs).cpu().view(torch.uint8).numpy().data)
+                kv = self._gather(cache, index, job.src_runs)
+                payload.append(kv.contiguous().cpu().view(torch.uint8).numpy().data)
             else:
-                payload.append(quantize(gather_slots(cache, index, job.src_runs), encoding))
+                payload.append(quantize(self._gather(cache, index, job.src_runs), encoding))
         lease = job.lease
         self.link.send(WriteHeader(lease.request_id, lease.fence, job.layers.start, job.start, job.end - job.start,
                                    encoding, len(job.layers)), *payload)

@@ -103,7 +103,10 @@ class ShmSender(InPlaceSender):
         self.peer_slots = self.peer_kv.shape[1]
 
     def _copy(self, layers: range, src_runs: list[tuple[int, int]], dst_runs: list[tuple[int, int]]) -> int:
-        src = gather_slots(self.kv_cache[layers.start : layers.stop], slice(None), src_runs)
+        if self.own_layout.ranks == self.layout.ranks:
+            src = gather_slots(self.kv_cache[layers.start : layers.stop], slice(None), src_runs)
+        else:  # the peer's ranks hold other splits of the heads: each of its layers gathered
+            src = torch.stack([self._gather(self.kv_cache, layer, src_runs) for layer in layers])
         offset = 0
         for slot, n in dst_runs:
             self.peer_kv[layers.start : layers.stop, slot : slot + n].copy_(src[:, offset : offset + n])

@@ -153,7 +153,6 @@ class PrefillRole(RoleHooks):
     def before_execute(self, step: SchedulerOutput) -> Callable[[int], None] | None:
         self._renew_paused(step)
         bs = self.engine.block_manager.block_size
-        num_layers = self.layout.num_layers
         plan = []  # (shipment, start, end, source slot runs) computed in this step
         for req, n, table in zip(step.requests, step.num_new_tokens, step.block_tables):
             shipment = self.shipments.get(req.request_id)
@@ -163,7 +162,7 @@ class PrefillRole(RoleHooks):
             begin, end = req.num_computed_tokens, min(req.num_computed_tokens + n, lease.end)
             if shipment.shipped < begin:  # already in this worker's cache: send it all now
                 runs = slot_runs(table, bs, shipment.shipped, begin)
-                for layer in range(num_layers):
+                for layer in range(shipment.sender.layout.num_layers):  # the peer's pool layers
                     shipment.sender.write(lease, layer, shipment.shipped, begin, runs)
                 shipment.shipped = begin
             begin = max(begin, lease.start)
@@ -173,9 +172,10 @@ class PrefillRole(RoleHooks):
         if not plan:
             return None
 
-        def on_layer(layer: int) -> None:
+        def on_layer(layer: int) -> None:  # a model layer: one pool layer per rank of the peer
             for shipment, begin, end, runs in plan:
-                shipment.sender.write(shipment.lease, layer, begin, end, runs)
+                for pool_layer in shipment.sender.layout.pool_layers(layer):
+                    shipment.sender.write(shipment.lease, pool_layer, begin, end, runs)
         self._late_layers = on_layer  # a draft head's layer: its KV is written after the model samples
         return on_layer
 
@@ -218,7 +218,8 @@ class PrefillRole(RoleHooks):
 
     def after_execute(self, step: SchedulerOutput) -> None:
         if self._late_layers is not None:
-            for layer in range(self.engine.model_config.num_layers, self.layout.num_layers):
+            model_layers = self.engine.model_config.num_layers  # the draft head's come after every rank's
+            for layer in range(model_layers, model_layers + self.layout.num_layers - model_layers * self.layout.ranks):
                 self._late_layers(layer)
             self._late_layers = None
         self._ship_draft(step)

@@ -32,6 +32,7 @@ from pdserve.config import ROLES, EngineConfig
 from pdserve.engine.durable_kv import durable_pool
 from pdserve.engine.kv_tier import tier_stats
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import pool_ranks
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
@@ -128,7 +129,8 @@ class Worker:
 
         self.engine = _built_on_own_thread(build)
         head = self.engine.runner.head
-        self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype, head.name if head is not None else "")
+        self.layout = KVLayout.of(self.engine.model_config, self.engine.dtype, head.name if head is not None else "",
+                                  pool_ranks(self.engine.runner.model)[0])
         self.model_hash = model_fingerprint(self.engine.model_config)  # the model it serves, for the router
         record_steps = settings.record_steps  # a JSONL file: every step's shape and time (see EngineLoop)
         if record_steps:

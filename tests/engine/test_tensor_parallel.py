@@ -1,7 +1,8 @@
 """Tensor parallelism inside one engine: ranks as processes, token for token equal to one process
 in float32 for every architecture (dense, tied, biased, q/k-normed, routed experts split or whole),
 with batching, chunked prefill, the prefix cache, log-probabilities and seeded sampling; its ranks
-stopped with it; a lost rank reported, not waited on forever; splits the model cannot take refused."""
+stopped with it; a lost rank reported, not waited on forever; splits the model cannot take refused.
+(Workers of different splits exchanging KV: tests/worker/test_tensor_parallel_pairs.py.)"""
 
 import os
 import signal
@@ -80,9 +81,8 @@ def test_a_lost_rank_fails_the_step_instead_of_hanging(tiny_models):
 
 @pytest.mark.parametrize("args,message", [
     (dict(tensor_parallel_size=3), "does not divide the model's num_key_value_heads"),
-    (dict(tensor_parallel_size=2, role="prefill"), "cannot yet be combined with role"),
-    (dict(tensor_parallel_size=2, host_kv_memory="1MiB"), "host_kv_memory"),
-    (dict(expert_parallel=True), "needs tensor_parallel_size > 1"),
+    (dict(tensor_parallel_size=2, compile_decode=True), "cannot yet be combined with compile_decode"),
+    (dict(tensor_parallel_size=2, speculative="draft:/nowhere"), "speculative draft head or model"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be 1 to"),
 ])
 def test_splits_it_cannot_run_are_refused(tiny_models, args, message):

@@ -1,7 +1,8 @@
 """The ranks of one tensor-parallel worker as a torch.distributed group (gloo on CPU, NCCL on
 CUDA), and what rank 0 tells the others.
 
-Rank 0 leads: before each step it sends the step's plan (`step_plan`: per request its position,
+Rank 0 leads. Once it has its KV pool (a file in shared memory on CPU, which every rank maps and
+writes its own heads' layers into) it sends the pool's path and size. Before each step it sends the step's plan (`step_plan`: per request its position,
 its new tokens, its block table: what `ModelRunner` prepares a step from), and before each product
 of the head it sends the hidden rows to multiply (prompt log-probabilities and samples alike), so
 the others run the same collectives in the same order. Messages are int64 or float tensors
@@ -17,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-STEP, LOGITS, STOP = 1, 2, 3
+STEP, LOGITS, STOP, POOL = 1, 2, 3, 4
 JOIN_TIMEOUT_S = 300.0  # the ranks load the checkpoint before they join
 
 
@@ -75,10 +76,15 @@ class RankGroup:
         self._send(STEP, [len(plan)])
         self._broadcast(torch.tensor(plan, dtype=torch.int64, device=self.device))
 
+    def send_pool(self, path: str, num_blocks: int) -> None:
+        data = path.encode()
+        self._send(POOL, [len(data), num_blocks])
+        self._broadcast(torch.tensor(list(data), dtype=torch.uint8, device=self.device))
+
     def send_stop(self) -> None:
         self._send(STOP, [])
 
-    def receive(self, dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
+    def receive(self, dtype: torch.dtype) -> tuple[int, object]:
         """(command, payload) from rank 0, on the other ranks."""
         header = self._broadcast(torch.zeros(4, dtype=torch.int64, device=self.device))
         command, sizes = int(header[0]), header[1:].tolist()
@@ -86,6 +92,9 @@ class RankGroup:
             return command, self._broadcast(torch.empty(sizes[0], dtype=torch.int64, device=self.device))
         if command == LOGITS:
             return command, self._broadcast(torch.empty(sizes[0], sizes[1], dtype=dtype, device=self.device))
+        if command == POOL:  # (path, number of blocks)
+            path = self._broadcast(torch.empty(sizes[0], dtype=torch.uint8, device=self.device))
+            return command, (bytes(path.tolist()).decode(), sizes[1])
         return command, None
 
     def _send(self, command: int, sizes: list[int]) -> None:

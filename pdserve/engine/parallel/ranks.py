@@ -29,6 +29,7 @@ from pdserve.engine.parallel.group import RankGroup, join
 log = logging.getLogger("pdserve.parallel")
 
 STOP_WAIT_S = 10.0
+SHM_DIR = "/dev/shm"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -57,7 +58,8 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.size = size
-        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-tp-"))  # 0700
+        # 0700; in shared memory where the host has it: the KV pool lives here too
+        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-tp-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None))
         self.rendezvous = str(self.dir / "rendezvous")
         threads = threads_per_rank(config, size)
         blob = json.dumps(dataclasses.asdict(dataclasses.replace(config, num_threads=threads)))
@@ -75,6 +77,24 @@ class Ranks:
         """Rank 0 joins; returns once every rank has (they load the model first)."""
         self.group = join(0, self.size, self.rendezvous, rank_device(device, 0))
         return self.group
+
+    def pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A KV pool every rank can map: a file in the ranks' directory (an engine whose worker gave
+        it no file-backed pool of its own takes this one)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        path = self.dir / "kv"
+        path.touch(mode=0o600)
+        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+    def share_pool(self, pool: torch.Tensor, num_blocks: int) -> None:
+        """Tell the other ranks where the pool is; they map it and write their heads' layers there.
+        On GPUs each rank keeps a cache of its own: they are told so (no path)."""
+        path = pool.untyped_storage().filename if pool.is_cpu else ""
+        if path is None:
+            raise ValueError("a tensor-parallel worker's KV pool must live in a file every rank can map")
+        self.group.send_pool(path, num_blocks)
 
     def stop(self) -> None:
         """Tell the ranks to stop, wait for them, and remove the rendezvous directory."""
