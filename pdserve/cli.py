@@ -95,6 +95,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.launcher import pool_engine_argv
+
+    for role in ("prefill", "decode"):  # refused now, not in each worker as it starts
+        pool_engine_argv(args, role)
     if args.standby and args.ray:
         raise SystemExit("pdserve serve: --standby keeps spare worker processes under this command; not with --ray "
                          "(Ray starts a failed actor again itself)")

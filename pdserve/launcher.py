@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -79,7 +80,36 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-injection", action="store_true",
                    help="workers serve their fault-injection route (`pdserve worker --fault-injection`): a testing "
                         "aid for `pdserve bench chaos`; off by default")
+    for pool in ("prefill", "decode"):
+        g.add_argument(f"--{pool}-engine-args", default="", metavar="FLAGS",
+                       help=f"engine flags for the {pool} workers alone, after the common ones (they win), e.g. "
+                            f"\"--tensor-parallel-size 2 --dtype bfloat16\"" + (
+                                " or \"--quantization int4\": each pool in its own split and precision"
+                                if pool == "decode" else ""))
     add_flags(p, RouterConfig, "router (handed to the cluster's router)")
+
+
+def pool_engine_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """The `--prefill-engine-args` / `--decode-engine-args` of a worker of `role`, checked: engine
+    flags only, the model and threads excepted (one model per cluster; the launcher gives threads)."""
+    text = getattr(args, f"{role}_engine_args", "") if role in ("prefill", "decode") else ""
+    if not text:
+        return []
+    from pdserve.config import EngineConfig
+
+    argv = shlex.split(text)
+    parser = argparse.ArgumentParser(prog=f"--{role}-engine-args", add_help=False, exit_on_error=False)
+    add_flags(parser, EngineConfig, "engine")
+    try:
+        parsed, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise SystemExit(f"pdserve serve: --{role}-engine-args: {e}") from None
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    refused = sorted(unknown) + sorted(given & {"--model", "--threads"})
+    if refused:
+        raise SystemExit(f"pdserve serve: --{role}-engine-args takes engine flags other than --model and --threads; "
+                         f"not {' '.join(refused)}")
+    return argv
 
 
 def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
@@ -96,7 +126,7 @@ def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, ind
                             fault_injection=args.fault_injection, durable_kv=durable_kv)  # the worker makes the steps' folder, on its node
     # the host apart: on Ray it is a placeholder the actor fills in with its node's address
     return ["worker", *_model(args), "--role", role, "--host", host, *config_argv(settings), "--threads", str(threads),
-            *engine_argv]
+            *engine_argv, *pool_engine_argv(args, role)]
 
 
 def _model(args: argparse.Namespace) -> list[str]:

@@ -148,6 +148,10 @@ class Worker:
         # frames go here; a listener bound to 0.0.0.0 (a pod) must offer an address peers can reach
         addr = {"host": settings.advertise_host or self.receiver.address[0], "port": self.receiver.address[1]}
         self.offers: dict[str, dict] = offers(self.transfer, side, addr)
+        if self.layout.ranks != config.tensor_parallel_size:  # GPUs: each rank's KV stays on its own device
+            log.warning("tensor parallel on %s: this worker's KV is split across its devices; it neither ships "
+                        "nor takes KV (its peers compute what they would have taken from it)", config.device)
+            self.offers, self.prefill.sender_types = {}, {}
         self.decode.attach(self.engine, self.receiver, self.offers, self.loop.call)
         self.prefill.attach(self.engine, self.layout, self.loop.call, self.loop.submit, draft)
         self.started_at = time.time()
