@@ -83,7 +83,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     for pool in ("prefill", "decode"):
         g.add_argument(f"--{pool}-engine-args", default="", metavar="FLAGS",
                        help=f"engine flags for the {pool} workers alone, after the common ones (they win), e.g. "
-                            f"\"--tensor-parallel-size 2 --dtype bfloat16\"" + (
+                            f"--{pool}-engine-args=\"--tensor-parallel-size 2 --dtype bfloat16\"" + (
                                 " or \"--quantization int4\": each pool in its own split and precision"
                                 if pool == "decode" else ""))
     add_flags(p, RouterConfig, "router (handed to the cluster's router)")
@@ -110,6 +110,17 @@ def pool_engine_argv(args: argparse.Namespace, role: str) -> list[str]:
         raise SystemExit(f"pdserve serve: --{role}-engine-args takes engine flags other than --model and --threads; "
                          f"not {' '.join(refused)}")
     return argv
+
+
+def pool_tensor_parallel(args: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel ranks of a worker of `role`: its pool's engine flags', else the common one."""
+    own = pool_engine_argv(args, role)
+    for i, arg in enumerate(own):
+        if arg == "--tensor-parallel-size" and i + 1 < len(own):
+            return int(own[i + 1])
+        if arg.startswith("--tensor-parallel-size="):
+            return int(arg.split("=", 1)[1])
+    return getattr(args, "tensor_parallel_size", 1) or 1
 
 
 def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:

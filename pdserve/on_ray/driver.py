@@ -23,7 +23,7 @@ import sys
 import threading
 
 from pdserve.credentials import ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, read_secret
-from pdserve.launcher import describe_event
+from pdserve.launcher import describe_event, pool_tensor_parallel
 from pdserve.layout import Layout, from_flags
 from pdserve.on_ray.placement import ROUTER_DEFAULT, parse_resources, placement_strategy, worker_default
 
@@ -87,7 +87,8 @@ def deployment_spec(args: argparse.Namespace, engine_argv: list[str]):
         raise ValueError("--pin-cpus is for one host; on Ray, give each pool its CPUs with --prefill-resources "
                          "and --decode-resources")
     device = args.device or "cpu"
-    pools = {pool: parse_resources(getattr(args, f"{flag}_resources"), worker_default(device), f"--{flag}-resources")
+    pools = {pool: parse_resources(getattr(args, f"{flag}_resources"),
+                                   worker_default(device, pool_tensor_parallel(args, pool)), f"--{flag}-resources")
              for pool, flag in (("prefill", "prefill"), ("decode", "decode"), ("both", "colocated"))}
     env = {TOKEN_ENV: read_secret(args.token_file, TOKEN_ENV) or secrets.token_hex(32),
            API_KEY_ENV: read_secret(args.api_key_file, API_KEY_ENV),

@@ -58,9 +58,10 @@ def parse_resources(text: str | None, default: Resources, flag: str) -> Resource
     return Resources(float(value.get("CPU", default.cpus)), float(value.get("GPU", default.gpus)), custom)
 
 
-def worker_default(device: str) -> Resources:
-    """One CPU, and one GPU for a worker that computes on CUDA."""
-    return Resources(1.0, 1.0 if device.startswith("cuda") else 0.0)
+def worker_default(device: str, ranks: int = 1) -> Resources:
+    """A CPU per tensor-parallel rank, and a GPU per rank for a worker that computes on CUDA: the
+    worker's ranks are its own processes, on its node."""
+    return Resources(float(ranks), float(ranks) if device.startswith("cuda") else 0.0)
 
 
 ROUTER_DEFAULT = Resources(0.0, 0.0, {HEAD_NODE: 0.001})  # on the head node: its address stays the same

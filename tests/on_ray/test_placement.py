@@ -67,6 +67,14 @@ def test_a_spec_carries_the_secrets_apart_from_every_argv(monkeypatch):
     assert len(_spec().env["PDSERVE_TOKEN"]) == 64  # none given: a fresh one for this deployment
 
 
+def test_a_tensor_parallel_pool_asks_a_cpu_and_gpu_per_rank():
+    """A worker's ranks are processes on its node: its actor asks for each one's CPU (and GPU)."""
+    spec = _spec("--tensor-parallel-size", "2", "--decode-engine-args", "--tensor-parallel-size 4")
+    assert spec.pools["prefill"] == Resources(2.0, 0.0) and spec.pools["decode"] == Resources(4.0, 0.0)
+    cuda = _spec("--device", "cuda", "--prefill-engine-args=--tensor-parallel-size=2")
+    assert cuda.pools["prefill"] == Resources(2.0, 2.0) and cuda.pools["decode"] == Resources(1.0, 1.0)
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--port", "0"], "fixed router --port"),
     (["--pin-cpus"], "--pin-cpus is for one host"),
