@@ -90,7 +90,7 @@ def _build(config: EngineConfig, device: torch.device, make_engine: Callable[[En
     torch.set_num_threads(threads_per_rank(config, size))
     try:
         model = build_model(ckpt, dtype, device, quantization, shard=Shard(0, size, config.expert_parallel))
-        model.join(ranks.join(device))
+        model.join(ranks.join(device, arch.hidden_size))
     except BaseException:
         ranks.stop()
         raise

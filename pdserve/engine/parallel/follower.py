@@ -33,7 +33,7 @@ def serve_rank(rank: int, size: int, rendezvous: str, config: EngineConfig) -> N
     quantization = config.quantization if device.type == "cpu" else "none"
     model = build_model(load_checkpoint(config.model), dtype, device, quantization,
                         shard=Shard(rank, size, config.expert_parallel))
-    group = join(rank, size, rendezvous, device)
+    group = join(rank, size, rendezvous, device, model.cfg.hidden_size)
     model.join(group)
     command, pool = group.receive(dtype)
     if command != POOL:

@@ -18,26 +18,34 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.parallel.lost import RanksLost
+from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+
+__all__ = ["RankGroup", "RanksLost", "join"]
+
 STEP, LOGITS, STOP, POOL = 1, 2, 3, 4
 JOIN_TIMEOUT_S = 300.0  # the ranks load the checkpoint before they join
+SHM_ROWS = 2048  # rows of the largest all-reduce through shared memory (a default step's tokens)
+SHM_BYTES = 64 << 20  # the most its slots take
 
 
-class RanksLost(RuntimeError):
-    """Another rank of this worker is gone: the worker cannot compute a step without it."""
-
-
-def join(rank: int, size: int, rendezvous: str, device: torch.device) -> RankGroup:
+def join(rank: int, size: int, rendezvous: str, device: torch.device, hidden: int = 0) -> RankGroup:
     """Join this worker's group: `rendezvous` is a file in a directory only this user can read.
     The group is a backend object of its own, not torch.distributed's default group: a process may
-    hold several (tests run engines side by side)."""
+    hold several (tests run engines side by side). On a CPU, all-reduces of up to `SHM_ROWS` rows
+    of `hidden` go through shared memory beside the rendezvous file (`shm_reduce.py`)."""
     store = dist.PrefixStore("pdserve-tp/", dist.FileStore(rendezvous, size))
     timeout = timedelta(seconds=JOIN_TIMEOUT_S)
+    shm = None
     if device.type == "cuda":
         backend = dist.ProcessGroupNCCL(store, rank, size)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback only
         backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return RankGroup(rank, size, device, backend)
+        if hidden:
+            rows = max(1, min(SHM_ROWS, SHM_BYTES // (2 * size * hidden * 4)))
+            shm = ShmAllReduce(os.path.join(os.path.dirname(rendezvous), "reduce"), rank, size, hidden, rows)
+    return RankGroup(rank, size, device, backend, shm)
 
 
 @dataclass
@@ -46,10 +54,13 @@ class RankGroup:
     size: int
     device: torch.device
     backend: object  # torch.distributed's ProcessGroupGloo or ProcessGroupNCCL
+    shm: ShmAllReduce | None = None  # CPU ranks: small all-reduces through shared memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' partial sums added, in place (in their own dtype: half-precision partials are
         each rounded by their matmul already, so adding them in float32 changed nothing measured)."""
+        if self.shm is not None and self.shm.takes(x):
+            return self.shm(x)
         try:
             self.backend.allreduce([x]).wait()
         except RuntimeError as e:

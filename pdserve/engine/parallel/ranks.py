@@ -73,9 +73,9 @@ class Ranks:
         self.group: RankGroup | None = None
         self._finalizer = weakref.finalize(self, _end, self.procs, self.dir)
 
-    def join(self, device: torch.device) -> RankGroup:
+    def join(self, device: torch.device, hidden: int) -> RankGroup:
         """Rank 0 joins; returns once every rank has (they load the model first)."""
-        self.group = join(0, self.size, self.rendezvous, rank_device(device, 0))
+        self.group = join(0, self.size, self.rendezvous, rank_device(device, 0), hidden)
         return self.group
 
     def pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
