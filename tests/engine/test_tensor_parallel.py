@@ -88,3 +88,48 @@ def test_a_lost_rank_fails_the_step_instead_of_hanging(tiny_models):
 def test_splits_it_cannot_run_are_refused(tiny_models, args, message):
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_models["llama"], **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_memory_sums_are_the_same_bits_on_every_rank(tmp_path, dtype):
+    """Three ranks (threads here, each with its own mapping of the file) add partial sums of
+    several shapes, twice over each slot set: every rank gets the sum, bit for bit the same."""
+    import threading
+
+    from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+
+    size, hidden = 3, 48
+    reducers = [ShmAllReduce(str(tmp_path / "reduce"), r, size, hidden, max_rows=8) for r in range(size)]
+    g = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(size)] for rows in (1, 8, 3, 5)]
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in range(size)}
+
+    def rank(r: int) -> None:
+        for parts in inputs:
+            got[r].append(reducers[r](parts[r].clone()))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i, parts in enumerate(inputs):
+        expected = parts[0] + parts[1] + parts[2]
+        for r in range(size):
+            assert torch.equal(got[r][i], got[0][i])
+        torch.testing.assert_close(got[0][i], expected)
+    assert not reducers[0].takes(torch.zeros(9, hidden)) and not reducers[0].takes(torch.zeros(2, hidden + 1))
+
+
+def test_a_shared_memory_sum_whose_peer_died_raises(tmp_path):
+    import subprocess
+    import sys
+
+    from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    mine = ShmAllReduce(str(tmp_path / "reduce"), 0, 2, 16, max_rows=4)
+    mine._pids[1] = gone.pid  # as the peer wrote it, before it died
+    with pytest.raises(RanksLost, match="rank 1"):
+        mine(torch.ones(1, 16))
