@@ -170,6 +170,11 @@ def _bench_parallel(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_precision(argv: list[str]) -> int:
+    from pdserve.bench.precision import main
+    return main(argv)
+
+
 def _bench_crash(argv: list[str]) -> int:
     from pdserve.bench.crash import main
     return main(argv)
@@ -198,7 +203,7 @@ def _plan(argv: list[str]) -> int:
 OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _bench_router,
                "bench-transfer": _bench_transfer, "bench-structured": _bench_structured,
                "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "bench-crash": _bench_crash,
-               "bench-parallel": _bench_parallel,
+               "bench-parallel": _bench_parallel, "bench-precision": _bench_precision,
                "profile": _profile, "simulate": _simulate,
                "simulate-trace": _simulate_trace, "plan": _plan}
 
@@ -277,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("bench-parallel", help="tensor parallelism's cost or gain here per split, against the planner's "
                    "projection", add_help=False)
+    sub.add_parser("bench-precision", help="each pool in its own precision (e.g. bf16 prefill, int4 decode): "
+                   "quality on held-out text and speed, against both in bf16", add_help=False)
     sub.add_parser("bench-kv", help="a returning conversation's TTFT with a host KV tier, an urgent prompt's "
                    "with prompts pausing for it, each against the feature off", add_help=False)
     sub.add_parser("bench-crash", help="a decode worker SIGKILLed mid-stream: its streams' gap and completion with "

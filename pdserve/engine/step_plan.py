@@ -26,6 +26,7 @@ def step_plan(step: SchedulerOutput, block_size: int) -> list[int]:
 
 class PlannedRequest:
     __slots__ = ("num_computed_tokens", "num_tokens", "draft", "_ids")
+    prompt_logprobs = None  # asked of rank 0's requests only
 
     def __init__(self, start: int, known: int, draft_len: int, ids: list[int]) -> None:
         self.num_computed_tokens, self.num_tokens, self._ids = start, known, ids
