@@ -8,6 +8,7 @@ import time
 
 from pdserve.config import EngineConfig
 from pdserve.flags import add_flags, flag_argv, flag_kwargs
+from pdserve.models.presets import ARCHITECTURES
 
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -225,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser("make-model", help="write a deterministic random-weight model (tests, demos)")
     mk.add_argument("out_dir")
     mk.add_argument("--preset", choices=["tiny", "demo"], default="tiny")
-    mk.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    mk.add_argument("--architecture", choices=list(ARCHITECTURES), default="llama")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=cmd_make_model)
 

@@ -34,7 +34,8 @@ from pdserve.errors import LayoutMismatch, TransferError
 from pdserve.net import WORKER_LIMITS, ServerLimits, http_server, tcp_listener
 from pdserve.worker.metrics import render_metrics
 from pdserve.worker.output_stream import KEEPALIVE_S, OutputStream
-from pdserve.worker.worker import DrainingError, EngineBusyError, QueueFullError, RoleNotServedError, Worker
+from pdserve.worker.refusals import DrainingError, EngineBusyError, QueueFullError, RoleNotServedError
+from pdserve.worker.worker import Worker
 
 _ids = itertools.count()
 

@@ -33,6 +33,7 @@ from pdserve.engine.durable_kv import durable_pool
 from pdserve.engine.kv_tier import tier_stats
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import pool_ranks
+from pdserve.worker.refusals import DrainingError, EngineBusyError, QueueFullError, RoleNotServedError
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
@@ -49,22 +50,6 @@ if TYPE_CHECKING:
     from pdserve.worker.registration import RouterMembership
 
 log = logging.getLogger("pdserve.worker")
-
-class QueueFullError(RuntimeError):
-    """The worker's waiting queue is at its bound; try again later or elsewhere."""
-
-
-class RoleNotServedError(RuntimeError):
-    """The request needs a role this worker does not have."""
-
-
-class EngineBusyError(RuntimeError):
-    """The engine thread did not take the request in time (a long step, or it stopped)."""
-
-
-class DrainingError(RuntimeError):
-    """The worker is draining: it finishes what it has and takes nothing new."""
-
 
 ADMIT_TIMEOUT_S = 30.0  # how long a request waits for the engine thread to take it before a 503
 STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
@@ -205,6 +190,7 @@ class Worker:
             self._pool.close()
         if self._step_log is not None:
             self._step_log.close()
+        self.engine.close()  # its tensor-parallel ranks, if it has any
 
     # -- requests (any thread) -----------------------------------------------------------------
 

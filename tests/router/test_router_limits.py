@@ -45,7 +45,7 @@ def test_the_request_that_broke_the_engine_fails_alone(cluster):
 def test_a_request_that_finds_every_queue_full_waits_in_the_router(cluster, monkeypatch):
     """The router admitted it: a worker's 503 (queue full) before the first token means wait and
     ask again, not an error, and the answer is the one an uncontended request gets."""
-    from pdserve.worker.worker import QueueFullError
+    from pdserve.worker.refusals import QueueFullError
 
     w = cluster["d"].worker
     real, refusals = w.generate, [2]
@@ -74,7 +74,7 @@ def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llam
     """The router sends a worker no more sequences than its heartbeat says it can hold (running +
     queued); the rest wait in the router, first come first served, and every request is served
     without the worker ever refusing one."""
-    from pdserve.worker.worker import QueueFullError
+    from pdserve.worker.refusals import QueueFullError
 
     with WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, max_num_seqs=2,
                       worker_args={"max_queued": 1}) as d, RouterServer(tiny_llama) as rs:
@@ -112,7 +112,7 @@ def test_a_burst_past_the_workers_capacity_waits_in_line_in_the_router(tiny_llam
 
 
 def test_a_request_still_without_room_at_its_queue_timeout_gets_503(cluster, monkeypatch):
-    from pdserve.worker.worker import QueueFullError
+    from pdserve.worker.refusals import QueueFullError
 
     async def always_full(*args, **kwargs):
         raise QueueFullError("the worker's queue holds its maximum of 0 requests")
