@@ -36,7 +36,7 @@ def pool_ranks(model: LlamaForCausalLM) -> tuple[int, int]:
     worker's ranks share one pool: layer i of rank r is its layer `i * ranks + r`, each rank's
     heads one contiguous layer, so the pool is what a worker of as many ranks ships and keeps,
     block for block. On GPUs each rank holds its own cache (1, 0)."""
-    ranks = model.ranks
+    ranks = getattr(model, "ranks", None)  # (a stand-in model of shapes alone has none)
     if ranks is None or ranks.device.type != "cpu":
         return 1, 0
     return ranks.size, ranks.rank

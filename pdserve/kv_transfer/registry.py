@@ -116,7 +116,7 @@ def offers(names: list[str], side: DecodeSide, address: dict) -> dict[str, dict]
     """The decode worker's offer per named backend it can serve: its KV address (where frames go,
     and which tells its peers apart) and what the backend adds."""
     out = {}
-    ranks = {"ranks": side.layout.ranks} if side.layout.ranks > 1 else {}  # senders write its ranks' split
+    ranks = {"ranks": side.layout.ranks}  # its tensor-parallel ranks: senders write their split of the heads
     for name in names:
         backend = BACKENDS[name]
         extra = backend.offer(side) if backend.available() else None

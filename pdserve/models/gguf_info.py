@@ -15,8 +15,11 @@ from gguf.quants import dequantize
 from pdserve.models.gguf_tokenizer import build_gguf_tokenizer
 from pdserve.models.model_info import ModelInfo
 
-# GGUF `general.architecture` -> Hugging Face class; flags as in `arch_config`.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF `general.architecture` -> Hugging Face class (and model type); flags as in `arch_config`.
+# A "llama" file with experts is a Mixtral.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # llama.cpp's precomputed Llama 3 rope factors; folded back into `rope_scaling` instead.
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -28,8 +31,8 @@ def read_gguf_info(reader: GGUFReader, path: str | Path) -> ModelInfo:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
         )
-    if meta.get(f"{arch}.expert_count", 0):
-        raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
+    if arch.endswith("moe") and not meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(f"{path}: a {arch} GGUF file without {arch}.expert_count")
     tokenizer = build_gguf_tokenizer(meta)
     hf_config = _hf_config(meta, arch, {t.name: t for t in reader.tensors})
     generation_config = {
@@ -52,12 +55,15 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
         raise ValueError("GGUF file has no token_embd.weight tensor")
     # A padded embedding has more rows (its last GGUF dimension) than the tokenizer has tokens.
     vocab_size = max(len(meta["tokenizer.ggml.tokens"]), int(tensors["token_embd.weight"].shape[-1]))
+    moe = arch.endswith("moe")
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
+        # a MoE file's dense size may be left out when no layer is dense
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length") or key(
+            "expert_feed_forward_length" if moe else "feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
@@ -71,8 +77,9 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch == "qwen2":
+    if arch != "llama":
         cfg["use_sliding_window"] = False
+    cfg |= _experts(meta, arch, key)
     # transformers 4's layout, as `synthetic` writes it: every transformers release reads it alike.
     if (scaling := _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), head_dim)) is not None:
         cfg["rope_scaling"] = scaling
@@ -84,6 +91,25 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
     stops = list(dict.fromkeys(s for s in stops if s is not None))
     if len(stops) > 1:
         cfg["eos_token_id"] = stops
+    return cfg
+
+
+def _experts(meta: dict[str, Any], arch: str, key) -> dict[str, Any]:
+    """A mixture of experts' config fields (none for a dense model), as llama.cpp runs the file."""
+    count = meta.get(f"{arch}.expert_count", 0)
+    if not count:
+        return {}
+    used = key("expert_used_count")
+    if arch == "llama":  # Mixtral: every layer routed, the top-k weights renormalized
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": count,
+                "num_experts_per_tok": used}
+    # llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's, unless the file says
+    cfg = {"num_experts": count, "num_experts_per_tok": used,
+           "moe_intermediate_size": key("expert_feed_forward_length"),
+           "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if shared := meta.get(f"{arch}.expert_shared_feed_forward_length"):
+        cfg["shared_expert_intermediate_size"] = shared
     return cfg
 
 

@@ -93,20 +93,26 @@ def test_splits_it_cannot_run_are_refused(tiny_models, args, message):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_memory_sums_are_the_same_bits_on_every_rank(tmp_path, dtype):
     """Three ranks (threads here, each with its own mapping of the file) add partial sums of
-    several shapes, twice over each slot set: every rank gets the sum, bit for bit the same."""
+    several shapes, twice over each slot set, between broadcasts and gathers as a step makes them:
+    every rank gets the sum, bit for bit the same, rank 0's broadcast and every part gathered."""
     import threading
 
-    from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+    from pdserve.engine.parallel.shm_reduce import ShmChannel
 
     size, hidden = 3, 48
-    reducers = [ShmAllReduce(str(tmp_path / "reduce"), r, size, hidden, max_rows=8) for r in range(size)]
+    reducers = [ShmChannel(str(tmp_path / "channel"), r, size, hidden, max_rows=8) for r in range(size)]
     g = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(size)] for rows in (1, 8, 3, 5)]
     got: dict[int, list[torch.Tensor]] = {r: [] for r in range(size)}
+    told: dict[int, list[list[int]]] = {r: [] for r in range(size)}
+    gathered: dict[int, list[torch.Tensor]] = {r: [] for r in range(size)}
 
     def rank(r: int) -> None:
-        for parts in inputs:
-            got[r].append(reducers[r](parts[r].clone()))
+        for i, parts in enumerate(inputs):
+            plan = torch.tensor([i, 7, 11] if r == 0 else [0, 0, 0])
+            told[r].append(reducers[r].broadcast(plan).tolist())
+            got[r].append(reducers[r].all_reduce(parts[r].clone()))
+            gathered[r].append(torch.cat(reducers[r].all_gather(torch.full((2, 3), float(r)))))
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
@@ -116,20 +122,22 @@ def test_shared_memory_sums_are_the_same_bits_on_every_rank(tmp_path, dtype):
     for i, parts in enumerate(inputs):
         expected = parts[0] + parts[1] + parts[2]
         for r in range(size):
-            assert torch.equal(got[r][i], got[0][i])
+            assert torch.equal(got[r][i], got[0][i]) and told[r][i] == [i, 7, 11]
+            assert gathered[r][i].tolist() == [[float(k)] * 3 for k in range(size) for _ in range(2)]
         torch.testing.assert_close(got[0][i], expected)
-    assert not reducers[0].takes(torch.zeros(9, hidden)) and not reducers[0].takes(torch.zeros(2, hidden + 1))
+    assert reducers[0].fits(torch.zeros(8, hidden)) and not reducers[0].fits(torch.zeros(9, hidden))
+    assert not reducers[0].fits(torch.zeros(hidden, 8).t())  # not contiguous
 
 
 def test_a_shared_memory_sum_whose_peer_died_raises(tmp_path):
     import subprocess
     import sys
 
-    from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+    from pdserve.engine.parallel.shm_reduce import ShmChannel
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    mine = ShmAllReduce(str(tmp_path / "reduce"), 0, 2, 16, max_rows=4)
+    mine = ShmChannel(str(tmp_path / "channel"), 0, 2, 16, max_rows=4)
     mine._pids[1] = gone.pid  # as the peer wrote it, before it died
     with pytest.raises(RanksLost, match="rank 1"):
-        mine(torch.ones(1, 16))
+        mine.all_reduce(torch.ones(1, 16))

@@ -521,3 +521,89 @@ def test_model_info_is_the_checkpoint_without_weights(monkeypatch, tmp_path, ggu
             assert (default_model.cache_entry(gguf_path) / "config.json").is_file()
     (default_model.cache_entry(gguf_path) / "config.json").write_text("{")  # a damaged entry: read the GGUF
     assert load_model_info(gguf_path).hf_config == ours.hf_config
+
+
+# ---- mixtures of experts: a tiny checkpoint of each written as llama.cpp lays it out ----
+
+_MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _moe_gguf(model_dir: Path, variant: str, path: Path) -> Path:
+    """The checkpoint at `model_dir` as a GGUF file: stacked experts, the shared expert's gate as a
+    vector, Llama-style q/k rows permuted for Mixtral; float32 but one expert tensor in Q8_0."""
+    from pdserve.models.checkpoint import load_hf_dir
+
+    ckpt = load_hf_dir(model_dir)
+    cfg = ArchConfig.from_hf_config(ckpt.hf_config)
+    e, arch = cfg.experts, _MOE_ARCH[variant]
+    w = _writer(path, arch, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                layers=cfg.num_layers, ffn=cfg.intermediate_size)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(e.count)
+    w.add_expert_used_count(e.per_token)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(e.intermediate_size)
+        w.add_expert_weights_norm(e.normalize)
+    if e.shared_intermediate_size:
+        w.add_expert_shared_feed_forward_length(e.shared_intermediate_size)
+    _add_tiny_vocab(w)
+    t = {k: v.numpy() for k, v in ckpt.tensors.items()}
+    out = {"token_embd.weight": t["model.embed_tokens.weight"], "output_norm.weight": t["model.norm.weight"],
+           "output.weight": t["lm_head.weight"]}
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+    for i in range(cfg.num_layers):
+        src, blk = f"model.layers.{i}.", f"blk.{i}."
+        for hf, gg in names.items():
+            for kind in ("weight", "bias"):
+                if (name := f"{src}self_attn.{hf}.{kind}") in t:
+                    x = t[name]
+                    if arch == "llama" and hf in ("q_proj", "k_proj"):
+                        x = _permute(x, cfg.num_heads if hf == "q_proj" else cfg.num_kv_heads)
+                    out[f"{blk}{gg}.{kind}"] = x
+        out[blk + "attn_norm.weight"] = t[src + "input_layernorm.weight"]
+        out[blk + "ffn_norm.weight"] = t[src + "post_attention_layernorm.weight"]
+        moe = src + ("block_sparse_moe." if arch == "llama" else "mlp.")
+        parts = ("w1", "w3", "w2") if arch == "llama" else ("gate_proj", "up_proj", "down_proj")
+        out[blk + "ffn_gate_inp.weight"] = t[moe + "gate.weight"]
+        for part, gg in zip(parts, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            out[f"{blk}{gg}.weight"] = np.stack([t[f"{moe}experts.{j}.{part}.weight"] for j in range(e.count)])
+        if e.shared_intermediate_size:
+            for part in ("gate", "up", "down"):
+                out[f"{blk}ffn_{part}_shexp.weight"] = t[f"{moe}shared_expert.{part}_proj.weight"]
+            out[blk + "ffn_gate_inp_shexp.weight"] = t[moe + "shared_expert_gate.weight"][0]
+    _write(w, out, quant={"blk.1.ffn_down_exps.weight": GGMLQuantizationType.Q8_0})
+    return path
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_gguf_computes_as_its_checkpoint(tmp_path, variant):
+    """A MoE GGUF file gives the logits of the checkpoint it was written from (one expert tensor
+    went through Q8_0: the checkpoint compared holds the file's values), whose own logits equal
+    transformers' (test_llama_vs_hf). transformers' GGUF reader is no reference here: it takes no
+    expert sizes from a file (it keeps its config's defaults) and reads no Mixtral GGUF."""
+    from pdserve.models.synthetic import write_model
+    from tests.factories import make_llm, paged_logits
+
+    extra = {"mlp_only_layers": []} if variant == "qwen2_moe" else {}  # llama.cpp routes every layer
+    model_dir = write_model(tmp_path / variant, "tiny", variant, **extra)
+    path = _moe_gguf(model_dir, variant, tmp_path / f"{variant}.gguf")
+    ckpt = load_gguf(path)
+    assert ckpt.quantized_bits == {"model.layers.1.mlp.experts.down_proj": 8}
+    from pdserve.models.checkpoint import load_hf_dir
+
+    reference = load_hf_dir(model_dir)  # with the file's values where Q8_0 changed them
+    down = ckpt.tensors["model.layers.1.mlp.experts.down_proj"]
+    moe = "block_sparse_moe." if variant == "mixtral" else "mlp."
+    for j in range(down.shape[0]):
+        part = "w2" if variant == "mixtral" else "down_proj"
+        reference.tensors[f"model.layers.1.{moe}experts.{j}.{part}.weight"] = down[j]
+    reference.save(tmp_path / "reference")
+    prompt = list(range(3, 40))
+    ours, _ = paged_logits(make_llm(path, quantization="none"), prompt, num_decode_steps=3)
+    expected, _ = paged_logits(make_llm(tmp_path / "reference"), prompt, num_decode_steps=3)
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    family = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[variant]
+    assert ckpt.hf_config["architectures"] == [f"{family}ForCausalLM"]

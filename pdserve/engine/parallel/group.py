@@ -1,7 +1,8 @@
 """The ranks of one tensor-parallel worker as a torch.distributed group (gloo on CPU, NCCL on
 CUDA), and what rank 0 tells the others.
 
-Rank 0 leads. Once it has its KV pool (a file in shared memory on CPU, which every rank maps and
+Rank 0 leads (its messages and the sums go through shared memory on a CPU where they fit:
+`shm_reduce.py`). Once it has its KV pool (a file in shared memory on CPU, which every rank maps and
 writes its own heads' layers into) it sends the pool's path and size. Before each step it sends the step's plan (`step_plan`: per request its position,
 its new tokens, its block table: what `ModelRunner` prepares a step from), and before each product
 of the head it sends the hidden rows to multiply (prompt log-probabilities and samples alike), so
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.parallel.lost import RanksLost
-from pdserve.engine.parallel.shm_reduce import ShmAllReduce
+from pdserve.engine.parallel.shm_reduce import ShmChannel
 
 __all__ = ["RankGroup", "RanksLost", "join"]
 
@@ -32,8 +33,8 @@ SHM_BYTES = 64 << 20  # the most its slots take
 def join(rank: int, size: int, rendezvous: str, device: torch.device, hidden: int = 0) -> RankGroup:
     """Join this worker's group: `rendezvous` is a file in a directory only this user can read.
     The group is a backend object of its own, not torch.distributed's default group: a process may
-    hold several (tests run engines side by side). On a CPU, all-reduces of up to `SHM_ROWS` rows
-    of `hidden` go through shared memory beside the rendezvous file (`shm_reduce.py`)."""
+    hold several (tests run engines side by side). On a CPU, what fits `SHM_ROWS` rows of `hidden`
+    goes through shared memory beside the rendezvous file (`shm_reduce.py`)."""
     store = dist.PrefixStore("pdserve-tp/", dist.FileStore(rendezvous, size))
     timeout = timedelta(seconds=JOIN_TIMEOUT_S)
     shm = None
@@ -44,7 +45,7 @@ def join(rank: int, size: int, rendezvous: str, device: torch.device, hidden: in
         backend = dist.ProcessGroupGloo(store, rank, size, timeout)
         if hidden:
             rows = max(1, min(SHM_ROWS, SHM_BYTES // (2 * size * hidden * 4)))
-            shm = ShmAllReduce(os.path.join(os.path.dirname(rendezvous), "reduce"), rank, size, hidden, rows)
+            shm = ShmChannel(os.path.join(os.path.dirname(rendezvous), "channel"), rank, size, hidden, rows)
     return RankGroup(rank, size, device, backend, shm)
 
 
@@ -54,13 +55,13 @@ class RankGroup:
     size: int
     device: torch.device
     backend: object  # torch.distributed's ProcessGroupGloo or ProcessGroupNCCL
-    shm: ShmAllReduce | None = None  # CPU ranks: small all-reduces through shared memory
+    shm: ShmChannel | None = None  # CPU ranks: what fits its slots goes through shared memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' partial sums added, in place (in their own dtype: half-precision partials are
         each rounded by their matmul already, so adding them in float32 changed nothing measured)."""
-        if self.shm is not None and self.shm.takes(x):
-            return self.shm(x)
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         try:
             self.backend.allreduce([x]).wait()
         except RuntimeError as e:
@@ -76,9 +77,12 @@ class RankGroup:
         width = -(-vocab // self.size)
         if part.shape[1] < width:  # the last rank's share is short: padded to gather, cut after
             part = torch.nn.functional.pad(part, (0, width - part.shape[1]))
+        part = part.contiguous()
+        if self.shm is not None and self.shm.fits(part):
+            return torch.cat(self.shm.all_gather(part), dim=1)[:, :vocab]
         parts = [torch.empty_like(part) for _ in range(self.size)]
         try:
-            self.backend.allgather([parts], [part.contiguous()]).wait()
+            self.backend.allgather([parts], [part]).wait()
         except RuntimeError as e:
             raise RanksLost(f"a tensor-parallel rank is gone: {e}") from None
         return torch.cat(parts, dim=1)[:, :vocab]
@@ -113,6 +117,8 @@ class RankGroup:
                                      device=self.device))
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.broadcast(t)
         try:
             self.backend.broadcast(t, 0).wait()
         except RuntimeError as e:
