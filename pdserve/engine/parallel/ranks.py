@@ -65,8 +65,9 @@ class Ranks:
         blob = json.dumps(dataclasses.asdict(dataclasses.replace(config, num_threads=threads)))
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
+            # stdout is the worker's own (a supervisor may read events there): a rank writes none
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.follower", str(rank), str(size),
-                                     self.rendezvous], stdin=subprocess.PIPE, text=True)
+                                     self.rendezvous], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
             proc.stdin.write(blob)
             proc.stdin.close()
             self.procs.append(proc)
