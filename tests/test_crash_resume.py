@@ -38,12 +38,17 @@ def stream(client: openai.OpenAI, model: str, tokens: list[int], out: list[str],
         errors.append(e)
 
 
-@pytest.mark.parametrize("standby", [False, True], ids=["restarted", "standby"])
-def test_a_killed_decode_worker_resumes_its_streams_from_its_kv(tiny_llama, standby):
-    """Restarted as a new process, or (`--standby`) replaced by its spare, loaded and waiting."""
+@pytest.mark.parametrize("standby,ranks", [(False, 1), (True, 1), (False, 2)],
+                         ids=["restarted", "standby", "restarted-two-ranks"])
+def test_a_killed_decode_worker_resumes_its_streams_from_its_kv(tiny_llama, standby, ranks):
+    """Restarted as a new process, or (`--standby`) replaced by its spare, loaded and waiting; or a
+    decode worker of two tensor-parallel ranks, whose pool holds both ranks' heads: its other rank
+    goes with it, and the restarted worker's two ranks resume from that pool."""
     c = ServeProcess("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "1", "--dtype", "float32",
                      "--kv-cache-memory", "8MiB", "--max-restart-backoff", "0.5", "--durable-kv",
-                     *(["--standby"] if standby else []), env={**os.environ, TOKEN_ENV: TOKEN})
+                     *(["--standby"] if standby else []),
+                     *([f"--decode-engine-args=--tensor-parallel-size {ranks}"] if ranks > 1 else []),
+                     env={**os.environ, TOKEN_ENV: TOKEN})
     try:
         wait_for(lambda: c.event("ready") or c.proc.poll() is not None, 240, "the cluster", state=lambda: c.log[-5:])
         ready = c.event("ready")

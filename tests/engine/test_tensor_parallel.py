@@ -141,3 +141,19 @@ def test_a_shared_memory_sum_whose_peer_died_raises(tmp_path):
     mine._pids[1] = gone.pid  # as the peer wrote it, before it died
     with pytest.raises(RanksLost, match="rank 1"):
         mine.all_reduce(torch.ones(1, 16))
+
+
+def test_a_killed_workers_directory_is_reaped_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    from pdserve.engine.parallel.ranks import reap_stale
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / f"pdserve-tp-{gone.pid}-abc").mkdir()
+    (tmp_path / f"pdserve-tp-{gone.pid}-abc" / "kv").write_bytes(b"x")
+    (tmp_path / f"pdserve-tp-{os.getpid()}-def").mkdir()  # a live worker's
+    (tmp_path / "pdserve-tp-unnamed").mkdir()
+    assert reap_stale(str(tmp_path)) == [f"pdserve-tp-{gone.pid}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"pdserve-tp-{os.getpid()}-def", "pdserve-tp-unnamed"]

@@ -58,8 +58,11 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.size = size
-        # 0700; in shared memory where the host has it: the KV pool lives here too
-        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-tp-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None))
+        # 0700; in shared memory where the host has it (the KV pool and the ranks' channel live
+        # here too), named for this process so that the next worker reaps it if this one is killed
+        where = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+        reap_stale(where)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"pdserve-tp-{os.getpid()}-", dir=where))
         self.rendezvous = str(self.dir / "rendezvous")
         threads = threads_per_rank(config, size)
         blob = json.dumps(dataclasses.asdict(dataclasses.replace(config, num_threads=threads)))
@@ -110,6 +113,26 @@ class Ranks:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
+
+
+def reap_stale(where: str) -> list[str]:
+    """Remove the directories of tensor-parallel workers that are gone (killed before they could
+    remove their own): `pdserve-tp-<pid>-*` whose process no longer runs."""
+    removed = []
+    for name in os.listdir(where):
+        parts = name.split("-")
+        if not (name.startswith("pdserve-tp-") and len(parts) >= 4 and parts[2].isdigit()):
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # still running (or someone else's)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def _end(procs: list[subprocess.Popen], directory: Path) -> None:
