@@ -1,7 +1,8 @@
 """`pdserve serve` with a prefill pool of two tensor-parallel ranks and a decode pool of one
 (`--prefill-engine-args`): answers through the official `openai` client equal one process's, the
 KV crossing between the splits; the ranks are one worker to the supervisor: a SIGKILLed worker's
-other rank goes with it, and the worker comes back whole."""
+other rank goes with it and the worker comes back whole, and one sent SIGTERM (a rolling restart)
+drains, stops its other rank and comes back whole too."""
 
 from __future__ import annotations
 
@@ -50,5 +51,18 @@ def test_a_cluster_of_split_prefill_and_whole_decode_answers_like_one_process(ti
         r = client.completions.create(model=ready["model"], prompt=prompts[1], max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == llm.generate([{"prompt_token_ids": prompts[1]}], greedy)[0].outputs[0].text
+        again = c.event("ready_again")
+        ranks = psutil.Process(again["pid"]).children()
+        assert len(ranks) == 1
+        seen = len(c.events)
+        os.kill(again["pid"], signal.SIGTERM)  # drains, stops its engine's other rank, exits 0
+        wait_for(lambda: not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE, 60,
+                 "the drained worker's other rank to exit")
+        wait_for(lambda: c.event("ready_again", after=seen), 120, "the drained worker started again",
+                 state=lambda: c.log[-5:])
+        assert c.event("exited", after=seen)["code"] == 0
+        r = client.completions.create(model=ready["model"], prompt=prompts[2], max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0].outputs[0].text
     finally:
         c.close()
