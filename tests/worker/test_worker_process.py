@@ -49,6 +49,7 @@ def test_workers_as_processes(tiny_llama):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+        reap_stale_pools()  # what the killed ones could not remove
 
 
 def poll(url: str, predicate, what: str) -> dict:
@@ -119,3 +120,4 @@ def test_processes_killed_mid_transfer(tiny_llama, backend):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+        reap_stale_pools()  # what the killed ones could not remove
