@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: latency histograms per request, queue depth, workers, tokens,
-KV bytes moved (from the workers' heartbeats) and SLA attainment against configured targets."""
+KV bytes moved (from the workers' heartbeats), SLA attainment against configured targets, and the
+indicators the design articles alert on (`indicators.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.router.indicators import Indicators
 from pdserve.router.rebalance import RecentTTFT
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -85,6 +87,7 @@ class RouterMetrics:
         self.sla_targets = Gauge("pdserve_sla_target_seconds", "SLA targets", ["metric"], registry=r)
         self.sla_targets.labels("ttft").set(ttft_slo_s)
         self.sla_targets.labels("tpot").set(tpot_slo_s)
+        self.indicators = Indicators(r, ttft_slo_s, tpot_slo_s)  # the articles' alerting indicators
 
     def render(self, admission, workers) -> bytes:
         self.queue.set(admission.requests)
@@ -92,6 +95,7 @@ class RouterMetrics:
         for role in ("prefill", "decode", "both"):
             self.workers.labels(role).set(sum(1 for w in workers if w.role == role))
         self.kv_bytes.set(sum(w.stats.kv_bytes_received for w in workers))
+        self.indicators.workers(workers)
         for gauge in (*self.worker_gauges.values(), *self.draft_gauges.values()):
             gauge.clear()  # workers that left have no series
         for w in workers:
@@ -114,6 +118,7 @@ class RequestClock:
 
     metrics: RouterMetrics
     prompt_tokens: int
+    remote: bool = False  # first sent through a prefill worker
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None
@@ -154,3 +159,5 @@ class RequestClock:
             m.tpot.observe(tpot)
         if self.first - self.start <= m.ttft_slo_s and tpot <= m.tpot_slo_s:
             m.sla_met.inc()
+        transfer = (self.phase_times or {}).get("transfer_s", 0.0) if self.remote else None
+        m.indicators.finished(self.first - self.start, tpot, transfer)

@@ -165,7 +165,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
                          lambda index: router.stop_completion(request_id, index),
                          skip_special_tokens=not (tools and tools.keeps_special_tokens))
-    clock = RequestClock(router.metrics, len(ids))
+    clock = RequestClock(router.metrics, len(ids), remote=admitted.prefill is not None)
     shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
     echo = Echo(req.prompt if isinstance(req.prompt, str) else router.tokenizer.decode(ids), ids, req.n, shapes
                 ) if req.echoed() else None

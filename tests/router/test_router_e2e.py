@@ -340,6 +340,11 @@ def test_metrics(client, router_cluster):
     for phase in ("queue", "prefill", "transfer", "decode"):
         assert values[f'pdserve_phase_seconds_count{{phase="{phase}"}}'] >= 2
     assert values['pdserve_phase_seconds_sum{phase="transfer"}'] > 0  # a prompt's KV came from the prefill worker
+    # the articles' indicators (tests/router/test_indicators.py): each a series, in range, on a live cluster
+    for name in ('pdserve_sla_attainment{metric="ttft"}', 'pdserve_sla_attainment{metric="both"}',
+                 "pdserve_kv_transfer_ttft_share", "pdserve_decode_waiting_share",
+                 'pdserve_pool_utilization{role="decode"}', "pdserve_pool_utilization_spread"):
+        assert 0.0 <= values[name] <= 1.0, name
 
 
 def test_a_decode_worker_that_fails_before_the_first_token_is_retried_elsewhere(client, router_cluster, offline):
