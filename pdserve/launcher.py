@@ -92,16 +92,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def pool_engine_argv(args: argparse.Namespace, role: str) -> list[str]:
     """The `--prefill-engine-args` / `--decode-engine-args` of a worker of `role`, checked: engine
     flags only, the model and threads excepted (one model per cluster; the launcher gives threads)."""
-    text = getattr(args, f"{role}_engine_args", "") if role in ("prefill", "decode") else ""
-    if not text:
-        return []
+    return _pool_flags(args, role)[0]
+
+
+def pool_tensor_parallel(args: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel ranks of a worker of `role`: its pool's engine flags', else the common one."""
+    return _pool_flags(args, role)[1].tensor_parallel_size
+
+
+def _pool_flags(args: argparse.Namespace, role: str) -> tuple[list[str], argparse.Namespace]:
+    """(the pool's engine flags as given, the engine flags they make over the common ones)."""
     from pdserve.config import EngineConfig
 
+    text = getattr(args, f"{role}_engine_args", "") if role in ("prefill", "decode") else ""
     argv = shlex.split(text)
     parser = argparse.ArgumentParser(prog=f"--{role}-engine-args", add_help=False, exit_on_error=False)
     add_flags(parser, EngineConfig, "engine")
     try:
-        parsed, unknown = parser.parse_known_args(argv)
+        parsed, unknown = parser.parse_known_args(argv, argparse.Namespace(**vars(args)))
     except argparse.ArgumentError as e:
         raise SystemExit(f"pdserve serve: --{role}-engine-args: {e}") from None
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
@@ -109,18 +117,7 @@ def pool_engine_argv(args: argparse.Namespace, role: str) -> list[str]:
     if refused:
         raise SystemExit(f"pdserve serve: --{role}-engine-args takes engine flags other than --model and --threads; "
                          f"not {' '.join(refused)}")
-    return argv
-
-
-def pool_tensor_parallel(args: argparse.Namespace, role: str) -> int:
-    """The tensor-parallel ranks of a worker of `role`: its pool's engine flags', else the common one."""
-    own = pool_engine_argv(args, role)
-    for i, arg in enumerate(own):
-        if arg == "--tensor-parallel-size" and i + 1 < len(own):
-            return int(own[i + 1])
-        if arg.startswith("--tensor-parallel-size="):
-            return int(arg.split("=", 1)[1])
-    return getattr(args, "tensor_parallel_size", 1) or 1
+    return argv, parsed
 
 
 def router_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:

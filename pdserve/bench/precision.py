@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.machine import environment
+from pdserve.engine.step import SchedulerOutput
+from pdserve.engine.step_plan import PlannedRequest
 from pdserve.workload.results import write_json
 
 SETTINGS = {"bf16": {"dtype": "bfloat16", "quantization": "none"},
@@ -36,7 +38,7 @@ SETTINGS = {"bf16": {"dtype": "bfloat16", "quantization": "none"},
             "f32": {"dtype": "float32", "quantization": "none"},
             "int8": {"dtype": "bfloat16", "quantization": "int8"},
             "int4": {"dtype": "bfloat16", "quantization": "int4"},
-            "file": {"dtype": "bfloat16", "quantization": "auto"}}  # weights as the checkpoint stores them (a GGUF's 4-bit)
+            "file": {"dtype": "bfloat16", "quantization": "auto"}}  # as the checkpoint stores them (a GGUF's 4-bit)
 
 
 def _say(message: str) -> None:
@@ -76,6 +78,14 @@ def pairs_of(text: str) -> list[tuple[str, str]]:
     return [("bf16", "bf16"), *pairs]
 
 
+def one_request(ids: list[int], start: int, blocks: list[int]) -> SchedulerOutput:
+    """A step of one request computing `ids` from position `start` over `blocks` (a decode where it
+    is one token after others), as a model runner takes it."""
+    req = PlannedRequest(start, start + len(ids), 0, ids)
+    return SchedulerOutput(requests=[req], num_new_tokens=[len(ids)], num_decodes=int(len(ids) == 1 and start > 0),
+                           block_tables=[blocks])
+
+
 class PairRun:
     """One prefill engine's model and one decode engine's, run step by step over scratch blocks."""
 
@@ -83,46 +93,33 @@ class PairRun:
         self.p, self.d = prefill.engine.runner, decode.engine.runner
         self.block_size = self.p.block_size
 
-    def _step(self, runner, ids: list[int], start: int, blocks: list[int]):
-        from pdserve.engine.step import SchedulerOutput
-        from pdserve.engine.step_plan import PlannedRequest
-
-        req = PlannedRequest(start, start + len(ids), 0, ids)
-        step = SchedulerOutput(requests=[req], num_new_tokens=[len(ids)], num_decodes=int(len(ids) == 1 and start > 0),
-                               block_tables=[blocks])
-        return runner.forward(step)[0]  # [1, vocab] float32: the last position's
-
-    def _context(self, context: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The prefill model's KV of the context in the decode model's pool; its last logits."""
-        bs = self.block_size
-        blocks = list(range(-(-(len(context) + 1024) // bs)))
-        logits = self._step(self.p, context, 0, blocks)
+    def _context(self, context: list[int], more: int) -> tuple[list[int], torch.Tensor]:
+        """The prefill model's KV of the context in the decode model's pool (scratch blocks from 0,
+        for `more` tokens after it too); its last logits."""
+        blocks = list(range(-(-(len(context) + more) // self.block_size)))
+        logits = self.p.forward(one_request(context, 0, blocks))[0]
         slots = slice(0, len(context))
         self.d.kv_cache[:, slots].copy_(self.p.kv_cache[:, slots])
         return blocks, logits[0]
 
     def log_likelihood(self, context: list[int], continuation: list[int]) -> float:
         """Sum of the continuation's log-probabilities after the context (nats)."""
-        blocks, last = self._context(context)
+        blocks, last = self._context(context, len(continuation))
         total = torch.log_softmax(last, -1)[continuation[0]].item()
-        from pdserve.engine.step import SchedulerOutput
-        from pdserve.engine.step_plan import PlannedRequest
-
         # every continuation position's logits from the decode model: one chunk, teacher-forced
-        req = PlannedRequest(len(context), len(context) + len(continuation), 0, continuation)
-        step = SchedulerOutput(requests=[req], num_new_tokens=[len(continuation)], block_tables=[blocks])
         with torch.inference_mode():
-            input_ids, positions, meta, _, _ = self.d._prepare(step)
+            input_ids, positions, meta, _, _ = self.d._prepare(one_request(continuation, len(context), blocks))
             hidden = self.d.model(input_ids, positions, self.d.layer_kv, meta)
             logits = self.d.model.compute_logits(hidden[:-1])
         picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(continuation[1:]).unsqueeze(1))
         return total + picked.sum().item()
 
     def greedy(self, context: list[int], tokens: int) -> list[int]:
-        blocks, last = self._context(context)
+        blocks, last = self._context(context, tokens)
         out = [int(last.argmax())]
         for i in range(tokens - 1):
-            out.append(int(self._step(self.d, out[-1:], len(context) + i, blocks)[0].argmax()))
+            logits = self.d.forward(one_request(out[-1:], len(context) + i, blocks))[0]
+            out.append(int(logits[0].argmax()))
         return out
 
 

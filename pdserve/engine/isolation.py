@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from pdserve.engine.parallel.group import RanksLost
+from pdserve.engine.parallel.lost import RanksLost
 from pdserve.engine.step import SchedulerOutput
 
 log = logging.getLogger("pdserve.engine")

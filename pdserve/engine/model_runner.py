@@ -10,6 +10,7 @@ from pdserve.engine.compiled_step import CompiledDecode
 from pdserve.engine.request import Request
 from pdserve.engine.spec.verify import verified
 from pdserve.engine.step import SchedulerOutput
+from pdserve.engine.step_plan import step_plan
 from pdserve.engine.structured import mask_logits
 from pdserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.layers.kernels import native
@@ -18,7 +19,6 @@ from pdserve.layers.sampler import Sampler, SamplingBatch, skip_draws, token_log
 from pdserve.models.draft_head import DraftHead
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprobs
-from pdserve.engine.step_plan import step_plan
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions put through the head at once: 256 x a 50k vocabulary is 50 MB
 

@@ -32,7 +32,7 @@ from typing import IO, Callable
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.parallel.group import RanksLost
+from pdserve.engine.parallel.lost import RanksLost
 from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.layers.kernels.native import bind_team_to_cores
 from pdserve.outputs import RequestOutput

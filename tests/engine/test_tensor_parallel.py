@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.parallel.group import RanksLost
+from pdserve.engine.parallel.lost import RanksLost
 from pdserve.models.loader import build_model, load_checkpoint
 from pdserve.models.shard import Shard
 from tests.factories import assert_engine_idle, make_llm

@@ -2,24 +2,27 @@
 the worker's group, then runs what rank 0 sends until told to stop or rank 0 is gone.
 
 Its KV cache is its heads' layers in rank 0's pool (`POOL`, first after joining), so what rank 0
-ships, keeps in a tier or journals holds every rank's heads. Started by rank 0 (`ranks.Ranks`) as `python -m pdserve.engine.parallel.follower RANK SIZE RENDEZVOUS`,
-the engine config as JSON on stdin.
+ships, keeps in a tier or journals holds every rank's heads. Started by rank 0 (`ranks.Ranks`) as
+`python -m pdserve.engine.parallel.follower RANK SIZE RENDEZVOUS`, the engine config (its dtype
+and quantization as rank 0 resolved them) as JSON on stdin.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 
 import torch
 
 from pdserve.config import EngineConfig, resolve_device, resolve_dtype
-from pdserve.engine.parallel.group import LOGITS, POOL, STEP, STOP, RanksLost, join
+from pdserve.engine.parallel.group import LOGITS, POOL, STEP, STOP, join
+from pdserve.engine.parallel.lost import RanksLost
 from pdserve.engine.parallel.ranks import die_with_parent, rank_device
-from pdserve.models.shard import Shard
 from pdserve.engine.step_plan import planned_step
+from pdserve.models.shard import Shard
 
 log = logging.getLogger("pdserve.parallel")
 
@@ -30,8 +33,7 @@ def serve_rank(rank: int, size: int, rendezvous: str, config: EngineConfig) -> N
 
     device = rank_device(resolve_device(config.device), rank)
     dtype = resolve_dtype(config.dtype, device)
-    quantization = config.quantization if device.type == "cpu" else "none"
-    model = build_model(load_checkpoint(config.model), dtype, device, quantization,
+    model = build_model(load_checkpoint(config.model), dtype, device, config.quantization,
                         shard=Shard(rank, size, config.expert_parallel))
     group = join(rank, size, rendezvous, device, model.cfg.hidden_size)
     model.join(group)
@@ -66,9 +68,7 @@ def main() -> None:
 
 def map_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Rank 0's KV pool, mapped here (the size the shape implies, or an error)."""
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if os.path.getsize(path) != numel * dtype.itemsize:
         raise RuntimeError(f"the KV pool {path} has {os.path.getsize(path)} bytes; this rank expects "
                            f"{numel * dtype.itemsize}")

@@ -2,11 +2,12 @@
 CUDA), and what rank 0 tells the others.
 
 Rank 0 leads (its messages and the sums go through shared memory on a CPU where they fit:
-`shm_reduce.py`). Once it has its KV pool (a file in shared memory on CPU, which every rank maps and
-writes its own heads' layers into) it sends the pool's path and size. Before each step it sends the step's plan (`step_plan`: per request its position,
-its new tokens, its block table: what `ModelRunner` prepares a step from), and before each product
-of the head it sends the hidden rows to multiply (prompt log-probabilities and samples alike), so
-the others run the same collectives in the same order. Messages are int64 or float tensors
+`shm_reduce.py`). Once it has its KV pool (a file in shared memory on CPU, which every rank maps
+and writes its own heads' layers into) it sends the pool's path and size. Before each step it
+sends the step's plan (`step_plan`: per request its position, its new tokens, its block table:
+what `ModelRunner` prepares a step from), and before each product of the head it sends the hidden
+rows to multiply (prompt log-probabilities and samples alike), so the others run the same
+collectives in the same order. Messages are int64 or float tensors
 broadcast from rank 0: a header (command, sizes), then the payload. No pickled object crosses.
 """
 
@@ -21,8 +22,6 @@ import torch.distributed as dist
 
 from pdserve.engine.parallel.lost import RanksLost
 from pdserve.engine.parallel.shm_reduce import ShmChannel
-
-__all__ = ["RankGroup", "RanksLost", "join"]
 
 STEP, LOGITS, STOP, POOL = 1, 2, 3, 4
 JOIN_TIMEOUT_S = 300.0  # the ranks load the checkpoint before they join

@@ -2,8 +2,8 @@
 
 The ranks meet through a file in a fresh directory only this user can read (no port listens
 for strangers to join); gloo's own connections are on loopback. Each rank takes its share of the
-worker's CPU threads. A rank dies with rank 0 (Linux's parent-death signal, and its first
-collective failing, or its watch on its parent), so the supervisor's one process is the whole worker.
+worker's CPU threads. A rank dies with rank 0 (a thread watches its parent; a wait on a dead peer
+raises), so the supervisor's one process is the whole worker.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -85,12 +86,9 @@ class Ranks:
     def pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A KV pool every rank can map: a file in the ranks' directory (an engine whose worker gave
         it no file-backed pool of its own takes this one)."""
-        numel = 1
-        for d in shape:
-            numel *= d
         path = self.dir / "kv"
         path.touch(mode=0o600)
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
     def share_pool(self, pool: torch.Tensor, num_blocks: int) -> None:
         """Tell the other ranks where the pool is; they map it and write their heads' layers there.

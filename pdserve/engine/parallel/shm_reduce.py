@@ -40,8 +40,8 @@ CHECK_PEERS_S = 2.0
 class ShmChannel:
     def __init__(self, path: str, rank: int, size: int, hidden: int, max_rows: int) -> None:
         if size > MAX_RANKS:
-            raise ValueError(f"a shared-memory all-reduce takes at most {MAX_RANKS} ranks")
-        self.rank, self.size, self.hidden, self.max_rows = rank, size, hidden, max_rows
+            raise ValueError(f"a shared-memory channel takes at most {MAX_RANKS} ranks")
+        self.rank, self.size = rank, size
         slot_bytes = -(-max_rows * hidden * 4 // 64) * 64  # float32 rows at most, aligned for any dtype
         self._slot_bytes = slot_bytes
         total = HEADER * 8 + 2 * size * slot_bytes
