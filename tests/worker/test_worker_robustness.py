@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -83,10 +84,18 @@ def test_a_failing_poll_does_not_stop_the_engine(worker, monkeypatch):
     assert worker.worker.stats().engine_failures > 0
 
 
-def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
+def test_a_non_streaming_client_that_leaves_aborts_its_request(worker, monkeypatch):
     w = worker.worker
-    gate = threading.Event()
-    w.loop.call(lambda: gate.wait(30))
+    step = w.engine.step
+
+    def paced_step():  # the tiny model decodes 500 tokens in well under a second: give the server
+        time.sleep(0.002)  # (its event loop sharing 2 cores with the engine thread) time to see the client go
+        return step()
+    monkeypatch.setattr(w.engine, "step", paced_step)
+    gate, held = threading.Event(), threading.Event()
+    w.loop.call(lambda: (held.set(), gate.wait(30)))
+    # the engine thread inside the gate: the queued call counted below is the request's, not the gate's
+    wait_for(held.is_set, 30, "the engine thread held")
     body = json.dumps({"prompt_token_ids": prompt(12), "stream": False,
                        "sampling": {"max_tokens": 500, "ignore_eos": True}}).encode()
     sock = connect(worker.url)
@@ -94,7 +103,7 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(worker):
     wait_for(lambda: w.loop._calls.qsize() >= 1, 30, "the request in, waiting for the engine")
     sock.close()
     gate.set()
-    wait_for(lambda: w.stats().requests_aborted == 1, 30, "the abort")
+    wait_for(lambda: w.stats().requests_aborted == 1, 30, "the abort", state=lambda: w.stats().num_steps)
     wait_for(worker.is_idle, 30, "an idle worker")
     assert w.stats().num_steps < 500  # it never ran to its max_tokens
 
