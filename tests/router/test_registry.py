@@ -50,6 +50,19 @@ def test_a_restarted_worker_replaces_its_entry():
     first = reg.register("http://127.0.0.1:1", "decode", "m")
     second = reg.register("http://127.0.0.1:1", "decode", "m")
     assert [e.worker_id for e in reg.workers()] == [second.worker_id] and first.worker_id != second.worker_id
+    assert not first.rejoined and second.rejoined  # what the crash-loop alert counts
+
+
+def test_a_worker_back_after_its_lease_lapsed_is_a_rejoin_and_the_known_addresses_stay_bounded(monkeypatch):
+    monkeypatch.setattr("pdserve.router.registry.MAX_SEEN_URLS", 3)
+    clock = Clock()
+    reg = Registry("m", lease_s=5, clock=clock)
+    reg.register("http://127.0.0.1:1", "decode", "m")
+    clock.now += 6
+    assert len(reg.expire()) == 1 and reg.register("http://127.0.0.1:1", "decode", "m").rejoined
+    for port in (2, 3, 4):  # pushes port 1, the oldest address, out of memory
+        assert not reg.register(f"http://127.0.0.1:{port}", "prefill", "m").rejoined
+    assert not reg.register("http://127.0.0.1:1", "decode", "m").rejoined
 
 
 def test_requests_routed_between_heartbeats_count_in_the_load():
