@@ -181,6 +181,16 @@ def _bench_crash(argv: list[str]) -> int:
     return main(argv)
 
 
+def _dashboard(argv: list[str]) -> int:
+    from pdserve.telemetry.dashboard import main
+    return main(argv)
+
+
+def _top(argv: list[str]) -> int:
+    from pdserve.telemetry.top import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -206,7 +216,7 @@ OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _
                "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "bench-crash": _bench_crash,
                "bench-parallel": _bench_parallel, "bench-precision": _bench_precision,
                "profile": _profile, "simulate": _simulate,
-               "simulate-trace": _simulate_trace, "plan": _plan}
+               "simulate-trace": _simulate_trace, "plan": _plan, "dashboard": _dashboard, "top": _top}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "with prompts pausing for it, each against the feature off", add_help=False)
     sub.add_parser("bench-crash", help="a decode worker SIGKILLed mid-stream: its streams' gap and completion with "
                    "--durable-kv, with --migrate-on-failure, and with neither", add_help=False)
+    sub.add_parser("dashboard", help="write the cluster's Grafana dashboard (JSON)", add_help=False)
+    sub.add_parser("top", help="a running cluster in a terminal, from its router's /metrics", add_help=False)
     return parser
 
 

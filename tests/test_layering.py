@@ -12,6 +12,9 @@
 - `worker/` serves an engine: nothing of the router (their common words are `wire.py`) or the tools.
 - `workload/` is the benchmarks' and the simulator's common vocabulary (lengths, records, results,
   plots): nothing of either, nor of the engine, the model or the servers.
+- `telemetry/` is what an operator sees of a running cluster (traces, the dashboard, `pdserve
+  top`): the servers import its tracer, and it imports nothing of them, the engine or torch
+  (`pdserve top` starts in a fraction of a second, anywhere).
 - `bench/` measures and `sim/` simulates; neither imports the other, and the simulator starts no
   server of its own.
 - Between the package's parts (its subpackages and top-level modules) the imports form no circle,
@@ -45,6 +48,8 @@ RULES = {
     "worker": ("pdserve.router", "pdserve.bench", "pdserve.sim", "pdserve.on_ray", "pdserve.launcher",
                "pdserve.workload"),
     "workload": NETWORK + ABOVE_ENGINE + ("torch", "pdserve.engine", "pdserve.models", "pdserve.layers"),
+    "telemetry": ("torch", "pdserve.engine", "pdserve.models", "pdserve.layers", "pdserve.llm", "pdserve.router",
+                  "pdserve.worker", "pdserve.kv_transfer", "pdserve.launcher", "pdserve.on_ray"),
     "bench": ("pdserve.sim", "pdserve.on_ray"),
     "sim": ("pdserve.bench", "pdserve.worker", "pdserve.on_ray", "httpx", "fastapi", "uvicorn"),
     "wire.py": ("torch", "fastapi", "httpx", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.kv_transfer"),

@@ -1,0 +1,1 @@
+"""What an operator sees of a running cluster: traces, dashboards, a terminal view."""
