@@ -191,6 +191,11 @@ def _top(argv: list[str]) -> int:
     return main(argv)
 
 
+def _shadow_report(argv: list[str]) -> int:
+    from pdserve.telemetry.shadow_report import main
+    return main(argv)
+
+
 def _profile(argv: list[str]) -> int:
     from pdserve.sim.profile import main
     return main(argv)
@@ -216,7 +221,8 @@ OWN_PARSERS = {"bench": _bench, "bench-engine": _bench_engine, "bench-router": _
                "bench-speculative": _bench_speculative, "bench-kv": _bench_kv, "bench-crash": _bench_crash,
                "bench-parallel": _bench_parallel, "bench-precision": _bench_precision,
                "profile": _profile, "simulate": _simulate,
-               "simulate-trace": _simulate_trace, "plan": _plan, "dashboard": _dashboard, "top": _top}
+               "simulate-trace": _simulate_trace, "plan": _plan, "dashboard": _dashboard, "top": _top,
+               "shadow-report": _shadow_report}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--durable-kv, with --migrate-on-failure, and with neither", add_help=False)
     sub.add_parser("dashboard", help="write the cluster's Grafana dashboard (JSON)", add_help=False)
     sub.add_parser("top", help="a running cluster in a terminal, from its router's /metrics", add_help=False)
+    sub.add_parser("shadow-report", help="the router's comparison of its shadow traffic with the answers it gave",
+                   add_help=False)
     return parser
 
 

@@ -131,7 +131,8 @@ def worker_argv(args: argparse.Namespace, engine_argv: list[str], role: str, ind
     the name of the KV pool file it keeps through restarts."""
     steps = str(Path(args.record_steps) / f"{role}-{index}.jsonl") if args.record_steps else None
     settings = WorkerConfig(port=0, router=router_url, transfer=args.transfer, record_steps=steps,
-                            fault_injection=args.fault_injection, durable_kv=durable_kv)  # the worker makes the steps' folder, on its node
+                            fault_injection=args.fault_injection, durable_kv=durable_kv,
+                            otlp_traces_endpoint=args.otlp_traces_endpoint)  # the worker makes the steps' folder, on its node
     # the host apart: on Ray it is a placeholder the actor fills in with its node's address
     return ["worker", *_model(args), "--role", role, "--host", host, *config_argv(settings), "--threads", str(threads),
             *engine_argv, *pool_engine_argv(args, role)]

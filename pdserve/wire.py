@@ -53,9 +53,21 @@ Seconds = Annotated[float, Meta(ge=0, le=1e9)]
 ModelHash = Annotated[str, Meta(max_length=128)]
 Role = Literal["prefill", "decode", "both"]
 NODE_NAME = r"^[A-Za-z0-9_.:@\-]{0,128}\Z"  # a host name, a Ray node id
+VERSION_LABEL = r"^[A-Za-z0-9_.\-]{0,64}\Z"  # a build or model a worker serves ("": unlabelled)
+
+
+def version_label(text: str) -> str:
+    """A `--version-label` / `--stable-version` flag's value, checked."""
+    if not re.fullmatch(VERSION_LABEL, text):
+        raise ValueError(f"expected up to 64 letters, digits and _.-, got {text!r}")
+    return text
+
+
 SHM_DIR = "/dev/shm"  # where shared KV pools live
 SHM_POOL_NAME = r"^pdserve-kv-\d+-[0-9a-f]{16}\Z"  # a shared KV pool file under /dev/shm: its owner's pid, 64 random bits
 NodeName = Annotated[str, Meta(max_length=128, pattern=NODE_NAME)]
+# a W3C trace context (version 00), or "" where the request is not traced
+TraceParent = Annotated[str, Meta(max_length=55, pattern=r"^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?\Z")]
 KVTransferDtype = Literal["auto", "int8", "fp8"]  # how KV crosses: as computed, or quantized
 KV_TRANSFER_DTYPES: tuple[str, ...] = get_args(KVTransferDtype)
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
@@ -170,6 +182,7 @@ class GenerateRequest(Message, kw_only=True):
     prefill_url: Url | None = None
     resume_of: RequestId | None = None  # its id on this worker before a restart: resume from the KV kept
     stream: bool = True
+    traceparent: TraceParent = ""  # the router's span: the worker's spans are its children
 
 
 class AbortRequest(Message, omit_defaults=True):
@@ -335,6 +348,7 @@ class PrefillLease(Message, kw_only=True):
     draft_block_table: Annotated[list[Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]],
                                  Meta(max_length=MAX_SEQUENCE_TOKENS)] = []
     draft_hash: ModelHash = ""
+    traceparent: TraceParent = ""  # the decode worker's span: the prefill worker's spans are its children
 
 
 class PrefillAccepted(Message):
@@ -361,6 +375,8 @@ class Registration(Message):
     model_hash: ModelHash
     block_size: BlockSize = 16  # of its KV cache: the router hashes prompt prefixes in blocks this size
     node: NodeName = ""  # the machine it runs on, as its operator knows it (host name, Ray node)
+    # the version it serves: requests and their KV stay among workers of one version (rollouts)
+    version: Annotated[str, Meta(max_length=64, pattern=VERSION_LABEL)] = ""
 
 
 class Registered(Message):
@@ -446,6 +462,12 @@ class RoleChange(Message):
     """POST /admin/workers/{id}/role on the router, and POST /v1/role on the worker it forwards to."""
 
     role: Role
+
+
+class SlowSteps(Message):
+    """POST /v1/faults/slow-steps (fault injection): each engine step takes this much longer."""
+
+    delay_ms: Annotated[float, Meta(ge=0, le=10_000)]
 
 
 class Deregistration(Message):

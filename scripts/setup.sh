@@ -12,8 +12,9 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 # The optional extras, each on its own: where one cannot install, its tests are skipped with the reason.
 # nixl: the NIXL KV backend; ray: `pdserve serve --ray` (its tests run a Ray cluster on this machine);
-# store: a shared KV tier in a Valkey server (`pdserve serve --kv-store local` starts one).
-for extra in nixl ray store; do
+# store: a shared KV tier in a Valkey server (`pdserve serve --kv-store local` starts one);
+# otel: requests' traces sent to an OpenTelemetry collector (`--otlp-traces-endpoint`).
+for extra in nixl ray store otel; do
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extra]" \
     || echo "setup: the optional $extra extra did not install; its tests will be skipped" >&2
 done

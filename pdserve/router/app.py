@@ -46,6 +46,8 @@ def create_app(router: Router) -> FastAPI:
         yield
         reaper.cancel()
         await router.http.aclose()
+        if router.tracer is not None:
+            router.tracer.close()  # what is still batched goes out
 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.rounds = Rounds(router)  # reaping, hot-spot relief, the P:D controller

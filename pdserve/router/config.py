@@ -12,6 +12,8 @@ from pdserve.flags import check_flags, count, flag, fraction, milliseconds, per_
 from pdserve.router.policy import DecodeWeights, DisaggregationPolicy, HotSpotRelief
 from pdserve.router.rebalance import RebalancePolicy
 from pdserve.router.tool_calls import PARSER_CHOICES
+from pdserve.telemetry.tracing import otlp_endpoint
+from pdserve.wire import version_label
 
 _POLICY = RebalancePolicy()
 
@@ -61,6 +63,13 @@ class RouterConfig:
     tool_call_parser: str = flag("auto", "how the model writes tool calls: hermes (<tool_call>), llama3_json, "
                                          "mistral ([TOOL_CALLS]); auto: the one its chat template shows",
                                  choices=PARSER_CHOICES)
+    stable_version: str | None = flag(None, "the version label whose workers serve requests (default: the first "
+                                            "registered worker's); a canary rollout moves traffic to another "
+                                            "(`pdserve worker --version-label`)", parse=version_label)
+    otlp_traces_endpoint: str = flag("", "send each request's spans to this OpenTelemetry collector (OTLP over "
+                                         "HTTP, e.g. http://127.0.0.1:4318; `pip install pdserve[otel]`): the "
+                                         "router's, and with `pdserve serve` its workers' too; off by default",
+                                     parse=otlp_endpoint)
 
     # -- for library users and tests -------------------------------------------------------------
     disaggregation: DisaggregationPolicy = field(default_factory=DisaggregationPolicy)

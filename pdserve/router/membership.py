@@ -34,18 +34,22 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
         check_worker_token(request)
         body = await message_body(request, wire.Registration)
         try:
+            stable = router.rollout.stable
             entry = router.registry.register(body.url.rstrip("/"), body.role, body.model_hash, cfg.worker_token,
-                                             body.block_size, body.node)
+                                             body.block_size, body.node, body.version,
+                                             new_model_ok=stable is not None and body.version != stable)
         except OtherModel as e:
             raise APIError(409, str(e)) from None
         except RegistrationError as e:
             raise APIError(400, str(e)) from None
+        router.rollout.first_version(entry.version)
         if entry.rejoined:
             router.metrics.worker_rejoins.labels(entry.role).inc()
             log.warning("worker %s registered again (restarted or dropped before): %s at %s", entry.worker_id,
                         entry.role, entry.url)
         else:
-            log.info("worker %s registered: %s at %s", entry.worker_id, entry.role, entry.url)
+            log.info("worker %s registered: %s at %s%s", entry.worker_id, entry.role, entry.url,
+                     f" (version {entry.version})" if entry.version else "")
         answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
                                  heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
         return Response(wire.encode(answer), media_type="application/json")

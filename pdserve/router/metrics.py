@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pdserve.router.indicators import Indicators
 from pdserve.router.rebalance import RecentTTFT
+from pdserve.router.request_trace import RequestTrace
+from pdserve.router.rollout import STATES, Rollout
+from pdserve.router.shadow import ShadowCopy
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _WORKER_GAUGES = {
@@ -94,6 +97,43 @@ class RouterMetrics:
         self.sla_targets.labels("ttft").set(ttft_slo_s)
         self.sla_targets.labels("tpot").set(tpot_slo_s)
         self.indicators = Indicators(r, ttft_slo_s, tpot_slo_s)  # the articles' alerting indicators
+        self.rollouts = Counter("pdserve_rollouts", "canary rollouts that ended, by how: promoted, rolled_back "
+                                "(by itself) or aborted (by hand)", ["outcome"], registry=r)
+
+    def track_shadow(self, current) -> None:
+        """Gauges of the shadow traffic that `current()` returns (None: none runs), read when scraped."""
+        r = self.registry
+
+        def value(key: str, pick=lambda shadow, key: shadow.counts[key]) -> float:
+            shadow = current()
+            got = pick(shadow, key) if shadow is not None else None
+            return float("nan") if got is None else float(got)
+
+        counts = Gauge("pdserve_shadow_requests", "shadow traffic since it started: requests mirrored, skipped "
+                       "(busy: at its concurrency bound; no_worker), failed on either side, compared",
+                       ["outcome"], registry=r)
+        for key in ("mirrored", "skipped_busy", "skipped_no_worker", "shadow_failed", "primary_failed", "compared"):
+            counts.labels(key).set_function(lambda key=key: value(key))
+        Gauge("pdserve_shadow_in_flight", "shadow requests running now", registry=r).set_function(
+            lambda: value("", lambda shadow, _: shadow.in_flight))
+        Gauge("pdserve_shadow_greedy_agreement", "of greedy requests' tokens, the share the shadow produced alike "
+              "from the start (mean over the last comparisons)", registry=r).set_function(
+            lambda: value("", lambda shadow, _: shadow.report()["greedy_agreement_mean"]))
+        ratio = Gauge("pdserve_shadow_latency_ratio", "the shadow's median over the primary's, over the last "
+                      "comparisons", ["metric"], registry=r)
+        for metric in ("ttft_s", "e2e_s"):
+            ratio.labels(metric).set_function(lambda metric=metric: value(
+                metric, lambda shadow, key: shadow.report()["latency_medians"][key].get("ratio")))
+
+    def track_rollout(self, rollout: Rollout) -> None:
+        """Gauges of the canary rollout, read when scraped."""
+        r = self.registry
+        Gauge("pdserve_rollout_canary_share", "share of new requests the canary version gets now",
+              registry=r).set_function(lambda: rollout.share)
+        state = Gauge("pdserve_rollout_state", "the canary rollout's state (1 for the current one)", ["state"],
+                      registry=r)
+        for name in STATES:
+            state.labels(name).set_function(lambda name=name: float(rollout.state == name))
 
     def render(self, admission, workers) -> bytes:
         self.queue.set(admission.requests)
@@ -132,6 +172,11 @@ class RequestClock:
     last: float | None = None
     tokens: int = 0
     phase_times: dict | None = None  # the decode worker's, from its last output line
+    trace: RequestTrace | None = None  # its spans, where the router traces
+    rollout: Rollout | None = None  # told whether it met its targets, for the version that served it
+    version: str | None = None
+    shadow: ShadowCopy | None = None  # its copy on the shadow version, compared when both end
+    ended: bool = False
 
     def output_line(self, num_tokens: int, phase_times: dict | None) -> None:
         self.tokens_arrived(num_tokens)
@@ -144,6 +189,8 @@ class RequestClock:
         now = time.perf_counter()
         if self.first is None:
             self.first = now
+            if self.trace is not None:
+                self.trace.first_token()
             self.metrics.ttft.observe(now - self.start)
             self.metrics.recent_ttft.add(now, now - self.start)
         else:
@@ -152,11 +199,20 @@ class RequestClock:
         self.tokens += n
 
     def finish(self, outcome: str) -> None:
+        """Observe the request's end (once: a second call, e.g. a response's closing, is a no-op)."""
+        if self.ended:
+            return
+        self.ended = True
         m = self.metrics
         m.requests.labels(outcome).inc()
+        end = time.perf_counter()
+        if self.trace is not None:
+            self.trace.finish(outcome, self.prompt_tokens, self.tokens)
+        if self.shadow is not None:
+            first = self.first - self.start if self.first is not None else None
+            self.shadow.primary_done(outcome == "ok", first, end - self.start, self.phase_times)
         if outcome != "ok" or self.first is None:
             return
-        end = time.perf_counter()
         m.e2e.observe(end - self.start)
         m.prompt_tokens.inc(self.prompt_tokens)
         for phase, seconds in (self.phase_times or {}).items():
@@ -165,7 +221,10 @@ class RequestClock:
         tpot = (end - self.first) / (self.tokens - 1) if self.tokens > 1 else 0.0
         if self.tokens > 1:
             m.tpot.observe(tpot)
-        if self.first - self.start <= m.ttft_slo_s and tpot <= m.tpot_slo_s:
+        met = self.first - self.start <= m.ttft_slo_s and tpot <= m.tpot_slo_s
+        if met:
             m.sla_met.inc()
+        if self.rollout is not None and self.version is not None:
+            self.rollout.request_finished(self.version, met)
         transfer = (self.phase_times or {}).get("transfer_s", 0.0) if self.remote else None
         m.indicators.finished(self.first - self.start, tpot, transfer)

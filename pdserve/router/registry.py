@@ -9,6 +9,13 @@ Lifecycle of a worker in the registry:
    over the workers instead of piling onto the one that looked idlest a heartbeat ago.
 3. `expire`: a worker whose lease ran out is removed and returned, so that its requests can be
    handled as failures; a later heartbeat from it is refused (it must register again).
+
+Versions: a worker registers with a version label (its build or model; "" unlabelled). Unlabelled
+workers must serve the router's model, and so must the first worker of a label unless the caller
+lets that version differ (`new_model_ok`: a version other than the stable one, which a rollout or
+shadow may try); the first worker of a label fixes the model its version serves, and each later
+one must serve it too (a version is one model). Routing keeps requests and
+their KV among the workers of one version (`router/rollout.py` says which version a request goes to).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pdserve.wire import WorkerStats
 
 ROLES = ("prefill", "decode", "both")
 MAX_SEEN_URLS = 4096
+MAX_VERSIONS = 64  # labels the registry remembers the model of
 
 
 @dataclass(slots=True)
@@ -45,6 +53,7 @@ class WorkerEntry:
     block_size: int = 16  # tokens per KV block of its engine (its prefix cache hashes blocks of this size)
     node: str = ""  # the machine it runs on, as it said at registration (host name, Ray node)
     rejoined: bool = False  # a worker at this address registered before: it restarted (or was dropped)
+    version: str = ""  # the version label it registered with
 
     def has_room(self, sequences: int) -> bool:
         """Whether `sequences` more fit within the capacity its heartbeat reported (unknown: yes)."""
@@ -82,19 +91,25 @@ class Registry:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._seen_urls: dict[str, None] = {}  # addresses that registered, oldest first (at most MAX_SEEN_URLS)
+        self._version_models: dict[str, str] = {"": model_hash}  # label -> the model its workers serve
 
     def register(self, url: str, role: str, model_hash: str, token: str = "", block_size: int = 16,
-                 node: str = "") -> WorkerEntry:
+                 node: str = "", version: str = "", new_model_ok: bool = False) -> WorkerEntry:
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistrationError("bad token")
         if role not in ROLES:
             raise RegistrationError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if block_size < 1 or block_size & (block_size - 1):
             raise RegistrationError(f"block_size must be a power of two, got {block_size}")
-        if model_hash != self.model_hash:
-            raise OtherModel(
-                f"model mismatch: the cluster serves {self.model_hash[:12]}, the worker {model_hash[:12]}")
         with self._lock:
+            expected = self._version_models.get(version, None if new_model_ok else self.model_hash)
+            if expected is not None and model_hash != expected:
+                what = f"version {version!r}" if version else "the cluster"
+                raise OtherModel(f"model mismatch: {what} serves {expected[:12]}, the worker {model_hash[:12]}")
+            if version not in self._version_models:
+                if len(self._version_models) >= MAX_VERSIONS:
+                    raise RegistrationError(f"at most {MAX_VERSIONS} versions are served at once")
+                self._version_models[version] = model_hash
             for entry in self._workers.values():
                 if entry.url == url:  # a restarted worker at the same address replaces its old entry
                     del self._workers[entry.worker_id]
@@ -105,7 +120,8 @@ class Registry:
             if len(self._seen_urls) > MAX_SEEN_URLS:
                 del self._seen_urls[next(iter(self._seen_urls))]
             entry = WorkerEntry(f"w{next(self._ids)}", url, role, model_hash, self.clock() + self.lease_s,
-                                last_heartbeat=time.monotonic(), block_size=block_size, node=node, rejoined=rejoined)
+                                last_heartbeat=time.monotonic(), block_size=block_size, node=node, rejoined=rejoined,
+                                version=version)
             self._workers[entry.worker_id] = entry
         return entry
 
@@ -151,14 +167,25 @@ class Registry:
             return next((e for e in self._workers.values()
                          if e.stats.durable_kv == pool and e.worker_id != other_than and not e.stats.draining), None)
 
-    def workers(self, role: str | None = None) -> list[WorkerEntry]:
+    def workers(self, role: str | None = None, version: str | None = None) -> list[WorkerEntry]:
+        """The registered workers (of `role`'s side, of `version`: None for any)."""
         with self._lock:
-            entries = list(self._workers.values())
+            entries = [e for e in self._workers.values() if version is None or e.version == version]
         if role == "decode":
             return [e for e in entries if e.decodes]
         if role == "prefill":
             return [e for e in entries if e.prefills]
         return entries
+
+    def versions(self) -> set[str]:
+        """The version labels of the workers registered now."""
+        with self._lock:
+            return {e.version for e in self._workers.values()}
+
+    def model_of(self, version: str) -> str | None:
+        """The model a version's workers serve (None: no worker of it ever registered)."""
+        with self._lock:
+            return self._version_models.get(version)
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)

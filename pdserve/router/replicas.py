@@ -58,7 +58,8 @@ class PrefixReplicas:
 
     async def round(self) -> None:
         router = self.router
-        decodes = {w.worker_id: w for w in router.registry.workers("decode") if not w.stats.draining}
+        decodes = {w.worker_id: w for w in router.registry.workers("decode", router.rollout.stable)
+                   if not w.stats.draining}  # the stable version's: a copy serves what routing sends there
         for prefix, wanted in self.hot.tracked(time.monotonic()):
             copies = self.copies.setdefault(prefix.key, set())
             copies.intersection_update(decodes)  # a worker that left took its copy along

@@ -37,6 +37,7 @@ import msgspec
 
 from pdserve import wire
 from pdserve.http_errors import APIError
+from pdserve.router.request_trace import RequestTrace
 from pdserve.router.router import Router
 from pdserve.router.streams import LiveStream, WorkerLost, WorkerSilent, worker_lines
 from pdserve.router.waiting_line import Admitted, Hold
@@ -50,7 +51,8 @@ RESUME_POLL_S = 0.05  # how often a stream waiting for its restarted worker look
 
 class RequestStream:
     def __init__(self, router: Router, request_id: str, prompt_ids: list[int], sampling: wire.Sampling,
-                 priority: int, admitted: Admitted) -> None:
+                 priority: int, admitted: Admitted, trace: RequestTrace | None = None, version: str | None = None
+                 ) -> None:
         self.router = router
         self.request_id, self.prompt_ids, self.sampling, self.priority = request_id, prompt_ids, sampling, priority
         self.live = LiveStream(request_id, sampling.n, len(prompt_ids), sampling.max_tokens)
@@ -63,6 +65,9 @@ class RequestStream:
         self.started = False  # a line went to the client
         self._moved = False  # the current call ended for a move
         self.resume_of: str | None = None  # the next call resumes this worker request id's kept KV
+        self.trace = trace  # its spans, where the router traces
+        self.version = version  # the version whose workers serve it (None: the stable one)
+        self.again = ""  # why the next call is not the first: hot_spot, resumed, failure or requeued
 
     async def lines(self) -> AsyncIterator[wire.OutputLine]:
         """The output lines, followed across workers (the module's docstring)."""
@@ -72,17 +77,21 @@ class RequestStream:
             for attempt in itertools.count():
                 if self.decode is None:
                     self.decode, self.prefill = await router.route_when_room(
-                        self._context(), frozenset(self.tried), self.live.n, self.deadline)
+                        self._context(), frozenset(self.tried), self.live.n, self.deadline, self.version)
                 hold = self.admitted.hold if attempt == 0 else Hold(router.line, self.decode, self.live.n)
+                worker = self.decode
                 try:
                     async for item in self._call(attempt):
                         yield item
+                    router.rollout.call_ended(worker.version, failed=False)
                     if not self._moved:
                         return
                     self._move()
                 except APIError as e:
+                    router.rollout.call_ended(worker.version, failed=e.status >= 500 and e.status != 503)
                     await self._after_refusal(e, hold)
                 except (httpx.HTTPError, WorkerLost) as e:
+                    router.rollout.call_ended(worker.version, failed=True)
                     if not await self._resume_there(e, hold):
                         self._after_failure(e, hold)
                 finally:
@@ -97,7 +106,7 @@ class RequestStream:
                                     output_token_ids=list(self.generated), sampling=self.sampling,
                                     priority=self.priority,
                                     prefill_url=self.prefill.url if self.prefill is not None else None,
-                                    resume_of=self.resume_of)
+                                    resume_of=self.resume_of, traceparent=self._traceparent())
         self._moved, self.resume_of = False, None
         async for item in worker_lines(router.http, self.decode.url, body, router.worker_headers, live,
                                        router.config.worker_silence_s):
@@ -112,8 +121,14 @@ class RequestStream:
                 self.sampling = msgspec.structs.replace(self.sampling, prompt_logprobs=None)
             yield item
 
+    def _traceparent(self) -> str:
+        if self.trace is None:
+            return ""
+        return self.trace.call(self.decode.worker_id, self.prefill.worker_id if self.prefill else None, self.again)
+
     def _move(self) -> None:
         """Continue on relief's target, which takes the KV from the hot worker's cache."""
+        self.again = "hot_spot"
         self.decode, self.prefill = self.live.take_move(), self.decode
         self.decode.in_flight += self.live.n  # the next call's hold
         self.router.metrics.migrations.labels("hot_spot").inc()
@@ -123,6 +138,7 @@ class RequestStream:
         if e.status != 503 or self.started or time.monotonic() + self.backoff_s > self.deadline:
             raise e
         self.router.metrics.requeued.inc()
+        self.again = "requeued"
         hold.release()
         await asyncio.sleep(self.backoff_s * (0.5 + random.random()))
         self.backoff_s = min(2 * self.backoff_s, MAX_BACKOFF_S)
@@ -147,6 +163,7 @@ class RequestStream:
                 return False
             await asyncio.sleep(RESUME_POLL_S)
         self.resume_of, self.decode, self.prefill = self.live.worker_request_id, back, None
+        self.again = "resumed"
         back.in_flight += self.live.n  # the next call's hold
         router.metrics.migrations.labels("resumed").inc()
         return True
@@ -161,6 +178,9 @@ class RequestStream:
         if (self.started or self.tried) and not migrate:  # the client hears no internal address or detail
             raise APIError(502, "the decode worker failed mid-request", "server_error") from None
         self.tried.add(worker.worker_id)
+        self.again = "failure"
+        if worker.version != router.rollout.stable and not self.started:
+            self.version = router.rollout.stable  # a failing canary's request goes on where it can be served
         if isinstance(e, WorkerSilent):
             router.metrics.silent_streams.inc()
         self.live.cancel_move()
@@ -171,8 +191,8 @@ class RequestStream:
 
     def _route_again(self) -> None:
         """Workers with room now (held), or none: the next attempt waits in line."""
-        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n)
-                                     or (None, None))
+        self.decode, self.prefill = (self.router.route_or_none(self._context(), frozenset(self.tried), self.live.n,
+                                                               self.version) or (None, None))
 
     def _context(self) -> list[int]:
         return self.prompt_ids + self.generated

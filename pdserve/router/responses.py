@@ -20,6 +20,7 @@ from pdserve.router.metrics import RequestClock
 from pdserve.router.prompts import prepare
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from pdserve.router.request_stream import RequestStream
+from pdserve.router.request_trace import RequestTrace
 from pdserve.router.router import Router
 from pdserve.router.streams import get_within
 from pdserve.sampling_params import SamplingParams
@@ -145,27 +146,46 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
                      ) -> dict | Response:
     """One prompt's answer: its body (not streamed), or the response itself (streamed; 499 when
     the client left)."""
-    ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
-                                            router.grammars, router.tool_calls)  # tokenizing, grammars: off the loop
     request_id = new_id("chatcmpl" if chat else "cmpl")
-    if not router.admission.try_admit(request_id, len(ids)):
-        raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
-                       headers={"Retry-After": "1"})
+    trace = (RequestTrace(router.tracer, request.headers.get("traceparent"), chat, req.model, request_id)
+             if router.tracer is not None else None)
     try:
-        router.require_workers()
-        admitted = await unless_disconnected(request, router.admit(ids, sampling.n))  # may wait in line
+        ids, sampling = await asyncio.to_thread(prepare, req, router.config, router.tokenizer, router.vocab_size,
+                                                router.grammars, router.tool_calls)  # tokenizing, grammars: off the loop
+        if not router.admission.try_admit(request_id, len(ids)):
+            raise APIError(429, "the server is at its queue limit; retry shortly", "rate_limit_error",
+                           headers={"Retry-After": "1"})
+        version = router.rollout.pick()  # stable, or the canary with its share
+        try:
+            router.require_workers()
+            admitted = await unless_disconnected(request, router.admit(ids, sampling.n, version))  # may wait in line
+        except BaseException:  # the client left, no worker, or still no room at the queue timeout
+            router.admission.release(request_id)
+            raise
     except ClientGone:
-        router.admission.release(request_id)
+        if trace is not None:
+            trace.finish("cancelled", 0, 0)
         return Response(status_code=499)  # nobody reads it
-    except APIError:  # no worker, or still no room at the queue timeout: 503 before any byte
-        router.admission.release(request_id)
+    except BaseException:  # refused before any byte (400, 429, 503)
+        if trace is not None:
+            trace.finish("error", 0, 0)
         raise
-    stream = RequestStream(router, request_id, ids, sampling, req.priority, admitted).lines()
+    if trace is not None:
+        trace.admitted(admitted.decode.worker_id if admitted.decode else "",
+                       admitted.prefill.worker_id if admitted.prefill else None)
+    flow = RequestStream(router, request_id, ids, sampling, req.priority, admitted, trace,
+                         admitted.decode.version if admitted.decode else version)
+    stream = flow.lines()
+    copy = router.shadow.mirror(ids, sampling) if router.shadow is not None else None
+    if copy is not None:
+        copy.primary_tokens = flow.generated
     tools = router.tool_calls if chat and req.calls_tools else None
     detok = Detokenizers(router.tokenizer, ids, req.stop_strings(),
                          lambda index: router.stop_completion(request_id, index),
                          skip_special_tokens=not (tools and tools.keeps_special_tokens))
-    clock = RequestClock(router.metrics, len(ids), remote=admitted.prefill is not None)
+    clock = RequestClock(router.metrics, len(ids), remote=admitted.prefill is not None, trace=trace,
+                         rollout=router.rollout, version=admitted.decode.version if admitted.decode else version,
+                         shadow=copy)
     shapes = LogprobsFormat(router.tokenizer, chat) if sampling.logprobs is not None else None
     echo = Echo(req.prompt if isinstance(req.prompt, str) else router.tokenizer.decode(ids), ids, req.n, shapes
                 ) if req.echoed() else None
@@ -175,6 +195,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
         def never_streamed() -> None:  # what `_sse` releases, for a response whose first write never came
             admitted.release()
             router.admission.release(request_id)
+            clock.finish("cancelled")
         return StallGuardedStreamingResponse(
             _sse(router, request_id, req, stream, clock, detok, chat, include_usage, shapes, echo),
             stall_s=router.config.client_stall_s, on_close=never_streamed, media_type="text/event-stream")

@@ -1,8 +1,11 @@
 """The router's background rounds, every second or so: workers whose lease lapsed leave, hot-spot
 relief moves running requests off overloaded (or draining) decode workers, the P:D controller
-moves a worker between the pools when its rule says so, and hot prefixes are copied to more decode
-workers, or their copies let go (`replicas.py`). A round that fails is logged; the next
-one runs all the same."""
+moves a worker between the pools when its rule says so, hot prefixes are copied to more decode
+workers, or their copies let go (`replicas.py`), and a canary rollout advances, is promoted or
+rolls back (`rollout.py`). A round that fails is logged; the next one runs all the same.
+
+Each keeps to one version's workers: relief moves a request only to a worker of its own version
+(its KV stays among them); the controller and the prefix copies act on the stable version's."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ class Rounds:
             await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
             router.drop_expired_workers()
             for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance),
-                                 ("hot-prefix replicas", self.copy_hot_prefixes)):
+                                 ("hot-prefix replicas", self.copy_hot_prefixes), ("rollout", self.roll_out)):
                 try:
                     await round_()
                 except Exception:  # a round that fails must not end the reaper
@@ -51,7 +54,7 @@ class Rounds:
         policy = router.config.rebalance
         if policy is None:
             return
-        members = pool_members(router.registry)
+        members = pool_members(router.registry, router.rollout.stable)
         signals = pool_signals(members, router.metrics.recent_ttft.p90(time.perf_counter()))
         decision = decide(signals, policy, self.controller, time.monotonic())
         if (decision.stage, decision.wanted) != self.controller_said:  # each change of mind, not every round
@@ -83,8 +86,13 @@ class Rounds:
         if not router.config.migrate_hot_spots:
             return
         # a worker's load is known afresh only after a heartbeat since it last gave or took a request
-        decodes = {w.worker_id: w for w in router.registry.workers("decode")
-                   if w.heartbeats > self.relieved_at.get(w.worker_id, 0)}
+        fresh = [w for w in router.registry.workers("decode") if w.heartbeats > self.relieved_at.get(w.worker_id, 0)]
+        for version in {w.version for w in fresh}:  # a request moves among its own version's workers
+            decodes = {w.worker_id: w for w in fresh if w.version == version}
+            await self._relieve(decodes)
+
+    async def _relieve(self, decodes: dict[str, WorkerEntry]) -> None:
+        router = self.router
         streams = [s.running() for s in router.live.values()
                    if s.movable and s.worker_id in decodes]
         loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
@@ -104,9 +112,24 @@ class Rounds:
                 live.cancel_move()  # the worker is failing: the failure path takes over
 
 
-def pool_members(registry: Registry) -> list[PoolMember]:
-    """The workers the P:D controller counts and may move."""
-    return [PoolMember(w.worker_id, w.role, w.load) for w in registry.workers()
+    async def roll_out(self) -> None:
+        """One look at the canary rollout: advance, promote or roll back as its rule says."""
+        router = self.router
+        rollout = router.rollout
+        canary = rollout.canary
+        happened = rollout.tick(len(router.registry.workers("decode", canary))) if canary is not None else None
+        if happened is None:
+            return
+        event = rollout.events[-1]
+        log.warning("rollout of %s: %s at %.0f%%%s", canary, happened, 100 * event["share"],
+                    f": {event['why']}" if "why" in event else "")
+        if happened != "advanced":
+            router.metrics.rollouts.labels(happened).inc()
+
+
+def pool_members(registry: Registry, version: str | None = None) -> list[PoolMember]:
+    """The workers the P:D controller counts and may move (of `version`; None: every one)."""
+    return [PoolMember(w.worker_id, w.role, w.load) for w in registry.workers(version=version)
             if w.role in ("prefill", "decode") and not w.stats.draining]
 
 

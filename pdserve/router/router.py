@@ -19,10 +19,13 @@ from pdserve.router.hot_prefixes import HotPrefixes
 from pdserve.router.policy import Admission, PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.replicas import PrefixReplicas
+from pdserve.router.rollout import Rollout
+from pdserve.router.shadow import Shadow
 from pdserve.router.streams import LiveStream, NoRoom, abort_on_worker
 from pdserve.router.tool_calls import ToolCalls, choose
 from pdserve.router.waiting_line import Admitted, Hold, WaitingLine
 from pdserve.structure import Grammars
+from pdserve.telemetry.tracing import tracer_for
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
@@ -45,6 +48,11 @@ class Router:
                          if config.hot_prefix_rate > 0 else None)  # hot prefixes copied to more decode workers
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.metrics = RouterMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        self.tracer = tracer_for(config.otlp_traces_endpoint, "pdserve-router")  # None: tracing off
+        self.rollout = Rollout(stable=config.stable_version)  # which version new requests go to
+        self.metrics.track_rollout(self.rollout)
+        self.shadow: Shadow | None = None  # a share of requests copied to another version (admin API)
+        self.metrics.track_shadow(lambda: self.shadow)
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
         self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
@@ -53,15 +61,17 @@ class Router:
 
     def require_workers(self) -> None:
         """503 now (not an error inside a 200 stream) when no worker could take a request."""
-        if not self.registry.workers():
+        if not self.version_workers(None):
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
 
-    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1
-              ) -> tuple[WorkerEntry, WorkerEntry | None]:
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1,
+              version: str | None = None, fallback: bool = True) -> tuple[WorkerEntry, WorkerEntry | None]:
         """(decode worker, prefill worker or None) for a prompt of `sequences` completions, with
-        `sequences` of the decode worker's capacity held for it (the caller releases them). Raises
-        NoRoom when every decode worker holds as many sequences from here as it said it can."""
-        entries = {w.worker_id: w for w in self.registry.workers() if not w.stats.draining}
+        `sequences` of the decode worker's capacity held for it (the caller releases them), among
+        the workers of `version` (None: the stable version; with `fallback`, the stable version's
+        where it has none left). Raises NoRoom when every decode worker holds as many sequences
+        from here as it said it can."""
+        entries = {w.worker_id: w for w in self.version_workers(version, fallback) if not w.stats.draining}
         workers = [routing.Candidate(k, w.role, w.current_load(), w.has_room(sequences), w.block_size, w.stats.kv_store)
                    for k, w in entries.items()]
         try:
@@ -84,16 +94,25 @@ class Router:
         d.in_flight += sequences
         return d, p
 
+    def version_workers(self, version: str | None, fallback: bool = True) -> list[WorkerEntry]:
+        """The workers a request of `version` may use: that version's, or, where it has none (a
+        canary whose workers all left) and `fallback`, the stable version's."""
+        stable = self.rollout.stable
+        chosen = self.registry.workers(version=stable if version is None else version)
+        if not chosen and fallback and version is not None and version != stable:
+            chosen = self.registry.workers(version=stable)
+        return chosen
+
     # -- a request ------------------------------------------------------------------------------
 
-    async def admit(self, prompt_ids: list[int], sequences: int) -> Admitted:
-        """A decode worker (and prefill worker, if any) with room for the request, held for it: at
-        once, or after waiting in line (first come, first served). At `queue_timeout_s` without
-        room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
+    async def admit(self, prompt_ids: list[int], sequences: int, version: str | None = None) -> Admitted:
+        """A decode worker (and prefill worker, if any) of `version` with room for the request, held
+        for it: at once, or after waiting in line (first come, first served). At `queue_timeout_s`
+        without room, NoRoom: a 503 with Retry-After, before any byte of the response, streamed or not."""
         deadline = time.monotonic() + self.config.queue_timeout_s
-        chosen = self.route_or_none(prompt_ids, frozenset(), sequences)
+        chosen = self.route_or_none(prompt_ids, frozenset(), sequences, version)
         if chosen is None:
-            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline)
+            chosen = await self.route_when_room(prompt_ids, frozenset(), sequences, deadline, version)
         return Admitted(*chosen, deadline, Hold(self.line, chosen[0], sequences))
 
     def stop_completion(self, request_id: str, index: int) -> None:
@@ -103,18 +122,26 @@ class Router:
         if worker is not None:
             abort_on_worker(self.http, worker.url, live.worker_request_id, self.worker_headers, index)
 
-    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int
+    def route_or_none(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
+                      version: str | None = None, fallback: bool = True
                       ) -> tuple[WorkerEntry, WorkerEntry | None] | None:
+        """What `route` chooses, or None where no worker has room (or, without `fallback`, none
+        of `version` is registered)."""
         try:
-            return self.route(prompt_ids, exclude, sequences)
+            return self.route(prompt_ids, exclude, sequences, version, fallback)
         except NoRoom:
+            return None
+        except APIError:
+            if fallback:
+                raise
             return None
 
     async def route_when_room(self, prompt_ids: list[int], exclude: frozenset[str], sequences: int,
-                              deadline: float) -> tuple[WorkerEntry, WorkerEntry | None]:
-        """Wait in line until a decode worker has room; 503 at `deadline`."""
+                              deadline: float, version: str | None = None) -> tuple[WorkerEntry, WorkerEntry | None]:
+        """Wait in line until a decode worker of `version` has room; 503 at `deadline`."""
         self.metrics.requeued.inc()
-        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences), deadline, NoRoom)
+        return await self.line.wait(lambda: self.route_or_none(prompt_ids, exclude, sequences, version), deadline,
+                                    NoRoom)
 
     @property
     def worker_headers(self) -> dict[str, str]:

@@ -11,7 +11,8 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.flags import check_flags, flag, port_number, seconds
-from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME, SHM_POOL_NAME
+from pdserve.telemetry.tracing import otlp_endpoint
+from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME, SHM_POOL_NAME, version_label
 
 
 def host_name(text: str) -> str:
@@ -44,6 +45,9 @@ class WorkerConfig:
         None, "the machine this worker runs on, as the router's /admin/workers shows it (default: the host name; "
               "on Ray, the Ray node)", parse=node_name)
     port: int = flag(8100, "control endpoint port (0: any free one)", parse=port_number)
+    version: str = flag("", "the version this worker serves (a build or a model, e.g. v2): the router keeps each "
+                            "version's requests and KV among its own workers, and a canary or shadow rollout names "
+                            "one (`docs/operations.md`)", name="--version-label", parse=version_label)
     kv_port: int = flag(0, "decode: KV transfer port (0: any free one)", parse=port_number)
     transfer: str = flag("shm,tcp", "KV transfer backends in order of preference: nixl, tcp, shm (comma-separated)")
     kv_transfer_dtype: str = flag("auto", "decode: ask prefill workers to send KV quantized (tcp, nixl)",
@@ -62,6 +66,9 @@ class WorkerConfig:
               "which its supervisor keeps and removes) with a journal of the running requests' blocks, so a "
               "restarted worker resumes them from their KV (`pdserve serve --durable-kv` names one)",
         parse=durable_pool_name)
+    otlp_traces_endpoint: str = flag("", "send each request's spans to this OpenTelemetry collector (OTLP over "
+                                         "HTTP, e.g. http://127.0.0.1:4318; `pip install pdserve[otel]`); off by "
+                                         "default", parse=otlp_endpoint)
     fault_injection: bool = flag(False, "serve POST /v1/faults/cut-kv-links (with the token): a testing aid that "
                                         "closes every KV connection of this worker at once; off by default")
 

@@ -39,6 +39,7 @@ from pdserve.kv_transfer.receiver import KVReceiver
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.tracing import WorkerTracing
 
 log = logging.getLogger("pdserve.worker.decode")
 
@@ -66,6 +67,7 @@ class DecodeRole(RoleHooks):
         self.num_landed = 0
         self.num_recomputed = 0
         self.call = lambda fn: fn()  # set by the worker: run on the engine thread
+        self.tracing: WorkerTracing | None = None  # set by the worker where it traces requests
 
     def attach(self, engine: LLMEngine, receiver: KVReceiver, offers: dict[str, dict], call) -> None:
         self.engine, self.receiver, self.offers, self.call = engine, receiver, offers, call
@@ -105,6 +107,7 @@ class DecodeRole(RoleHooks):
             decode=msgspec.convert(self.offers, wire.DecodeOffers),
             draft_block_table=lease.draft_block_table,
             draft_hash=self.draft_kv.layout.model_hash if lease.draft_block_table else "",
+            traceparent=self.tracing.traceparent(request.request_id) if self.tracing is not None else "",
         )
         self._prefill_urls[lease.fence] = url
         self._pool.submit(self._dispatch, url, body, lease.fence)
@@ -166,6 +169,8 @@ class DecodeRole(RoleHooks):
         if lease is None or lease.fence != fence:
             return
         log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
+        if self.tracing is not None:
+            self.tracing.fallback(request_id, reason)
         del self.leases[request_id]
         self._end_lease(lease, reason)
         self.num_recomputed += 1

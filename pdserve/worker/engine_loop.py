@@ -61,6 +61,7 @@ class EngineLoop:
         self.step_latency_ewma_s = 0.0
         self.num_steps = 0
         self.num_failures = 0  # exceptions the loop survived
+        self.step_delay_s = 0.0  # fault injection: each step takes this much longer (a slow worker)
         self._failures: dict[str, tuple[int, float]] = {}  # kind -> (count since logged, when logged)
         self._calls: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stopped = threading.Event()
@@ -150,6 +151,8 @@ class EngineLoop:
             self._log_failure("an engine step")
             self._fail_all(e)
             return
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         dt = time.perf_counter() - t0
         self.num_steps += 1
         a = EWMA_ALPHA if self.num_steps > 1 else 1.0

@@ -40,6 +40,7 @@ from pdserve.wire import PrefillLease
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.tracing import WorkerTracing
     from pdserve.engine.step import SchedulerOutput
 
 log = logging.getLogger("pdserve.worker.prefill")
@@ -77,6 +78,7 @@ class PrefillRole(RoleHooks):
         self._connect_lock = threading.Lock()
         self.num_notified = 0
         self.num_renewed = 0  # lease renewals sent for paused prompts
+        self.tracing: WorkerTracing | None = None  # set by the worker where it traces requests
 
     def attach(self, engine: LLMEngine, layout: KVLayout, call, submit, draft_kv: DraftKV | None = None) -> None:
         self.engine, self.layout, self.call, self.submit = engine, layout, call, submit
@@ -107,6 +109,10 @@ class PrefillRole(RoleHooks):
                                     arrival_time=received)
             self.shipments[engine_id] = Shipment(sender, lease, start, body.decode.as_dicts(), body.kv_transfer_dtype,
                                                  draft_shipped=0 if ships_draft else None)
+            if self.tracing is not None:
+                layout = sender.layout
+                self.tracing.begin_lease(engine_id, body.traceparent, received, backend, lease.end - start,
+                                         layout.slot_bytes * layout.num_layers)
 
         sender.prepare(lease)
         return engine_id, backend, self.submit(add)

@@ -37,10 +37,11 @@ REPORT_EVERY_S = 30.0
 
 class RouterMembership:
     def __init__(self, router_url: str, own_url: str, role: str, model_hash: str,
-                 stats: Callable[[], wire.WorkerStats], token: str = "", block_size: int = 16, node: str = "") -> None:
+                 stats: Callable[[], wire.WorkerStats], token: str = "", block_size: int = 16, node: str = "",
+                 version: str = "") -> None:
         self.router_url = router_url.rstrip("/")
         self.registration = wire.Registration(url=own_url, role=role, model_hash=model_hash, block_size=block_size,
-                                              node=node)
+                                              node=node, version=version)
         self.stats = stats
         self.headers = {"Content-Type": "application/json"}
         if token:

@@ -10,6 +10,7 @@ Routes (the messages are pdserve/wire.py's; a body that is not one is a 400 nami
 - GET  /v1/kv_info    KVInfo: how prefill workers reach this one (decode and both roles)
 - POST /v1/faults/cut-kv-links  a testing aid, 403 unless the worker runs with `--fault-injection`:
                       close every KV connection of this worker at once (`Worker.cut_kv_links`)
+- POST /v1/faults/slow-steps    SlowSteps: the same aid: each engine step takes `delay_ms` longer
 - GET  /stats (WorkerStats), /health, /metrics (Prometheus)
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. With a token
 set, every route but /health wants `Authorization: Bearer <token>`, compared in constant time.
@@ -66,7 +67,7 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
         stream = OutputStream(asyncio.get_running_loop(), lambda: worker.abort(request_id))
         try:
             await worker.generate(request_id, body.prompt_token_ids, body.sampling, stream.sink, body.priority,
-                                  body.prefill_url, body.output_token_ids, body.resume_of)
+                                  body.prefill_url, body.output_token_ids, body.resume_of, body.traceparent)
         except ValueError as e:
             return error(400, str(e))
         except (QueueFullError, EngineBusyError, DrainingError) as e:
@@ -135,6 +136,15 @@ def create_app(worker: Worker, token: str = "", body_limits: BodyLimits = BodyLi
             return error(403, "fault injection is off on this worker (it runs with --fault-injection only)",
                          "permission_error")
         return await asyncio.to_thread(worker.cut_kv_links)
+
+    @app.post("/v1/faults/slow-steps", dependencies=guarded)
+    async def slow_steps(request: Request):
+        if not fault_injection:
+            return error(403, "fault injection is off on this worker (it runs with --fault-injection only)",
+                         "permission_error")
+        body = await message_body(request, wire.SlowSteps)
+        worker.slow_steps(body.delay_ms / 1e3)
+        return {"delay_ms": body.delay_ms}
 
     @app.get("/v1/kv_info", dependencies=guarded)
     async def kv_info():

@@ -37,6 +37,7 @@ from pdserve.worker.refusals import DrainingError, EngineBusyError, QueueFullErr
 from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
+from pdserve.telemetry.tracing import Tracer, tracer_for
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.registry import BACKENDS, PRODUCTION_BACKENDS, DecodeSide, offers, release, sender_types
 from pdserve.kv_transfer.shm import SharedKVPool, shm_available
@@ -44,6 +45,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
+from pdserve.worker.tracing import WorkerTracing
 
 
 if TYPE_CHECKING:
@@ -56,15 +58,18 @@ STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before tak
 
 
 class _BothRoles(RoleHooks):
-    """A colocated worker that also serves as either side of a transfer."""
+    """A colocated worker that also serves as either side of a transfer (and, with tracing on,
+    traces its requests: `tracing.py`)."""
 
-    def __init__(self, decode: DecodeRole, prefill: PrefillRole) -> None:
-        self.decode, self.prefill = decode, prefill
+    def __init__(self, decode: DecodeRole, prefill: PrefillRole, tracing: WorkerTracing | None) -> None:
+        self.decode, self.prefill, self.tracing = decode, prefill, tracing
 
     def on_reserved(self, request):
         self.decode.on_reserved(request)
 
     def before_execute(self, step):
+        if self.tracing is not None:
+            self.tracing.before_execute(step)
         return self.prefill.before_execute(step)
 
     def after_execute(self, step):
@@ -73,13 +78,16 @@ class _BothRoles(RoleHooks):
     def on_finished(self, request):
         self.decode.on_finished(request)
         self.prefill.on_finished(request)
+        if self.tracing is not None:
+            self.tracing.on_finished(request)
 
 
 class Worker:
     def __init__(self, config: EngineConfig, settings: WorkerConfig = WorkerConfig(), token: str = "",
-                 name: str = "worker") -> None:
+                 name: str = "worker", tracer: Tracer | None = None) -> None:
         """An engine built from `config` in its role, served as `settings` say (addresses, KV
-        transfer, queue bound, step log); `token` guards its KV connections."""
+        transfer, queue bound, step log); `token` guards its KV connections. `tracer`: where its
+        requests' spans go (default: `settings.otlp_traces_endpoint`'s collector, or none)."""
         transfer = settings.backends
         bad = [t for t in transfer if t not in BACKENDS]
         if bad:
@@ -93,6 +101,9 @@ class Worker:
         self.role = config.role
         self.decode = DecodeRole(settings.kv_lease_timeout, token, settings.kv_transfer_dtype)
         self.prefill = PrefillRole(sender_types(self.transfer), self.transfer, token, name)
+        tracer = tracer or tracer_for(settings.otlp_traces_endpoint, "pdserve-worker", {"pdserve.worker": name})
+        self.tracing = self.decode.tracing = self.prefill.tracing = (
+            WorkerTracing(tracer, config.role) if tracer is not None else None)
         self._pool: SharedKVPool | None = None
         self.durable = durable_pool(settings.durable_kv, config)  # a pool that outlives this process
 
@@ -104,7 +115,7 @@ class Worker:
         allocator = self.durable.allocate if self.durable is not None else shared_pool if use_shm else None
 
         def build() -> LLMEngine:
-            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill), allocator)
+            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill, self.tracing), allocator)
             if self.durable is not None:  # before warm-up, which takes blocks: what it kept is held first
                 self.durable.recover(engine.block_manager)
                 engine.scheduler.durable = self.durable
@@ -166,7 +177,7 @@ class Worker:
 
         self.membership = RouterMembership(router_url, own_url, self.role, self.model_hash, self.stats,
                                            self._token if token is None else token, self.config.block_size,
-                                           self.settings.node).start()
+                                           self.settings.node, self.settings.version).start()
         return self.membership
 
     def on_drain_request(self, begin: Callable[[], None]) -> None:
@@ -191,6 +202,8 @@ class Worker:
         if self._step_log is not None:
             self._step_log.close()
         self.engine.close()  # its tensor-parallel ranks, if it has any
+        if self.tracing is not None:
+            self.tracing.tracer.close()  # what is still batched goes out
 
     # -- requests (any thread) -----------------------------------------------------------------
 
@@ -204,6 +217,7 @@ class Worker:
         prefill_url: str | None = None,
         output_token_ids: list[int] = (),
         resume_of: str | None = None,
+        traceparent: str = "",
     ) -> None:
         """Queue a request; its outputs go to `sink` from the engine thread. Raises ValueError
         for a bad request, QueueFullError when the queue is at its bound, EngineBusyError when the
@@ -235,6 +249,8 @@ class Worker:
                     self.decode.targets.pop(request_id, None)
                 raise
             self.loop.sinks[request_id] = sink
+            if self.tracing is not None:
+                self.tracing.begin_request(request_id, traceparent, received, len(prompt_token_ids), remote)
 
         await self._admitted(self.loop.submit(add), lambda: self.abort(request_id))
 
@@ -316,6 +332,12 @@ class Worker:
         log.warning("fault injection: cut %d KV links to decode workers and %d connections from prefill workers",
                     cut["sender_links"], cut["receiver_connections"])
         return cut
+
+    def slow_steps(self, delay_s: float) -> None:
+        """Fault injection: every engine step takes `delay_s` longer from now on (0: as fast as
+        it is), as a worker on a slow or shared machine would."""
+        self.loop.step_delay_s = delay_s
+        log.warning("fault injection: each step now takes %.3f s longer", delay_s)
 
     def kv_info(self) -> wire.KVInfo:
         if self.role == "prefill":

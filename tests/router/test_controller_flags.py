@@ -51,7 +51,8 @@ CHANGED = {"max_tokens_default": 64, "lease_s": 2.5, "max_queued_requests": 8, "
            "migrate_on_failure": True, "resume_wait_s": 4.5, "migrate_hot_spots": False, "hot_kv_usage": 0.5,
            "prefix_affinity": 0.0, "hot_prefix_rate": 0.5, "controller": True,
            "rebalance_confirm_s": 2.5, "rebalance_dwell_s": 7.0, "slo_ttft_ms": 4000.0, "slo_tpot_ms": 80.0,
-           "tool_call_parser": "mistral"}
+           "tool_call_parser": "mistral", "otlp_traces_endpoint": "http://127.0.0.1:4318",
+           "stable_version": "v1"}
 
 
 def test_every_router_flag_reaches_the_router_serve_starts(tiny_llama):

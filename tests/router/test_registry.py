@@ -91,3 +91,17 @@ def test_requests_routed_between_heartbeats_count_in_the_load():
     loads = {e.worker_id: e.current_load() for e in reg.workers("prefill") if e.role == "prefill"}
     assert choose_prefill(loads, {}, 1000) == p2.worker_id
     reg.note_routed("gone", 10)  # a worker that left: nothing to count
+
+
+def test_each_version_serves_one_model_and_only_a_non_stable_one_may_serve_another():
+    reg = Registry("m" * 64)
+    with pytest.raises(RegistrationError, match="model mismatch"):  # a first version must be the router's model
+        reg.register("http://127.0.0.1:1", "decode", "x" * 64, version="v1")
+    reg.register("http://127.0.0.1:1", "decode", "m" * 64, version="v1")
+    other = reg.register("http://127.0.0.1:2", "decode", "x" * 64, version="v2", new_model_ok=True)
+    assert other.version == "v2" and reg.model_of("v2") == "x" * 64 and reg.versions() == {"v1", "v2"}
+    with pytest.raises(RegistrationError, match="version 'v2' serves"):  # a version is one model
+        reg.register("http://127.0.0.1:3", "decode", "m" * 64, version="v2", new_model_ok=True)
+    with pytest.raises(RegistrationError, match="the cluster serves"):
+        reg.register("http://127.0.0.1:4", "decode", "x" * 64, new_model_ok=True)  # unlabelled: the router's
+    assert [w.worker_id for w in reg.workers("decode", "v2")] == [other.worker_id]

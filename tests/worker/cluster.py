@@ -31,9 +31,9 @@ class WorkerServer:
     """`with WorkerServer(model, "decode", ["tcp"]) as w:` one worker and its HTTP endpoint."""
 
     def __init__(self, model: Path, role: str, transfer: list[str], token: str = "", worker_args=None,
-                 fault_injection: bool = False, **engine):
+                 fault_injection: bool = False, tracer=None, **engine):
         settings = WorkerConfig(transfer=",".join(transfer), **(worker_args or {}))
-        self.worker = Worker(engine_config(model, role, **engine), settings, token)
+        self.worker = Worker(engine_config(model, role, **engine), settings, token, tracer=tracer)
         self.worker.start()
         self.server = ServerThread(create_app(self.worker, token, fault_injection=fault_injection)).start()
         self.url = self.server.url

@@ -18,7 +18,8 @@ from pdserve.worker.main import worker_config
 CHANGED = {"host": "10.0.0.7", "advertise_host": "fd00::7", "node_name": "ray-0a1b@10.0.0.7", "port": 0,
            "kv_port": 9100, "transfer": "tcp", "kv_transfer_dtype": "int8", "kv_lease_timeout": 5.0,
            "max_queued": 4, "record_steps": "/tmp/steps.jsonl", "router": "http://127.0.0.1:8000",
-           "drain_timeout": 2.5, "fault_injection": True, "durable_kv": "pdserve-kv-123-0123456789abcdef"}
+           "drain_timeout": 2.5, "fault_injection": True, "durable_kv": "pdserve-kv-123-0123456789abcdef",
+           "version": "v2.1-rc_3", "otlp_traces_endpoint": "http://127.0.0.1:4318"}
 
 
 def parsed(argv: list[str]) -> WorkerConfig:
