@@ -34,7 +34,6 @@ from pdserve.engine.kv_tier import tier_stats
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import pool_ranks
 from pdserve.worker.refusals import DrainingError, EngineBusyError, QueueFullError, RoleNotServedError
-from pdserve.engine.role import RoleHooks
 from pdserve.kv_transfer.base import DraftKV, KVLayout
 from pdserve.models.arch_config import model_fingerprint
 from pdserve.telemetry.tracing import Tracer, tracer_for
@@ -45,6 +44,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.engine_loop import EngineLoop, OutputSink
 from pdserve.worker.prefill import PrefillRole
+from pdserve.worker.hooks import WorkerHooks
 from pdserve.worker.tracing import WorkerTracing
 
 
@@ -55,31 +55,6 @@ log = logging.getLogger("pdserve.worker")
 
 ADMIT_TIMEOUT_S = 30.0  # how long a request waits for the engine thread to take it before a 503
 STATS_TIMEOUT_S = 2.0  # how long a stats reader waits for the engine before taking the last snapshot
-
-
-class _BothRoles(RoleHooks):
-    """A colocated worker that also serves as either side of a transfer (and, with tracing on,
-    traces its requests: `tracing.py`)."""
-
-    def __init__(self, decode: DecodeRole, prefill: PrefillRole, tracing: WorkerTracing | None) -> None:
-        self.decode, self.prefill, self.tracing = decode, prefill, tracing
-
-    def on_reserved(self, request):
-        self.decode.on_reserved(request)
-
-    def before_execute(self, step):
-        if self.tracing is not None:
-            self.tracing.before_execute(step)
-        return self.prefill.before_execute(step)
-
-    def after_execute(self, step):
-        self.prefill.after_execute(step)
-
-    def on_finished(self, request):
-        self.decode.on_finished(request)
-        self.prefill.on_finished(request)
-        if self.tracing is not None:
-            self.tracing.on_finished(request)
 
 
 class Worker:
@@ -115,7 +90,7 @@ class Worker:
         allocator = self.durable.allocate if self.durable is not None else shared_pool if use_shm else None
 
         def build() -> LLMEngine:
-            engine = LLMEngine(config, _BothRoles(self.decode, self.prefill, self.tracing), allocator)
+            engine = LLMEngine(config, WorkerHooks(self.decode, self.prefill, self.tracing), allocator)
             if self.durable is not None:  # before warm-up, which takes blocks: what it kept is held first
                 self.durable.recover(engine.block_manager)
                 engine.scheduler.durable = self.durable
