@@ -70,6 +70,18 @@ class Load:
         self.pool.shutdown()
 
 
+def judged_under_load(rs, rollout: dict) -> tuple[dict, Load]:
+    """Start `rollout`, keep the load on until it is promoted or rolled back: its last status."""
+    assert admin(rs, "/admin/rollout", rollout).status_code == 200
+    load = Load(rs)
+    try:
+        wait_for(lambda: admin(rs, "/admin/rollout").json()["state"] != "running", 90, "the canary judged",
+                 state=lambda: admin(rs, "/admin/rollout").json())
+    finally:
+        load.close()
+    return admin(rs, "/admin/rollout").json(), load
+
+
 def test_a_canary_whose_worker_dies_is_rolled_back_and_fails_only_what_it_held(versions):
     rs, stable, canary = versions
     r = admin(rs, "/admin/rollout", {"canary": "v2", "steps": [0.5, 1.0], "step_s": 30, "min_requests": 5,
@@ -100,15 +112,7 @@ def test_a_slow_canary_misses_its_targets_and_is_rolled_back(versions):
     rs, stable, canary = versions
     r = httpx.post(canary.url + "/v1/faults/slow-steps", json={"delay_ms": 150}, timeout=10)
     assert r.status_code == 200
-    assert admin(rs, "/admin/rollout", {"canary": "v2", "steps": [0.5, 1.0], "step_s": 2,
-                                        "min_requests": 4}).status_code == 200
-    load = Load(rs)
-    try:
-        wait_for(lambda: admin(rs, "/admin/rollout").json()["state"] != "running", 90, "the canary judged",
-                 state=lambda: admin(rs, "/admin/rollout").json())
-    finally:
-        load.close()
-    status = admin(rs, "/admin/rollout").json()
+    status, load = judged_under_load(rs, {"canary": "v2", "steps": [0.5, 1.0], "step_s": 2, "min_requests": 4})
     assert status["state"] == "rolled_back" and "SLA attainment" in status["events"][-1]["why"], status
     assert load.failed == 0  # slow, not failing: every request was answered
     for w in (stable, canary):
@@ -117,15 +121,7 @@ def test_a_slow_canary_misses_its_targets_and_is_rolled_back(versions):
 
 def test_a_healthy_canary_is_promoted_and_then_serves_alone(versions):
     rs, stable, canary = versions
-    assert admin(rs, "/admin/rollout", {"canary": "v2", "steps": [0.25, 1.0], "step_s": 1,
-                                        "min_requests": 3}).status_code == 200
-    load = Load(rs)
-    try:
-        wait_for(lambda: admin(rs, "/admin/rollout").json()["state"] != "running", 90, "the promotion",
-                 state=lambda: admin(rs, "/admin/rollout").json())
-    finally:
-        load.close()
-    status = admin(rs, "/admin/rollout").json()
+    status, load = judged_under_load(rs, {"canary": "v2", "steps": [0.25, 1.0], "step_s": 1, "min_requests": 3})
     assert status["state"] == "promoted" and status["stable"] == "v2", status
     assert [e["event"] for e in status["events"]] == ["started", "advanced", "promoted"]
     assert load.failed == 0
