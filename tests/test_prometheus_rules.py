@@ -45,6 +45,7 @@ def exported_series() -> set[str]:
     clock.finish("ok")
     metrics.worker_rejoins.labels("decode").inc()
     metrics.workers_dropped.inc()
+    metrics.rollouts.labels("rolled_back").inc()
 
     class Admission:
         requests = tokens = 0

@@ -159,6 +159,21 @@ ROWS: dict[str, tuple[Graph, ...]] = {
         Graph("Worker uptime", "s", ((PER_WORKER, per_worker("pdserve_worker_uptime_seconds")),),
               description="A drop to zero is a restart."),
     ),
+    "Versions": (
+        Graph("Canary share of new requests", "percentunit",
+              (("canary", series("pdserve_rollout_canary_share")),),
+              description="A rollout's current step (0 when none runs, after a promotion or a rollback)."),
+        Graph("Rollouts ended", "short", (("{{outcome}}", increase("pdserve_rollouts_total", by="outcome")),),
+              bars=True, description="promoted, rolled_back (by itself) or aborted (by hand)."),
+        Graph("Shadow: greedy token agreement", "percentunit",
+              (("agreement", series("pdserve_shadow_greedy_agreement")),),
+              description="Of greedy requests' tokens, the share the shadow version produced alike from the "
+                          "start, over the last comparisons."),
+        Graph("Shadow: latency against the primary", "short",
+              (("{{metric}} shadow / primary", series("pdserve_shadow_latency_ratio")),
+               ("copies in flight", series("pdserve_shadow_in_flight"))),
+              description="Median over the last comparisons; above 1 the shadow is slower."),
+    ),
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.rollout import Rollout
 from tests.telemetry.scrapes import exposition, finish_request, worker_entry
 
 COMMITTED = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-overview.json"
@@ -38,6 +39,9 @@ def exported_series() -> dict[str, set[str]]:
     metrics.rebalances.labels("to_decode").inc()
     metrics.migrations.labels("hot_spot").inc()
     metrics.worker_rejoins.labels("decode").inc()
+    metrics.rollouts.labels("rolled_back").inc()
+    metrics.track_rollout(Rollout())  # as the router does
+    metrics.track_shadow(lambda: None)
     text = exposition(metrics, [worker_entry("p0", "prefill"), worker_entry("d0", "decode", kv_landed=3)])
     labels: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
@@ -59,7 +63,7 @@ def test_the_model_is_well_formed(board):
     ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids)
     rows = [panel["title"] for panel in board["panels"] if panel["type"] == "row"]
-    assert rows == ["Latency", "SLA", "Pools", "KV", "Changes"]
+    assert rows == ["Latency", "SLA", "Pools", "KV", "Changes", "Versions"]
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     graphs = [panel for panel in board["panels"] if panel["type"] != "row"]
