@@ -34,11 +34,11 @@ class RouterServer:
     """`with RouterServer(model, **config) as rs:` a router behind its HTTP endpoint; `rs.join(w)`
     registers a worker with it (heartbeats and all). Leaving stops the heartbeats, then the router."""
 
-    def __init__(self, model_dir: Path, **config: Any) -> None:
+    def __init__(self, model_dir: Path, port: int = 0, **config: Any) -> None:
         self.router = make_router(model_dir, **config)
         app = create_app(self.router)
         self.rounds = app.state.rounds  # reaping, hot-spot relief, the P:D controller
-        self.server = ServerThread(app, lifespan="on").start()
+        self.server = ServerThread(app, port=port, lifespan="on").start()
         self.url = self.server.url
         self.members: list[RouterMembership] = []
 

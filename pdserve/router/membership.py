@@ -20,8 +20,6 @@ from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
 
-HEARTBEAT_S = 1.0  # how often workers report their load (and renew their lease), at most
-
 
 def add_membership_routes(app: FastAPI, router: Router) -> None:
     cfg = router.config
@@ -51,7 +49,7 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
             log.info("worker %s registered: %s at %s%s", entry.worker_id, entry.role, entry.url,
                      f" (version {entry.version})" if entry.version else "")
         answer = wire.Registered(worker_id=entry.worker_id, lease_s=router.registry.lease_s,
-                                 heartbeat_s=min(HEARTBEAT_S, router.registry.lease_s / 3))
+                                 heartbeat_s=router.heartbeat_s)
         return Response(wire.encode(answer), media_type="application/json")
 
     @app.post("/internal/heartbeat")

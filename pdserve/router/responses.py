@@ -157,7 +157,7 @@ async def _serve_one(router: Router, req: CompletionRequest | ChatCompletionRequ
                            headers={"Retry-After": "1"})
         version = router.rollout.pick()  # stable, or the canary with its share
         try:
-            router.require_workers()
+            await unless_disconnected(request, router.await_workers())  # a fresh router fills up first
             admitted = await unless_disconnected(request, router.admit(ids, sampling.n, version))  # may wait in line
         except BaseException:  # the client left, no worker, or still no room at the queue timeout
             router.admission.release(request_id)

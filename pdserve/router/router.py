@@ -6,6 +6,7 @@ each act through it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -29,6 +30,9 @@ from pdserve.telemetry.tracing import tracer_for
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.router")
+
+HEARTBEAT_S = 1.0  # how often workers report their load (and renew their lease), at most
+FILL_POLL_S = 0.05  # how often a fresh router's held request looks for a registered worker
 
 
 class Router:
@@ -56,6 +60,10 @@ class Router:
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
         self.line = WaitingLine()  # admitted requests waiting for a decode worker with room
+        self.started = time.monotonic()
+        # every worker heartbeats (and, to a router that does not know it, registers) at least this often
+        self.heartbeat_s = min(HEARTBEAT_S, config.lease_s / 3)
+        self.fill_s = 2 * self.heartbeat_s + 0.5  # its next heartbeat, and one more should the first race the start
 
     # -- choosing workers -----------------------------------------------------------------------
 
@@ -63,6 +71,16 @@ class Router:
         """503 now (not an error inside a 200 stream) when no worker could take a request."""
         if not self.version_workers(None):
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+
+    async def await_workers(self) -> None:
+        """`require_workers`, except in a router's first `fill_s`: a router that just started (or
+        restarted) has not heard the workers' next heartbeats yet, which register them again, so
+        it holds the request until a worker is there rather than refuse it for want of one."""
+        while not self.version_workers(None):
+            left = self.started + self.fill_s - time.monotonic()
+            if left <= 0:
+                self.require_workers()
+            await asyncio.sleep(min(FILL_POLL_S, max(left, 0.0)))
 
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), sequences: int = 1,
               version: str | None = None, fallback: bool = True) -> tuple[WorkerEntry, WorkerEntry | None]:
