@@ -56,6 +56,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer", default="shm,tcp")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
+    g.add_argument("--routers", type=int, default=1,
+                   help="routers serving the cluster on --port together (SO_REUSEPORT): the kernel spreads clients "
+                        "among them, every worker registers with each, one of them leads (docs/router.md); a "
+                        "router that dies leaves the address served by the others while it restarts")
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(g, "admin-key", ADMIN_KEY_ENV, "the router's admin API key (none: no admin API)")
     add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared worker token (none: a fresh one for this cluster)")
@@ -195,25 +199,25 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
             say(f"KV store: Valkey at {store.url} ({args.local_kv_store >> 20} MiB)")
         t0 = time.perf_counter()
         say(f"layout: {chosen.describe()}")
-        router = sup.start("router", router_argv(args, args.host, args.port))
-        url = router.child.wait_ready(args.ready_timeout)["url"]
-        _set_flag(router.argv, "--port", url.rsplit(":", 1)[1])  # a restarted router takes the same address
-        say(f"router ready at {url}")
+        url, own = start_routers(sup, args, args.ready_timeout)
+        say(f"router{'s' if len(own) > 1 else ''} ready at {url}")
         shares = _cpu_shares(len(roles))
         workers = []
         for i, role in enumerate(roles):
             pool = durable_pool_name() if args.durable_kv and role != "prefill" else None
             pools += [pool] if pool else []
-            argv = worker_argv(args, engine_argv, role, i, url, args.host, _threads(args, shares[i]), pool)
+            argv = worker_argv(args, engine_argv, role, i, ",".join(own), args.host, _threads(args, shares[i]), pool)
             workers.append(sup.start(f"{role} worker {i}", argv, shares[i] if args.pin_cpus else None,
                                      standby=args.standby and role != "prefill"))
         for w in workers:
             info = w.child.wait_ready(args.ready_timeout)
             say(f"{w.name} ready at {info['url']} (loaded in {info['load_seconds']}s)")
-        wait_registered(url, len(roles), args.ready_timeout)
+        for router_url in own:  # each router has every worker
+            wait_registered(router_url, len(roles), args.ready_timeout)
         say(f"all {len(roles)} workers registered in {time.perf_counter() - t0:.1f}s")
         model_name = served_model(url, api_key)
-        members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus}
+        members = [{"name": m.name, "url": m.child.ready["url"], "pid": m.child.proc.pid, "cpus": m.cpus,
+                    **({"internal_url": m.child.ready["internal_url"]} if "internal_url" in m.child.ready else {})}
                    for m in sup.members]
         print(json.dumps({"event": "ready", "url": url, "model": model_name, "workers": roles, "layout": chosen.reason,
                           "processes": members}),
@@ -233,6 +237,34 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
             store.stop()
         print(json.dumps({"event": "stopped"}), flush=True)
     return code
+
+
+def start_routers(sup: Supervisor, args: argparse.Namespace, timeout: float) -> tuple[str, list[str]]:
+    """`--routers` routers on one address (the first one's; each restarts on it), each also on a port
+    of its own where the workers register and the routers ask each other which leads. Returns the
+    clients' URL and each router's own."""
+    count = args.routers
+    own_ports = [free_port(args.host) for _ in range(count)] if count > 1 else []
+    own = [f"http://{args.host}:{p}" for p in own_ports]
+    port, url = args.port, ""
+    for i in range(count):
+        argv = router_argv(args, args.host, port)
+        if count > 1:
+            argv += ["--reuse-port", "--internal-port", str(own_ports[i]), "--peers", ",".join(own)]
+        router = sup.start("router" if count == 1 else f"router {i}", argv)
+        url = router.child.wait_ready(timeout)["url"]
+        port = int(url.rsplit(":", 1)[1])
+        _set_flag(router.argv, "--port", str(port))  # a restarted router takes the same address
+    return url, own or [url]
+
+
+def free_port(host: str) -> int:
+    """A port of `host` free now (a router's own, fixed for its restarts)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def durable_pool_name() -> str:

@@ -11,7 +11,8 @@ if TYPE_CHECKING:  # uvicorn loads with the server, not with the command line
     from starlette.types import ASGIApp
 
 
-def tcp_listener(host: str, port: int, backlog: int = 2048, dead_peer_s: float = 30.0) -> socket.socket:
+def tcp_listener(host: str, port: int, backlog: int = 2048, dead_peer_s: float = 30.0,
+                 reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket whose protocol is spelled out: asyncio turns Nagle's algorithm off only
     for sockets that say IPPROTO_TCP, and with it on, every response on a kept-alive connection
     waited ~40 ms for the client's delayed ACK (`socket.create_server` leaves the protocol 0).
@@ -19,10 +20,14 @@ def tcp_listener(host: str, port: int, backlog: int = 2048, dead_peer_s: float =
     Connections it accepts inherit dead-peer detection: a peer that vanished without closing
     (a crashed host, a cut link) is declared gone after about `dead_peer_s` of unacknowledged
     data or silence, so the stream it held ends, the worker aborts the request and its KV is
-    reclaimed, instead of waiting for TCP's default of many minutes."""
+    reclaimed, instead of waiting for TCP's default of many minutes. `reuse_port`: several
+    processes listen on the address at once (each with it), the kernel spreading connections
+    among them; one that dies leaves the address served by the others."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     detect_dead_peers(sock, dead_peer_s)
     try:
         sock.bind((host, port))

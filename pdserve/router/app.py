@@ -69,7 +69,8 @@ def create_app(router: Router) -> FastAPI:
     async def health():
         workers = router.registry.workers()
         roles = {role: sum(w.role == role for w in workers) for role in ("prefill", "decode", "both")}
-        return {"status": "ok" if workers else "no workers", "workers": len(workers), "roles": roles}
+        return {"status": "ok" if workers else "no workers", "workers": len(workers), "roles": roles,
+                "leading": router.leading}
 
     @app.get("/metrics")
     async def metrics():

@@ -22,6 +22,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="the longest context (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    g = p.add_argument_group("replicas (several routers serving one cluster; docs/router.md)")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="listen on --port beside other routers that do too (SO_REUSEPORT): the kernel spreads "
+                        "clients among them, and one that dies leaves the address served")
+    g.add_argument("--internal-port", type=int, default=None,
+                   help="also listen on this port of --host, this router's own: workers register with every router "
+                        "at its own address (`pdserve worker --router URL,URL`), and routers ask each other there")
+    g.add_argument("--peers", default="", metavar="URL,URL",
+                   help="the other routers' own addresses: the one of them all whose address sorts first and "
+                        "answers leads (runs the P:D controller, relief, prefix copies, rollout steps)")
     add_secret_args(p, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(p, "admin-key", ADMIN_KEY_ENV, "the admin API's Bearer key (none: no admin API)")
     add_secret_args(p, "token", TOKEN_ENV, "the workers' shared secret (none: one is made and written to a file, "
@@ -68,6 +78,7 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.net import ROUTER_LIMITS, http_server, tcp_listener
 
     from pdserve.router.app import create_app
+    from pdserve.router.peers import Peers
 
     # the router's own decisions (workers joining and leaving, the P:D controller's moves and their
     # reasons) are INFO lines; without a handler only warnings would reach stderr
@@ -77,13 +88,18 @@ def run_router(args: argparse.Namespace) -> int:
     router = build_router(args, api_key, token)
     # the first structured output or forced tool call would otherwise wait for this
     logging.getLogger("pdserve.router").info("structured outputs ready in %.2f s", router.grammars.prepare())
-    sock = tcp_listener(args.host, args.port)
-    url = f"http://{args.host}:{sock.getsockname()[1]}"
-    ready = {"event": "ready", "url": url, "model": router.config.model_name, "pid": os.getpid()}
+    sockets = [tcp_listener(args.host, args.port, reuse_port=args.reuse_port)]
+    url = f"http://{args.host}:{sockets[0].getsockname()[1]}"
+    own = url
+    if args.internal_port is not None:
+        sockets.append(tcp_listener(args.host, args.internal_port))
+        own = f"http://{args.host}:{sockets[1].getsockname()[1]}"
+    router.peers = Peers(own, [p for p in args.peers.split(",") if p.strip()])
+    ready = {"event": "ready", "url": url, "internal_url": own, "model": router.config.model_name, "pid": os.getpid()}
     print(json.dumps({**ready, **({"token_file": token_file} if token_file else {})}), flush=True)
     server = http_server(create_app(router), ROUTER_LIMITS)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises them after draining
         signal.signal(sig, lambda *_: None)
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
     print(json.dumps({"event": "stopped", "url": url}), file=sys.stderr, flush=True)
     return 0

@@ -100,6 +100,11 @@ class RouterMetrics:
         self.rollouts = Counter("pdserve_rollouts", "canary rollouts that ended, by how: promoted, rolled_back "
                                 "(by itself) or aborted (by hand)", ["outcome"], registry=r)
 
+    def track_leading(self, leading) -> None:
+        Gauge("pdserve_router_leading", "1 if this router acts for the cluster (the P:D controller, hot-spot "
+              "relief, hot-prefix copies, rollout steps), 0 if another router does", registry=self.registry
+              ).set_function(lambda: float(leading()))
+
     def track_shadow(self, current) -> None:
         """Gauges of the shadow traffic that `current()` returns (None: none runs), read when scraped."""
         r = self.registry

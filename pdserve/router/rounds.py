@@ -4,7 +4,8 @@ moves a worker between the pools when its rule says so, hot prefixes are copied 
 workers, or their copies let go (`replicas.py`), and a canary rollout advances, is promoted or
 rolls back (`rollout.py`). A round that fails is logged; the next one runs all the same.
 
-Each keeps to one version's workers: relief moves a request only to a worker of its own version
+With several routers (`peers.py`), only the leader runs the rounds after the reaping: each acts
+once per cluster. Each keeps to one version's workers: relief moves a request only to a worker of its own version
 (its KV stays among them); the controller and the prefix copies act on the stable version's."""
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ class Rounds:
         while True:
             await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
             router.drop_expired_workers()
+            was = router.leading
+            await router.peers.probe(router.http)
+            if router.leading != was:
+                log.warning("this router %s for the cluster now (leader: %s)",
+                            "acts" if router.leading else "no longer acts", router.peers.leader)
+            if not router.leading:  # another router acts for the cluster (or this one is still filling up)
+                continue
             for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance),
                                  ("hot-prefix replicas", self.copy_hot_prefixes), ("rollout", self.roll_out)):
                 try:

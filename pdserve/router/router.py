@@ -17,6 +17,7 @@ from pdserve.router import routing
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.hot_prefixes import HotPrefixes
+from pdserve.router.peers import Peers
 from pdserve.router.policy import Admission, PrefixIndex
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.replicas import PrefixReplicas
@@ -56,6 +57,8 @@ class Router:
         self.rollout = Rollout(stable=config.stable_version)  # which version new requests go to
         self.metrics.track_rollout(self.rollout)
         self.shadow: Shadow | None = None  # a share of requests copied to another version (admin API)
+        self.peers = Peers("", [])  # the other routers of the cluster, and which one leads (`peers.py`)
+        self.metrics.track_leading(lambda: self.leading)
         self.metrics.track_shadow(lambda: self.shadow)
         self.http: httpx.AsyncClient | None = None
         self.live: dict[str, LiveStream] = {}  # requests streaming from decode workers, by id
@@ -71,6 +74,12 @@ class Router:
         """503 now (not an error inside a 200 stream) when no worker could take a request."""
         if not self.version_workers(None):
             raise APIError(503, "no worker is available", "service_unavailable", headers={"Retry-After": "1"})
+
+    @property
+    def leading(self) -> bool:
+        """Whether this router acts for the cluster now (`peers.py`): the leader, once it has heard
+        the workers' heartbeats since it started."""
+        return self.peers.leading and time.monotonic() - self.started >= self.fill_s
 
     async def await_workers(self) -> None:
         """`require_workers`, except in a router's first `fill_s`: a router that just started (or

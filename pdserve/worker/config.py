@@ -58,7 +58,8 @@ class WorkerConfig:
                                 "refused (503)")
     record_steps: str | None = flag(None, "append every engine step's shape and time to this JSONL file (for "
                                           "`pdserve profile --from-steps`)")
-    router: str | None = flag(None, "register with this router and renew the lease by heartbeat")
+    router: str | None = flag(None, "register with this router (or each of several, comma-separated: router "
+                                    "replicas at their own addresses) and renew the lease by heartbeat")
     drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway",
                                 parse=seconds)
     durable_kv: str | None = flag(

@@ -15,6 +15,7 @@ Lifecycle:
    worker in a new role registers in it, and the router replaces the entry at its URL).
 5. `leave()` ends the thread and deregisters: the router drops the worker now. `stop()` ends the
    thread only; the router drops the worker when its lease runs out.
+With several routers (replicas), the worker is a member of each (`Memberships`), independently.
 """
 
 from __future__ import annotations
@@ -127,3 +128,43 @@ class RouterMembership:
             raise RegistrationError("the router no longer knows this worker")
         if r.status_code != 200:
             raise RegistrationError(f"heartbeat refused: HTTP {r.status_code}")
+
+
+class Memberships:
+    """A worker's memberships in each router of its cluster (router replicas: each router has the
+    whole membership and every worker's load). Each is a `RouterMembership` of its own: a router
+    that is down delays no other's heartbeats."""
+
+    def __init__(self, members: list[RouterMembership]) -> None:
+        self.members = members
+
+    def start(self) -> Memberships:
+        for m in self.members:
+            m.start()
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m._stop.set()
+            m._wake.set()
+        for m in self.members:
+            m._thread.join(5)
+
+    def beat_now(self) -> None:
+        for m in self.members:
+            m.beat_now()
+
+    def leave(self) -> None:
+        for m in self.members:
+            m.leave()
+
+    @property
+    def status(self) -> str:
+        if len(self.members) == 1:
+            return self.members[0].status
+        return "; ".join(f"{m.router_url}: {m.status}" for m in self.members)
+
+
+def router_urls(text: str) -> list[str]:
+    """`--router`'s value: one router's URL, or several, comma-separated (router replicas)."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]

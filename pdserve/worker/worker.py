@@ -49,7 +49,7 @@ from pdserve.worker.tracing import WorkerTracing
 
 
 if TYPE_CHECKING:
-    from pdserve.worker.registration import RouterMembership
+    from pdserve.worker.registration import Memberships
 
 log = logging.getLogger("pdserve.worker")
 
@@ -130,7 +130,7 @@ class Worker:
         self.draining = False
         self._token = token
         self._drain_request: Callable[[], None] = self.drain  # POST /v1/drain (`on_drain_request`)
-        self.membership: RouterMembership | None = None  # with a router: `join`
+        self.membership: Memberships | None = None  # with a router (or several): `join`
         self._role_change = threading.Lock()
 
     def start(self) -> None:
@@ -144,15 +144,17 @@ class Worker:
             self.durable.tick(self.engine.scheduler.running)
             self.durable.expire()
 
-    def join(self, router_url: str, own_url: str, token: str | None = None) -> RouterMembership:
-        """Register with the router at `router_url` as the worker at `own_url`, and renew the lease
-        by heartbeats of `stats` from now on; a role change or a drain is told to it at once.
-        `token`: the router's worker token (by default this worker's own, as in a cluster)."""
-        from pdserve.worker.registration import RouterMembership
+    def join(self, router_url: str, own_url: str, token: str | None = None) -> Memberships:
+        """Register with the router at `router_url` (or each of several, comma-separated: router
+        replicas) as the worker at `own_url`, and renew the lease by heartbeats of `stats` from now
+        on; a role change or a drain is told to it at once. `token`: the router's worker token (by
+        default this worker's own, as in a cluster)."""
+        from pdserve.worker.registration import Memberships, RouterMembership, router_urls
 
-        self.membership = RouterMembership(router_url, own_url, self.role, self.model_hash, self.stats,
-                                           self._token if token is None else token, self.config.block_size,
-                                           self.settings.node, self.settings.version).start()
+        token = self._token if token is None else token
+        self.membership = Memberships([
+            RouterMembership(url, own_url, self.role, self.model_hash, self.stats, token, self.config.block_size,
+                             self.settings.node, self.settings.version) for url in router_urls(router_url)]).start()
         return self.membership
 
     def on_drain_request(self, begin: Callable[[], None]) -> None:

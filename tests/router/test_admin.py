@@ -51,7 +51,9 @@ def test_workers_and_health_show_the_cluster(cluster):
         assert w["state"] == "serving" and w["host"] == "127.0.0.1" and w["kv_usage"] == 0  # nothing running
         assert w["running"] == w["queued"] == 0 and w["heartbeat_age_s"] >= 0
     health = httpx.get(rs.url + "/health").json()
-    assert health == {"status": "ok", "workers": 2, "roles": {"prefill": 1, "decode": 1, "both": 0}}
+    assert {k: v for k, v in health.items() if k != "leading"} == {"status": "ok", "workers": 2,
+                                                                  "roles": {"prefill": 1, "decode": 1, "both": 0}}
+    wait_for(lambda: httpx.get(rs.url + "/health").json()["leading"], 10, "the lone router to lead")
 
 
 def test_a_drain_reaches_the_worker_and_the_router_sees_it(cluster):

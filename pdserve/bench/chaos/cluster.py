@@ -43,7 +43,7 @@ class ChaosCluster(LocalCluster):
                          progress)
         self.launcher_pid = self.proc.pid
         self.urls: dict[str, str] = {p["name"]: p["url"] for p in self.ready["processes"]}
-        self.worker_names = [name for name in self.urls if name != "router"]
+        self.worker_names = [name for name in self.urls if not name.startswith("router")]
         self._events_seen = 0
         self.http = httpx.Client(timeout=5.0)
 

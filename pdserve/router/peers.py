@@ -1,0 +1,68 @@
+"""Router replicas: which of a cluster's routers acts for all of them.
+
+Several routers serve one cluster; each worker registers and heartbeats with every one, so each
+has the whole membership and every worker's load (`pdserve worker --router URL,URL`). What must
+happen once per cluster — the P:D controller's moves, hot-spot relief, hot-prefix copies, a canary
+rollout's steps — is done by one of them, the leader:
+
+1. Each router knows the others' internal addresses (`--peers`) and asks each for `/health`
+   every round (about a second).
+2. A peer that answered within `DEAD_AFTER_S` is alive. The leader is the live router whose
+   address sorts first, this one included: every router that hears the same answers names the
+   same leader, and when the leader dies the next one takes over within `DEAD_AFTER_S`, with
+   nothing to hand over (each round decides from the membership every router has).
+3. A router that just started follows until it has asked every peer once, so a restarted
+   first-sorting router does not act beside the one that led meanwhile before it knows of it.
+Two routers that cannot reach each other both lead (each acts on what it sees); on one host or
+one network that is the case only while one of them is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+DEAD_AFTER_S = 3.0
+PROBE_TIMEOUT_S = 0.5
+
+
+class Peers:
+    def __init__(self, own_url: str, peers: list[str], clock=time.monotonic) -> None:
+        self.own_url = own_url.rstrip("/")
+        self.peers = sorted({p.rstrip("/") for p in peers} - {self.own_url})
+        self.clock = clock
+        self.last_seen: dict[str, float] = {}  # peer -> when it last answered
+        self.asked_all = not self.peers  # alone: it leads at once
+
+    def alive(self) -> list[str]:
+        now = self.clock()
+        return [p for p in self.peers if now - self.last_seen.get(p, -1e18) < DEAD_AFTER_S]
+
+    @property
+    def leader(self) -> str:
+        return min([self.own_url, *self.alive()])
+
+    @property
+    def leading(self) -> bool:
+        return self.asked_all and self.leader == self.own_url
+
+    def heard(self, peer: str) -> None:
+        self.last_seen[peer] = self.clock()
+
+    async def probe(self, http: httpx.AsyncClient) -> None:
+        """Ask every peer for /health at once; those that answer are alive now."""
+        async def ask(peer: str) -> None:
+            try:
+                r = await http.get(peer + "/health", timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                self.heard(peer)
+        await asyncio.gather(*(ask(p) for p in self.peers))
+        self.asked_all = True
+
+    def view(self) -> dict:
+        return {"url": self.own_url, "leader": self.leader if self.asked_all else None, "leading": self.leading,
+                "peers": {p: p in self.alive() for p in self.peers}}

@@ -1,0 +1,90 @@
+"""Router replicas under `pdserve serve --routers 2`: two router processes on one address
+(SO_REUSEPORT), every worker registered with both, exactly one leading. One SIGKILLed under a
+load of concurrent clients (the official `openai` package): every request that started after the
+kill is answered, and the killed one comes back on the same address (its own too) and registered
+with every worker again; one router leads again, never two at once (the first-sorting one leads,
+once it has asked the others and heard the workers' heartbeats)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from pdserve.credentials import TOKEN_ENV
+from tests.serve_process import ServeProcess
+from tests.wait import wait_for
+from tests.worker.cluster import prompt
+
+
+def leading(routers: list[dict]) -> list[bool | None]:
+    out = []
+    for r in routers:
+        try:
+            out.append(httpx.get(r["internal_url"] + "/health", timeout=2).json()["leading"])
+        except httpx.HTTPError:
+            out.append(None)
+    return out
+
+
+def test_two_routers_one_killed_under_load(tiny_llama):
+    cluster = ServeProcess("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "1",
+                           "--routers", "2", "--dtype", "float32", "--block-size", "4", "--kv-cache-memory", "8MiB",
+                           "--max-restart-backoff", "0.5", env={**os.environ, TOKEN_ENV: "t" * 48})
+    try:
+        wait_for(lambda: cluster.event("ready") or cluster.proc.poll() is not None, 240, "the cluster",
+                 state=lambda: cluster.log[-5:])
+        ready = cluster.event("ready")
+        assert ready is not None, cluster.log[-20:]
+        routers = [p for p in ready["processes"] if p["name"].startswith("router")]
+        assert [r["name"] for r in routers] == ["router 0", "router 1"]
+        assert {r["url"] for r in routers} == {ready["url"]}  # one address
+        for r in routers:  # each has every worker
+            assert httpx.get(r["internal_url"] + "/health").json()["workers"] == 2
+        wait_for(lambda: sorted(leading(routers)) == [False, True], 15, "one leader", state=lambda: leading(routers))
+
+        client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="none", max_retries=0, timeout=60)
+        outcomes: list[tuple[float, bool]] = []  # (when it started, answered)
+        stop = threading.Event()
+
+        def run(seed: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                started = time.monotonic()
+                try:
+                    client.completions.create(model=ready["model"], prompt=prompt(10 + n % 5, seed=seed),
+                                              max_tokens=6, extra_body={"ignore_eos": True})
+                    outcomes.append((started, True))
+                except openai.APIError:
+                    outcomes.append((started, False))
+
+        pool = ThreadPoolExecutor(4)
+        futures = [pool.submit(run, i) for i in range(4)]
+        try:
+            wait_for(lambda: len(outcomes) >= 20, 60, "requests through both routers", state=lambda: outcomes[-3:])
+            leader = routers[leading(routers).index(True)]
+            killed_at = time.monotonic()
+            os.kill(leader["pid"], signal.SIGKILL)
+            seen = []  # which routers said they lead, sampled until the killed one is back and leads or follows
+            before = len(outcomes)
+            wait_for(lambda: len(outcomes) >= before + 30, 60, "requests after the kill")
+            wait_for(lambda: cluster.event("ready_again", leader["name"]), 60, "the killed router back")
+            wait_for(lambda: seen.append(leading(routers)) or sorted(seen[-1], key=str) == [False, True], 30,
+                     "one leader again", state=lambda: seen[-3:], interval=0.2)
+        finally:
+            stop.set()
+            for f in futures:
+                f.result(timeout=90)
+            pool.shutdown()
+        after = [ok for started, ok in outcomes if started > killed_at]
+        assert after and all(after), f"{after.count(False)} of {len(after)} requests begun after the kill failed"
+        assert not any(sample.count(True) > 1 for sample in seen), seen  # never two leaders at once
+        assert httpx.get(leader["internal_url"] + "/health").json()["workers"] == 2  # registered with it again
+    finally:
+        cluster.close()
