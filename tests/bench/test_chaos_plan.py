@@ -144,3 +144,13 @@ def test_an_exit_no_fault_explains_is_unexpected():
               {"event": "exited", "name": "prefill worker 0", "code": 1, "at": 9.5},
               {"event": "restarted", "name": "prefill worker 0", "at": 10.0}]
     assert unexpected_exits(events, injections, after=0.0) == [{"name": "prefill worker 0", "code": 1}]
+
+
+def test_kill_router_hits_one_of_the_replicas():
+    from pdserve.bench.chaos.plan import router_names
+
+    assert router_names(1) == ["router"] and router_names(2) == ["router 0", "router 1"]
+    specs = parse_faults("kill-router")
+    hit = {plan_faults(specs, 100.0, WORKERS, seed, routers=router_names(2))[0].target for seed in range(30)}
+    assert hit == {"router 0", "router 1"}
+    assert plan_faults(specs, 100.0, WORKERS, 3)[0].target == "router"

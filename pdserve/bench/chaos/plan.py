@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 FAULT_KINDS = {
     "kill-worker": "SIGKILL to a worker; the launcher starts it again",
     "freeze-worker": "SIGSTOP to a worker for N seconds (freeze-worker:N, default 5), then SIGCONT",
-    "kill-router": "SIGKILL to the router; the launcher starts it on the same port, the workers register again",
+    "kill-router": "SIGKILL to the router (with --routers N, one of them); the launcher starts it on the same "
+                   "port, the workers register again",
     "drain": "SIGTERM to a worker: it drains, exits 0, and the launcher starts it again",
     "cut-kv": "every KV connection of a worker closed at once (its fault-injection endpoint)",
 }
@@ -88,12 +89,18 @@ def worker_names(prefill: int, decode: int, colocated: int = 0) -> list[str]:
     return [f"{role} worker {i}" for i, role in enumerate(roles)]
 
 
+def router_names(count: int) -> list[str]:
+    """The names `pdserve serve --routers N` gives its routers."""
+    return [ROUTER] if count == 1 else [f"{ROUTER} {i}" for i in range(count)]
+
+
 def plan_faults(specs: list[FaultSpec], duration_s: float, workers: list[str], seed: int,
-                start_frac: float = 0.15, end_frac: float = 0.75) -> list[PlannedFault]:
+                start_frac: float = 0.15, end_frac: float = 0.75, routers: list[str] = (ROUTER,)
+                ) -> list[PlannedFault]:
     """The faults in the order given, spread over [start_frac, end_frac] of the run: fault i at a
     seeded time in the first half of slot i (the second half is left for its recovery), on a seeded
-    target: a worker for every kind but kill-router. The load before the first fault and after the
-    last one shows the cluster's throughput without one."""
+    target: a worker for every kind but kill-router, which hits one of `routers`. The load before
+    the first fault and after the last one shows the cluster's throughput without one."""
     if not workers:
         raise ValueError("a fault plan needs at least one worker")
     if not 0 <= start_frac < end_frac <= 1:
@@ -106,7 +113,8 @@ def plan_faults(specs: list[FaultSpec], duration_s: float, workers: list[str], s
     plan = []
     for i, spec in enumerate(specs):
         at = begin + i * slot + rng.uniform(0.0, slot / 2)
-        target = ROUTER if spec.kind == "kill-router" else rng.choice(workers)
+        target = (rng.choice(list(routers)) if len(routers) > 1 else routers[0]) if spec.kind == "kill-router" \
+            else rng.choice(workers)
         plan.append(PlannedFault(round(at, 2), spec.kind, target, spec.seconds))
     return plan
 

@@ -32,7 +32,8 @@ from pdserve.bench.chaos.cluster import ChaosCluster
 from pdserve.bench.chaos.faults import FaultRunner
 from pdserve.bench.chaos.load import ClosedLoopLoad
 from pdserve.bench.chaos.plan import (
-    DEFAULT_FAULTS, FAULT_KINDS, PlannedFault, parse_faults, plan_faults, rolling_restart_plan, worker_names,
+    DEFAULT_FAULTS, FAULT_KINDS, PlannedFault, parse_faults, plan_faults, rolling_restart_plan, router_names,
+    worker_names,
 )
 from pdserve.bench.chaos.recovery import breakdown, unexpected_exits
 from pdserve.bench.chaos.report import (
@@ -52,7 +53,8 @@ WORKLOAD_POOL = 512  # distinct seeded requests a run of a given duration cycles
 def start_cluster(args: argparse.Namespace, label: str) -> ChaosCluster:
     log = Path(args.server_log_dir) / f"bench_chaos_{label.replace(' ', '_')}_server.log"
     say(f"{label}: starting the cluster ({args.model}, {args.prefill}P{args.decode}D); its log: {log}")
-    serve = ["--prefill", str(args.prefill), "--decode", str(args.decode), *args.serve_args.split()]
+    serve = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routers", str(args.routers),
+             *args.serve_args.split()]
     return ChaosCluster(args.model, serve, log, args.max_restart_backoff)
 
 
@@ -190,7 +192,7 @@ def chaos(args: argparse.Namespace) -> int:
     def with_faults(duration: float) -> list[PlannedFault]:
         if args.rolling_restart:
             return rolling_restart_plan(names, duration)
-        return plan_faults(specs, duration, names, args.seed)
+        return plan_faults(specs, duration, names, args.seed, routers=router_names(args.routers))
 
     workload = SeededWorkload(args)
     runs = {"baseline": run_once("baseline", args, workload, no_faults)}
@@ -221,6 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="the cluster's model (default: as `pdserve serve`)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--routers", type=int, default=1, help="routers on the cluster's address (router replicas)")
     p.add_argument("--serve-args", default="", help="more flags for `pdserve serve`, e.g. '--dtype float32'")
     p.add_argument("--seed", type=int, default=0, help="the workload's and the fault plan's")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per run (or --num-requests)")
@@ -252,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.input_len, args.output_len = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
     except ValueError as e:
         p.error(str(e))
+    if not 1 <= args.routers <= 16:
+        p.error("--routers takes 1 to 16")
     if args.prefill < 0 or args.decode < 0 or args.prefill + args.decode < 1:
         p.error("--prefill and --decode must be >= 0, with at least one worker")
     if args.concurrency < 1 or (args.num_requests is not None and args.num_requests < 1):
