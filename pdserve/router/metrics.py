@@ -123,12 +123,12 @@ class RouterMetrics:
             lambda: value("", lambda shadow, _: shadow.in_flight))
         Gauge("pdserve_shadow_greedy_agreement", "of greedy requests' tokens, the share the shadow produced alike "
               "from the start (mean over the last comparisons)", registry=r).set_function(
-            lambda: value("", lambda shadow, _: shadow.report()["greedy_agreement_mean"]))
+            lambda: value("", lambda shadow, _: shadow.agreement_mean()))
         ratio = Gauge("pdserve_shadow_latency_ratio", "the shadow's median over the primary's, over the last "
                       "comparisons", ["metric"], registry=r)
         for metric in ("ttft_s", "e2e_s"):
             ratio.labels(metric).set_function(lambda metric=metric: value(
-                metric, lambda shadow, key: shadow.report()["latency_medians"][key].get("ratio")))
+                metric, lambda shadow, key: shadow.medians(key).get("ratio")))
 
     def track_rollout(self, rollout: Rollout) -> None:
         """Gauges of the canary rollout, read when scraped."""

@@ -156,27 +156,29 @@ class Shadow:
                 comparison.primary.tokens)
         self.recent.append(comparison)
 
+    def agreement_mean(self) -> float | None:
+        """Greedy token agreement, the mean over the last comparisons (None: none greedy yet)."""
+        agreements = [a for c in self.recent if (a := c.agreement) is not None]
+        return round(statistics.fmean(agreements), 4) if agreements else None
+
+    def medians(self, name: str) -> dict:
+        """The primary's and the shadow's median of latency `name` (ttft_s, e2e_s or a phase), and
+        their ratio, over the last comparisons where both sides finished ({}: none yet)."""
+        pick = {"ttft_s": lambda s: s.ttft_s, "e2e_s": lambda s: s.e2e_s}.get(name, lambda s: s.phases.get(name))
+        values = [(pick(c.primary), pick(c.shadow)) for c in self.recent if c.primary.ok and c.shadow.ok]
+        values = [(p, s) for p, s in values if p is not None and s is not None]
+        if not values:
+            return {}
+        primary, shadow = statistics.median(p for p, _ in values), statistics.median(s for _, s in values)
+        return {"primary": round(primary, 6), "shadow": round(shadow, 6),
+                "ratio": round(shadow / primary, 4) if primary > 0 else None}
+
     def report(self) -> dict:
         """Totals, and medians over the last comparisons where both sides finished."""
-        both = [c for c in self.recent if c.primary.ok and c.shadow.ok]
-        agreements = [a for c in self.recent if (a := c.agreement) is not None]
-
-        def medians(pick) -> dict:
-            values = [(pick(c.primary), pick(c.shadow)) for c in both]
-            values = [(p, s) for p, s in values if p is not None and s is not None]
-            if not values:
-                return {}
-            primary, shadow = statistics.median(p for p, _ in values), statistics.median(s for _, s in values)
-            return {"primary": round(primary, 6), "shadow": round(shadow, 6),
-                    "ratio": round(shadow / primary, 4) if primary > 0 else None}
-
-        latency = {"ttft_s": medians(lambda s: s.ttft_s), "e2e_s": medians(lambda s: s.e2e_s),
-                   **{phase: medians(lambda s, phase=phase: s.phases.get(phase)) for phase in PHASES}}
         return {"version": self.version, "share": self.share, "max_concurrency": self.max_concurrency,
                 "in_flight": self.in_flight, "running_s": round(time.monotonic() - self.started, 3),
-                **self.counts, "window": len(self.recent),
-                "greedy_agreement_mean": round(statistics.fmean(agreements), 4) if agreements else None,
-                "latency_medians": latency}
+                **self.counts, "window": len(self.recent), "greedy_agreement_mean": self.agreement_mean(),
+                "latency_medians": {name: self.medians(name) for name in ("ttft_s", "e2e_s", *PHASES)}}
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -60,10 +60,12 @@ class RouterMembership:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """End the heartbeat thread (`wait`: and wait for it, at most 5 s)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(5)
+        if wait:
+            self._thread.join(5)
 
     def beat_now(self) -> None:
         self._wake.set()
@@ -144,11 +146,10 @@ class Memberships:
         return self
 
     def stop(self) -> None:
+        for m in self.members:  # all told at once, then waited for
+            m.stop(wait=False)
         for m in self.members:
-            m._stop.set()
-            m._wake.set()
-        for m in self.members:
-            m._thread.join(5)
+            m.stop()
 
     def beat_now(self) -> None:
         for m in self.members:
