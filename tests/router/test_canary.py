@@ -70,6 +70,33 @@ class Load:
         self.pool.shutdown()
 
 
+class CanaryHeld:
+    """Watches the router's live requests in a thread: the ids of those on `version`'s workers, from
+    just before the canary dies (requests keep coming between any snapshot and the kill) until closed."""
+
+    def __init__(self, rs, version: str) -> None:
+        self.rs, self.version, self.ids, self.stop = rs, version, set(), threading.Event()
+        self._look()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _look(self) -> None:
+        router = self.rs.router
+        for request_id, live in list(router.live.items()):
+            worker = router.registry.get(live.worker_id)
+            if worker is not None and worker.version == self.version:
+                self.ids.add(request_id)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.001):
+            self._look()
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        return len(self.ids)
+
+
 def judged_under_load(rs, rollout: dict) -> tuple[dict, Load]:
     """Start `rollout`, keep the load on until it is promoted or rolled back: its last status."""
     assert admin(rs, "/admin/rollout", rollout).status_code == 200
@@ -90,11 +117,11 @@ def test_a_canary_whose_worker_dies_is_rolled_back_and_fails_only_what_it_held(v
     load = Load(rs)
     try:
         wait_for(lambda: load.ok >= 20, 60, "requests on both versions")
-        held = sum(1 for live in list(rs.router.live.values())
-                   if (w := rs.router.registry.get(live.worker_id)) is not None and w.version == "v2")
+        watch = CanaryHeld(rs, "v2")  # every request seen on the canary from now until the rollback
         canary.stop()  # the canary's worker dies, its streams with it
         wait_for(lambda: admin(rs, "/admin/rollout").json()["state"] == "rolled_back", 30, "the rollback",
                  state=lambda: admin(rs, "/admin/rollout").json())
+        held = watch.close()
         after = load.ok
         wait_for(lambda: load.ok >= after + 20, 60, "requests after the rollback")
     finally:
