@@ -10,6 +10,7 @@ and only to Bearer holders of that key; without one the routes do not exist.
                                     place, then registers again in that role, without restarting
 - /admin/rollout..., /admin/shadow... a canary rollout of another version, and shadow traffic to
                                     one (`admin_versions.py`)
+With several routers every admin call is answered by the leading one (`admin_at_leader.py`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 
 from pdserve import wire
 from pdserve.http_errors import APIError, message_body
+from pdserve.router.admin_at_leader import at_the_leader
 from pdserve.router.admin_versions import add_version_routes
 from pdserve.router.registry import WorkerEntry
 from pdserve.router.router import Router
@@ -42,7 +44,8 @@ def worker_view(entry: WorkerEntry, now: float) -> dict:
 
 
 def add_admin_routes(app: FastAPI, router: Router) -> None:
-    add_version_routes(app, router)
+    api = APIRouter(dependencies=[Depends(at_the_leader(app, router))])  # with several routers: the leader's
+    add_version_routes(api, router)
 
     def entry_of(worker_id: str) -> WorkerEntry:
         entry = router.registry.get(worker_id)
@@ -50,7 +53,7 @@ def add_admin_routes(app: FastAPI, router: Router) -> None:
             raise APIError(404, f"no worker {worker_id!r} is registered", "not_found_error", "worker_id")
         return entry
 
-    @app.get("/admin/workers")
+    @api.get("/admin/workers")
     async def workers():
         now = time.monotonic()
         return {"workers": [worker_view(e, now) for e in router.registry.workers()]}
@@ -67,14 +70,16 @@ def add_admin_routes(app: FastAPI, router: Router) -> None:
         if r.status_code != 200:
             raise APIError(502, f"worker {worker_id} refused (HTTP {r.status_code})", "server_error")
 
-    @app.post("/admin/workers/{worker_id}/drain")
+    @api.post("/admin/workers/{worker_id}/drain")
     async def drain(worker_id: str):
         await forward(worker_id, "/v1/drain")
         return {"id": worker_id, "state": "draining"}
 
-    @app.post("/admin/workers/{worker_id}/role")
+    @api.post("/admin/workers/{worker_id}/role")
     async def role(worker_id: str, request: Request):
         body = await message_body(request, wire.RoleChange)
         await forward(worker_id, "/v1/role", body)
         log.info("worker %s: role change to %s asked", worker_id, body.role)
         return {"id": worker_id, "role": body.role, "state": "changing"}
+
+    app.include_router(api)

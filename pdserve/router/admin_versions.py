@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from msgspec import Meta
 
 from pdserve import wire
@@ -59,12 +59,12 @@ class RolloutStart(wire.Message):
     lost_s: Seconds = _DEFAULT.lost_s
 
 
-def add_version_routes(app: FastAPI, router: Router) -> None:
+def add_version_routes(app: APIRouter, router: Router) -> None:
     add_rollout_routes(app, router)
     add_shadow_routes(app, router)
 
 
-def add_shadow_routes(app: FastAPI, router: Router) -> None:
+def add_shadow_routes(app: APIRouter, router: Router) -> None:
     @app.get("/admin/shadow")
     async def report():
         if router.shadow is None:
@@ -97,7 +97,7 @@ def add_shadow_routes(app: FastAPI, router: Router) -> None:
         return shadow.report()
 
 
-def add_rollout_routes(app: FastAPI, router: Router) -> None:
+def add_rollout_routes(app: APIRouter, router: Router) -> None:
     rollout = router.rollout
 
     @app.get("/admin/rollout")

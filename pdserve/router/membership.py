@@ -4,6 +4,7 @@ lease by heartbeat (its stats are the load the policies route by), deregister on
 - POST /internal/register    Registration -> Registered (409 for a worker of another model)
 - POST /internal/heartbeat   Heartbeat (404: unknown, register again)
 - POST /internal/deregister  Deregistration
+- GET  /internal/peer        PeerState: what another router of the cluster asks each round (`peer_state.py`)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.responses import Response
 from pdserve import wire
 from pdserve.errors import OtherModel, RegistrationError
 from pdserve.http_errors import APIError, message_body, require_bearer
+from pdserve.router.peer_state import own_state
 from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
@@ -61,6 +63,11 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
         except KeyError:
             raise APIError(404, "unknown worker: register again", "not_found_error") from None
         return {"ok": True}
+
+    @app.get("/internal/peer")
+    async def peer(request: Request):
+        check_worker_token(request)
+        return Response(wire.encode(own_state(router)), media_type="application/json")
 
     @app.post("/internal/deregister")
     async def deregister(request: Request):

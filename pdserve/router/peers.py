@@ -5,8 +5,8 @@ has the whole membership and every worker's load (`pdserve worker --router URL,U
 happen once per cluster — the P:D controller's moves, hot-spot relief, hot-prefix copies, a canary
 rollout's steps — is done by one of them, the leader:
 
-1. Each router knows the others' internal addresses (`--peers`) and asks each for `/health`
-   every round (about a second).
+1. Each router knows the others' internal addresses (`--peers`) and asks each for its state
+   (`/internal/peer`, with the workers' token; `peer_state.py`) every round (about a second).
 2. A peer that answered within `DEAD_AFTER_S` is alive. The leader is the live router whose
    address sorts first, this one included: every router that hears the same answers names the
    same leader, and when the leader dies the next one takes over within `DEAD_AFTER_S`, with
@@ -24,6 +24,9 @@ import time
 
 import httpx
 
+from pdserve import wire
+from pdserve.router.peer_state import PeerState
+
 DEAD_AFTER_S = 3.0
 PROBE_TIMEOUT_S = 0.5
 
@@ -34,6 +37,7 @@ class Peers:
         self.peers = sorted({p.rstrip("/") for p in peers} - {self.own_url})
         self.clock = clock
         self.last_seen: dict[str, float] = {}  # peer -> when it last answered
+        self.states: dict[str, PeerState] = {}  # peer -> what it last said
         self.asked_all = not self.peers  # alone: it leads at once
 
     def alive(self) -> list[str]:
@@ -51,15 +55,26 @@ class Peers:
     def heard(self, peer: str) -> None:
         self.last_seen[peer] = self.clock()
 
-    async def probe(self, http: httpx.AsyncClient) -> None:
-        """Ask every peer for /health at once; those that answer are alive now."""
+    def live_states(self) -> list[PeerState]:
+        alive = set(self.alive())
+        return [s for p, s in self.states.items() if p in alive]
+
+    @property
+    def leader_state(self) -> PeerState | None:
+        """What the leader last said, where another router leads."""
+        leader = self.leader
+        return self.states.get(leader) if leader != self.own_url else None
+
+    async def probe(self, http: httpx.AsyncClient, headers: dict[str, str]) -> None:
+        """Ask every peer for its state at once; those that answer are alive now."""
         async def ask(peer: str) -> None:
             try:
-                r = await http.get(peer + "/health", timeout=PROBE_TIMEOUT_S)
-            except httpx.HTTPError:
+                r = await http.get(peer + "/internal/peer", headers=headers, timeout=PROBE_TIMEOUT_S)
+                if r.status_code == 200:
+                    self.states[peer] = wire.decode(r.content, PeerState)
+                    self.heard(peer)
+            except (httpx.HTTPError, wire.BadMessage):
                 return
-            if r.status_code == 200:
-                self.heard(peer)
         await asyncio.gather(*(ask(p) for p in self.peers))
         self.asked_all = True
 

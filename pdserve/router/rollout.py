@@ -25,6 +25,7 @@ on; `promote` and `abort` end the rollout by hand.
 from __future__ import annotations
 
 import random
+import secrets
 import threading
 import time
 from collections import deque
@@ -61,13 +62,19 @@ class RolloutPolicy:
 
 
 @dataclass
-class _Tally:
+class Tally:
     """One version's outcomes since the step began."""
 
     calls: int = 0
     failed_calls: int = 0
     finished: int = 0
     sla_met: int = 0
+
+    @classmethod
+    def total(cls, tallies: list[dict[str, Tally]], version: str | None) -> Tally:
+        """One version's outcomes summed over several routers' counts."""
+        parts = [t[version] for t in tallies if version in t]
+        return cls(*(sum(getattr(t, f) for t in parts) for f in ("calls", "failed_calls", "finished", "sla_met")))
 
     @property
     def error_ratio(self) -> float:
@@ -81,6 +88,7 @@ class _Tally:
 @dataclass
 class Rollout:
     stable: str | None = None  # None until the first worker registers (or --stable-version)
+    id: str = ""  # each rollout's own, so routers count the same step's outcomes together (`peer_state.py`)
     canary: str | None = None
     state: str = "idle"
     policy: RolloutPolicy = field(default_factory=RolloutPolicy)
@@ -88,13 +96,13 @@ class Rollout:
     step_started: float = 0.0
     started: float = 0.0
     canary_seen: float = 0.0  # when the canary last had a worker
-    tallies: dict[str, _Tally] = field(default_factory=dict)
+    tallies: dict[str, Tally] = field(default_factory=dict)
     events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     clock: object = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -116,29 +124,29 @@ class Rollout:
     # -- outcomes --------------------------------------------------------------------------------
 
     def call_ended(self, version: str, failed: bool) -> None:
-        with self._lock:
+        with self.lock:
             tally = self._tally(version)
             if tally is not None:
                 tally.calls += 1
                 tally.failed_calls += failed
 
     def request_finished(self, version: str, sla_met: bool) -> None:
-        with self._lock:
+        with self.lock:
             tally = self._tally(version)
             if tally is not None:
                 tally.finished += 1
                 tally.sla_met += sla_met
 
-    def _tally(self, version: str) -> _Tally | None:
+    def _tally(self, version: str) -> Tally | None:
         if self.state != "running" or version not in (self.stable, self.canary):
             return None
-        tally = self.tallies.setdefault(version, _Tally())
+        tally = self.tallies.setdefault(version, Tally())
         return tally if tally.calls + tally.finished < MAX_OUTCOMES else None
 
     # -- the operator's commands -----------------------------------------------------------------
 
     def start(self, canary: str, policy: RolloutPolicy) -> None:
-        with self._lock:
+        with self.lock:
             if self.state in ("running", "paused"):
                 raise RolloutError(f"a rollout of {self.canary!r} is under way: promote or abort it first")
             if self.stable is None:
@@ -146,6 +154,7 @@ class Rollout:
             if canary == self.stable:
                 raise RolloutError(f"{canary!r} is the stable version already")
             now = self.clock()
+            self.id = secrets.token_hex(8)
             self.canary, self.policy, self.state, self.step = canary, policy, "running", 0
             self.started = self.canary_seen = now
             self._new_step(now)
@@ -156,21 +165,21 @@ class Rollout:
 
     def resume(self) -> None:
         self._command("paused", "running")
-        with self._lock:
+        with self.lock:
             self._new_step(self.clock())  # the step's window starts again: a pause is not evidence
 
     def promote(self) -> None:
-        with self._lock:
+        with self.lock:
             self._require_active()
             self._promote(self.clock(), "by hand")
 
     def abort(self) -> None:
-        with self._lock:
+        with self.lock:
             self._require_active()
             self._end("aborted", self.clock(), "by hand")
 
     def _command(self, before: str, after: str) -> None:
-        with self._lock:
+        with self.lock:
             if self.state != before:
                 raise RolloutError(f"the rollout is {self.state}, not {before}")
             self.state = after
@@ -182,10 +191,10 @@ class Rollout:
 
     # -- the automatic part ------------------------------------------------------------------------
 
-    def tick(self, canary_workers: int) -> str | None:
-        """Advance, promote or roll back as the step's outcomes say (the router's rounds call it);
-        returns what happened, if anything."""
-        with self._lock:
+    def tick(self, canary_workers: int, peers: list[dict[str, Tally]] = ()) -> str | None:
+        """Advance, promote or roll back as the step's outcomes say, this router's and those its
+        peers counted in the same step (the leader's rounds call it); returns what happened, if anything."""
+        with self.lock:
             if self.state != "running":
                 return None
             now = self.clock()
@@ -193,7 +202,7 @@ class Rollout:
                 self.canary_seen = now
             elif now - self.canary_seen >= self.policy.lost_s:
                 return self._end("rolled_back", now, f"no canary worker for {self.policy.lost_s:g} s")
-            canary, stable = self.tallies.get(self.canary, _Tally()), self.tallies.get(self.stable, _Tally())
+            canary, stable = (Tally.total([self.tallies, *peers], v) for v in (self.canary, self.stable))
             p = self.policy
             if canary.failed_calls >= p.min_errors and canary.error_ratio > stable.error_ratio + p.max_error_increase:
                 return self._end("rolled_back", now, f"error ratio {canary.error_ratio:.3f} against stable's "
@@ -228,8 +237,8 @@ class Rollout:
         return kind
 
     def status(self) -> dict:
-        with self._lock:
-            return {"state": self.state, "stable": self.stable, "canary": self.canary, "share": self.share,
+        with self.lock:
+            return {"id": self.id, "state": self.state, "stable": self.stable, "canary": self.canary, "share": self.share,
                     "step": self.step, "steps": list(self.policy.steps),
                     "step_age_s": round(self.clock() - self.step_started, 3) if self.state != "idle" else 0.0,
                     "policy": {**asdict(self.policy), "steps": list(self.policy.steps)},

@@ -18,10 +18,12 @@ import time
 import httpx
 
 from pdserve import wire
+from pdserve.router.peer_state import PeerState, follow_rollout, peers_tallies
 from pdserve.router.policy import WorkerLoad, choose_migrations
 from pdserve.router.rebalance import ControllerState, PoolMember, decide, new_role, pool_signals, to_move
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.router import Router
+from pdserve.router.shadow import Shadow
 
 log = logging.getLogger("pdserve.router")
 
@@ -42,10 +44,12 @@ class Rounds:
             await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
             router.drop_expired_workers()
             was = router.leading
-            await router.peers.probe(router.http)
+            await router.peers.probe(router.http, router.worker_headers)
             if router.leading != was:
                 log.warning("this router %s for the cluster now (leader: %s)",
                             "acts" if router.leading else "no longer acts", router.peers.leader)
+            if (leader := router.peers.leader_state) is not None:
+                await self.follow(leader)
             if not router.leading:  # another router acts for the cluster (or this one is still filling up)
                 continue
             for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance),
@@ -120,12 +124,29 @@ class Rounds:
                 live.cancel_move()  # the worker is failing: the failure path takes over
 
 
+    async def follow(self, leader: PeerState) -> None:
+        """Another router leads: route by its rollout and copy to its shadow, as it does."""
+        router = self.router
+        follow_rollout(router.rollout, leader.rollout)
+        want, shadow = leader.shadow, router.shadow
+        have = None if shadow is None else (shadow.version, shadow.share, shadow.max_concurrency, shadow.timeout_s)
+        if have == (None if want is None else (want.version, want.share, want.max_concurrency, want.timeout_s)):
+            return
+        router.shadow = None if want is None else Shadow(router, want.version, want.share, want.max_concurrency,
+                                                         want.timeout_s)
+        if shadow is not None:
+            await shadow.close()
+        log.info("shadow traffic as the leader has it: %s", "none" if want is None else
+                 f"{100 * want.share:.0f}% to {want.version}")
+
     async def roll_out(self) -> None:
-        """One look at the canary rollout: advance, promote or roll back as its rule says."""
+        """One look at the canary rollout: advance, promote or roll back as its rule says, on the
+        outcomes every router of the cluster counted in the step."""
         router = self.router
         rollout = router.rollout
         canary = rollout.canary
-        happened = rollout.tick(len(router.registry.workers("decode", canary))) if canary is not None else None
+        happened = (rollout.tick(len(router.registry.workers("decode", canary)),
+                                 peers_tallies(router.peers.live_states(), rollout)) if canary is not None else None)
         if happened is None:
             return
         event = rollout.events[-1]

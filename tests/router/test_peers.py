@@ -8,6 +8,8 @@ import asyncio
 
 import httpx
 
+from pdserve import wire
+from pdserve.router.peer_state import PeerState, RolloutView
 from pdserve.router.peers import DEAD_AFTER_S, Peers
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
@@ -40,10 +42,13 @@ def test_the_first_live_address_leads():
 def test_probing_hears_the_peers_that_answer():
     async def scenario():
         def handler(request: httpx.Request) -> httpx.Response:
-            return httpx.Response(200 if request.url.port == 1 else 503, json={})
+            assert request.url.path == "/internal/peer" and request.headers["Authorization"] == "Bearer t"
+            state = wire.encode(PeerState(rollout=RolloutView(stable="v1")))
+            return httpx.Response(200 if request.url.port == 1 else 503, content=state)
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
             c = Peers(C, [A, B])
-            await c.probe(http)
+            await c.probe(http, {"Authorization": "Bearer t"})
             return c
     c = asyncio.run(scenario())
     assert c.asked_all and c.alive() == [A] and c.leader == A and not c.leading
+    assert c.leader_state.rollout.stable == "v1" and [s.rollout.stable for s in c.live_states()] == ["v1"]

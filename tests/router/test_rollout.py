@@ -126,3 +126,25 @@ def test_refusals():
                 dict(max_error_increase=2), dict(min_requests=0)):
         with pytest.raises(ValueError):
             RolloutPolicy(**bad)
+
+
+def test_the_leader_judges_on_its_peers_counts_of_the_same_step():
+    import msgspec
+
+    from pdserve.router.peer_state import PeerState, follow_rollout, own_state, peers_tallies
+
+    class Routerish:  # what own_state reads of a router
+        def __init__(self, rollout):
+            self.rollout, self.shadow = rollout, None
+
+    leader, clock = rollout()
+    follower = Rollout(clock=clock)
+    follow_rollout(follower, own_state(Routerish(leader)).rollout)
+    assert (follower.id, follower.share, follower.stable) == (leader.id, 0.1, "v1")
+    serve(follower, "v2", 5, failed=3)  # the follower saw the canary fail; the leader saw nothing
+    serve(follower, "v1", 5)
+    peers = peers_tallies([own_state(Routerish(follower))], leader)
+    assert leader.tick(canary_workers=1) is None
+    assert leader.tick(canary_workers=1, peers=peers) == "rolled_back"
+    stale = PeerState(rollout=msgspec.structs.replace(own_state(Routerish(follower)).rollout, step=1))
+    assert peers_tallies([stale], leader) == []  # another step's counts are not this one's
