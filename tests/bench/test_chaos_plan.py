@@ -154,3 +154,19 @@ def test_kill_router_hits_one_of_the_replicas():
     hit = {plan_faults(specs, 100.0, WORKERS, seed, routers=router_names(2))[0].target for seed in range(30)}
     assert hit == {"router 0", "router 1"}
     assert plan_faults(specs, 100.0, WORKERS, 3)[0].target == "router"
+
+
+def test_errors_are_told_apart_by_cause():
+    from pdserve.bench.chaos.causes import errors_by_cause
+
+    kill = Injection(PlannedFault(0, "kill-router", "router 1"), at=10.0, pid=1, url="")
+    refused = _result(10.1, 10.1, "error")
+    refused.refused = True
+    on_the_router = _result(9.0, 10.2, "error")  # running when the router died
+    on_the_router.detail = "connection broke: RemoteProtocolError"
+    later = _result(11.0, 12.0, "error")  # begun after the kill: the cluster failed it all the same
+    later.detail = "error in the stream: server_error"
+    ok = _result(9.0, 11.0)
+    out = errors_by_cause([refused, on_the_router, later, ok], [kill])
+    assert out == {"refused": 1, "in_flight": 1, "later": 1, "in_flight_by_fault": {"kill-router": 1},
+                   "later_details": {"error in the stream: server_error": 1}}

@@ -29,6 +29,8 @@ from pdserve.workload.loadgen import BenchRequest
 
 OUTCOMES = ("ok", "error", "lost")
 ERROR_PAUSE_S = 0.5
+REFUSED_STATUS = (429, 503)  # no room, or no worker: the request was not begun
+REFUSED_CONNECTION = ("ConnectError", "ConnectTimeout")  # nothing listened, or answered the connection
 
 
 @dataclass(slots=True)
@@ -43,12 +45,13 @@ class RequestResult:
     tokens: int = 0  # the usage the server reported at the end, else chunks with text
     outcome: str = ""  # ok | error | lost
     detail: str = ""  # why it is not ok
+    refused: bool = False  # no router took it: the connection failed, or 429/503 (`causes.py`)
 
     def as_dict(self, t0: float) -> dict:
         rel = lambda t: None if t is None else round(t - t0, 3)  # noqa: E731
         return {"index": self.index, "client": self.client, "start_s": rel(self.start), "end_s": rel(self.end),
                 "first_token_s": rel(self.first_token), "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "outcome": self.outcome, "detail": self.detail}
+                "outcome": self.outcome, "detail": self.detail, "refused": self.refused}
 
 
 @dataclass(slots=True)
@@ -167,6 +170,7 @@ class ClosedLoopLoad:
                 self.in_flight -= 1
             result.end = time.monotonic()
             result.outcome, result.detail, result.tokens = judge(seen, req.max_tokens, hung)
+            result.refused = seen.status in REFUSED_STATUS or seen.broken in REFUSED_CONNECTION
             self.results.append(result)
             if result.outcome != "ok":
                 await asyncio.sleep(ERROR_PAUSE_S)

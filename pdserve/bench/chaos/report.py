@@ -76,6 +76,16 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | {sum(c.values())} | {c['ok']} | {c['error']} | {c['lost']} "
                      f"| {g['requests_per_s']:.3f} | {g['output_tokens_per_s']:.1f} | {ratio} | {e2e} | {blocks} "
                      f"| {len(run['unexpected_exits'])} |")
+    causes = [(label, run) for label, run in runs.items() if run["outcomes"]["error"] and "errors_by_cause" in run]
+    if causes:
+        lines += ["", "errors by cause: refused (no router took it), in flight when a fault went in (by the "
+                  "fault's kind), later (no fault while it ran)", "",
+                  "| run | errors | refused | in flight | later |", "|" + " --- |" * 5]
+        for label, run in causes:
+            e = run["errors_by_cause"]
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(e["in_flight_by_fault"].items()))
+            lines.append(f"| {label} | {run['outcomes']['error']} | {e['refused']} "
+                         f"| {e['in_flight']}{f' ({kinds})' if kinds else ''} | {e['later']} |")
     for label, run in runs.items():
         if not run["faults"]:
             continue

@@ -28,6 +28,7 @@ from typing import Callable
 
 import httpx
 
+from pdserve.bench.chaos.causes import errors_by_cause
 from pdserve.bench.chaos.cluster import ChaosCluster
 from pdserve.bench.chaos.faults import FaultRunner
 from pdserve.bench.chaos.load import ClosedLoopLoad
@@ -140,7 +141,8 @@ def run_once(label: str, args: argparse.Namespace, workload: SeededWorkload,
     return {
         "label": label, "model": model, "elapsed_s": round(elapsed, 1), "outcomes": outcome_counts(results),
         "unaccounted": load.in_flight + (1 if load_thread.is_alive() else 0),
-        "goodput": goodput(results, t0), "latency": latency(results), "errors": details(results, "error"), "lost": details(results, "lost"),
+        "goodput": goodput(results, t0), "latency": latency(results), "errors": details(results, "error"),
+        "errors_by_cause": errors_by_cause(results, faults.injections), "lost": details(results, "lost"),
         **idle, "unexpected_exits": unexpected_exits(events, faults.injections, t0),
         "faults": fault_rows, "skipped_faults": [f.as_dict() for f in faults.skipped],
         "events": [{**e, "at": round(e["at"] - t0, 3)} for e in events],
