@@ -154,6 +154,14 @@ def check_flags(config: Any) -> None:
 # -- readers for `flag(parse=...)`: each takes the text given, and refuses with a reason -----------
 
 
+def host_name(text: str) -> str:
+    """A host name or an IPv4/IPv6 address, as it goes into a URL: nothing that could add a path,
+    a user or a port."""
+    if not text or len(text) > 253 or not all(c.isalnum() or c in ".-:" for c in text):
+        raise ValueError(f"expected a host name or an IP address, got {text!r}")
+    return text
+
+
 def _bounded(kind: type, low: float, high: float, unit: str, low_open: bool = True) -> Callable[[str], Any]:
     def read(text: str) -> Any:
         value = kind(text)

@@ -106,7 +106,7 @@ def test_kustomize_renders_what_this_test_renders(rendered):
 
 def test_every_object_is_a_valid_api_object(rendered):
     target, objects = rendered
-    assert {kind for kind, _ in objects} == {"Deployment", "Service"}  # no Secret: the user makes it
+    assert {kind for kind, _ in objects} == {"Deployment", "Service", "PodDisruptionBudget"}  # no Secret: the user's
     for (kind, name), obj in objects.items():
         version = obj["apiVersion"].split("/")[-1]
         model = getattr(k8s_models, version.capitalize() + kind)
@@ -201,18 +201,20 @@ def test_probes_ask_health_on_the_served_port(rendered):
 
 def test_workers_reach_the_router_and_advertise_their_pod(rendered):
     _, objects = rendered
-    service = objects[("Service", "pdserve-router")]
-    router_url = f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    service, peers = objects[("Service", "pdserve-router")], objects[("Service", "pdserve-router-peers")]
+    every_router = f"dns+http://{peers['metadata']['name']}:{peers['spec']['ports'][0]['port']}"
     router = objects[("Deployment", "pdserve-router")]
-    assert router["spec"]["replicas"] == 1 and router["spec"]["strategy"]["type"] == "Recreate"
-    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"] == peers["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"]  # every pod's IP
     roles = {}
     for obj, container, args in containers(objects):
         if args.command != "worker":
             assert _port(container, service["spec"]["ports"][0]["targetPort"]) == args.port
+            assert _port(container, peers["spec"]["ports"][0]["targetPort"]) == args.port
+            assert args.peers == every_router and args.advertise_host == POD_IP  # the routers find each other
             continue
         roles[args.role] = obj
-        assert args.router == router_url
+        assert args.router == every_router  # each worker registers with every router
         assert args.advertise_host == POD_IP  # from the downward API, not the unroutable 0.0.0.0
         assert _port(container, "kv") == args.kv_port != 0  # a fixed KV port, declared
         assert "shm" not in args.transfer.split(",")  # each pod has its own /dev/shm
@@ -221,6 +223,20 @@ def test_workers_reach_the_router_and_advertise_their_pod(rendered):
         assert grace > args.drain_timeout  # SIGTERM drains, then deregisters, before SIGKILL
         assert liveness["periodSeconds"] * liveness["failureThreshold"] > args.drain_timeout  # an admin drain
     assert set(roles) == {"prefill", "decode"}  # two Deployments: each pool scales on its own
+
+
+def test_two_routers_never_both_down_by_choice(rendered):
+    _, objects = rendered
+    router = objects[("Deployment", "pdserve-router")]
+    budget = objects[("PodDisruptionBudget", "pdserve-router")]
+    assert router["spec"]["replicas"] == 2
+    assert router["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert budget["spec"]["selector"] == router["spec"]["selector"]
+    assert 1 <= budget["spec"]["minAvailable"] < router["spec"]["replicas"]  # one may go, never both
+    spread = router["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == router["spec"]["selector"]  # apart from each other, on nodes that allow it
 
 
 def test_the_gpu_overlay_puts_each_pool_on_its_own_gpu_nodes():

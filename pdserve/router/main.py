@@ -12,8 +12,15 @@ import sys
 from pdserve.credentials import (
     ADMIN_KEY_ENV, API_KEY_ENV, TOKEN_ENV, add_secret_args, is_loopback, new_token_file, read_secret,
 )
-from pdserve.flags import add_flags, flag_kwargs
+from pdserve.flags import add_flags, flag_kwargs, host_name
 from pdserve.router.config import RouterConfig
+from pdserve.router_addresses import check as check_addresses
+
+
+def peers_spec(text: str) -> str:
+    if text.strip():
+        check_addresses(text)
+    return text
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -29,9 +36,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--internal-port", type=int, default=None,
                    help="also listen on this port of --host, this router's own: workers register with every router "
                         "at its own address (`pdserve worker --router URL,URL`), and routers ask each other there")
-    g.add_argument("--peers", default="", metavar="URL,URL",
-                   help="the other routers' own addresses: the one of them all whose address sorts first and "
-                        "answers leads (runs the P:D controller, relief, prefix copies, rollout steps)")
+    g.add_argument("--peers", default="", metavar="URL,URL", type=peers_spec,
+                   help="the other routers' own addresses (or dns+http://NAME:PORT: every address NAME resolves "
+                        "to, looked up again every 5 s; this router's own among them is left out): the one of them "
+                        "all whose address sorts first and answers leads (runs the P:D controller, relief, prefix "
+                        "copies, rollout steps)")
+    g.add_argument("--advertise-host", default=None, type=host_name,
+                   help="the address other routers reach this one at (default: --host); with a wildcard --host "
+                        "on Kubernetes, the pod's IP (the downward API's status.podIP)")
     add_secret_args(p, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(p, "admin-key", ADMIN_KEY_ENV, "the admin API's Bearer key (none: no admin API)")
     add_secret_args(p, "token", TOKEN_ENV, "the workers' shared secret (none: one is made and written to a file, "
@@ -79,6 +91,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from pdserve.router.app import create_app
     from pdserve.router.peers import Peers
+    from pdserve.router_addresses import expand
 
     # the router's own decisions (workers joining and leaving, the P:D controller's moves and their
     # reasons) are INFO lines; without a handler only warnings would reach stderr
@@ -90,11 +103,12 @@ def run_router(args: argparse.Namespace) -> int:
     logging.getLogger("pdserve.router").info("structured outputs ready in %.2f s", router.grammars.prepare())
     sockets = [tcp_listener(args.host, args.port, reuse_port=args.reuse_port)]
     url = f"http://{args.host}:{sockets[0].getsockname()[1]}"
-    own = url
+    host = args.advertise_host or args.host
+    own = f"http://{host}:{sockets[0].getsockname()[1]}"
     if args.internal_port is not None:
         sockets.append(tcp_listener(args.host, args.internal_port))
-        own = f"http://{args.host}:{sockets[1].getsockname()[1]}"
-    router.peers = Peers(own, [p for p in args.peers.split(",") if p.strip()])
+        own = f"http://{host}:{sockets[1].getsockname()[1]}"
+    router.peers = Peers(own, expand(args.peers), spec=args.peers)
     ready = {"event": "ready", "url": url, "internal_url": own, "model": router.config.model_name, "pid": os.getpid()}
     print(json.dumps({**ready, **({"token_file": token_file} if token_file else {})}), flush=True)
     server = http_server(create_app(router), ROUTER_LIMITS)

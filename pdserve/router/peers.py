@@ -5,7 +5,8 @@ has the whole membership and every worker's load (`pdserve worker --router URL,U
 happen once per cluster — the P:D controller's moves, hot-spot relief, hot-prefix copies, a canary
 rollout's steps — is done by one of them, the leader:
 
-1. Each router knows the others' internal addresses (`--peers`) and asks each for its state
+1. Each router knows the others' internal addresses (`--peers`, or a dns+ name standing for all
+   of them, looked up again every few seconds: `router_addresses.py`) and asks each for its state
    (`/internal/peer`, with the workers' token; `peer_state.py`) every round (about a second).
 2. A peer that answered within `DEAD_AFTER_S` is alive. The leader is the live router whose
    address sorts first, this one included: every router that hears the same answers names the
@@ -26,19 +27,39 @@ import httpx
 
 from pdserve import wire
 from pdserve.router.peer_state import PeerState
+from pdserve.router_addresses import REFRESH_S, expand, is_dynamic, resolve_name
 
 DEAD_AFTER_S = 3.0
 PROBE_TIMEOUT_S = 0.5
 
 
 class Peers:
-    def __init__(self, own_url: str, peers: list[str], clock=time.monotonic) -> None:
+    def __init__(self, own_url: str, peers: list[str], clock=time.monotonic, spec: str = "",
+                 resolve=resolve_name) -> None:
         self.own_url = own_url.rstrip("/")
-        self.peers = sorted({p.rstrip("/") for p in peers} - {self.own_url})
+        self.peers: list[str] = []
+        self.set_peers(peers)
         self.clock = clock
+        self.spec = spec  # `--peers` as given: a dns+ name in it is looked up again (`look_up`)
+        self.next_lookup = 0.0
+        self.resolve = resolve
         self.last_seen: dict[str, float] = {}  # peer -> when it last answered
         self.states: dict[str, PeerState] = {}  # peer -> what it last said
-        self.asked_all = not self.peers  # alone: it leads at once
+        self.asked_all = not self.peers and not is_dynamic(spec)  # alone: it leads at once
+
+    def set_peers(self, peers: list[str]) -> None:
+        self.peers = sorted({p.rstrip("/") for p in peers} - {self.own_url})
+
+    async def look_up(self) -> None:
+        """Where `--peers` names routers by a dns+ name, their addresses again, every `REFRESH_S`
+        (on Kubernetes, router pods come and go)."""
+        if not is_dynamic(self.spec) or self.clock() < self.next_lookup:
+            return
+        self.next_lookup = self.clock() + REFRESH_S
+        try:
+            self.set_peers(await asyncio.to_thread(expand, self.spec, self.resolve, True))
+        except OSError:  # the name did not resolve this time: the peers it had stay
+            return
 
     def alive(self) -> list[str]:
         now = self.clock()

@@ -44,6 +44,7 @@ class Rounds:
             await asyncio.sleep(min(1.0, router.registry.lease_s / 4))
             router.drop_expired_workers()
             was = router.leading
+            await router.peers.look_up()
             await router.peers.probe(router.http, router.worker_headers)
             if router.leading != was:
                 log.warning("this router %s for the cluster now (leader: %s)",

@@ -10,22 +10,20 @@ import re
 import socket
 from dataclasses import dataclass
 
-from pdserve.flags import check_flags, flag, port_number, seconds
+from pdserve.flags import check_flags, flag, host_name, port_number, seconds
+from pdserve.router_addresses import check as check_routers
 from pdserve.telemetry.tracing import otlp_endpoint
 from pdserve.wire import KV_TRANSFER_DTYPES, NODE_NAME, SHM_POOL_NAME, version_label
-
-
-def host_name(text: str) -> str:
-    """A host name or an IPv4/IPv6 address, as it goes into a URL: nothing that could add a path,
-    a user or a port."""
-    if not text or len(text) > 253 or not all(c.isalnum() or c in ".-:" for c in text):
-        raise ValueError(f"expected a host name or an IP address, got {text!r}")
-    return text
 
 
 def durable_pool_name(text: str) -> str:
     if not re.fullmatch(SHM_POOL_NAME, text):
         raise ValueError(f"expected a pool file name pdserve-kv-<pid>-<16 hex digits>, got {text!r}")
+    return text
+
+
+def router_spec(text: str) -> str:
+    check_routers(text)
     return text
 
 
@@ -59,7 +57,9 @@ class WorkerConfig:
     record_steps: str | None = flag(None, "append every engine step's shape and time to this JSONL file (for "
                                           "`pdserve profile --from-steps`)")
     router: str | None = flag(None, "register with this router (or each of several, comma-separated: router "
-                                    "replicas at their own addresses) and renew the lease by heartbeat")
+                                    "replicas at their own addresses; dns+http://NAME:PORT: every address NAME "
+                                    "resolves to, looked up again every 5 s) and renew the lease by heartbeat",
+                              parse=router_spec)
     drain_timeout: float = flag(60.0, "seconds a worker sent SIGTERM finishes its requests before it stops anyway",
                                 parse=seconds)
     durable_kv: str | None = flag(

@@ -30,6 +30,7 @@ import msgspec
 
 from pdserve import wire
 from pdserve.errors import RegistrationError
+from pdserve.router_addresses import Refreshed, expand, resolve_name
 
 log = logging.getLogger("pdserve.worker.registration")
 
@@ -135,20 +136,41 @@ class RouterMembership:
 class Memberships:
     """A worker's memberships in each router of its cluster (router replicas: each router has the
     whole membership and every worker's load). Each is a `RouterMembership` of its own: a router
-    that is down delays no other's heartbeats."""
+    that is down delays no other's heartbeats. Routers named by a dns+ address
+    (`router_addresses.py`) are looked up again every few seconds: a new one is joined, one gone
+    is let go."""
 
-    def __init__(self, members: list[RouterMembership]) -> None:
-        self.members = members
+    def __init__(self, spec: str, member: Callable[[str], RouterMembership], resolve=resolve_name) -> None:
+        self.member = member
+        self.members = [member(url) for url in expand(spec, resolve)]
+        self._lock = threading.Lock()
+        self._refresh = Refreshed(spec, self.refresh, resolve)
 
     def start(self) -> Memberships:
         for m in self.members:
             m.start()
+        self._refresh.start()
         return self
 
-    def stop(self) -> None:
-        for m in self.members:  # all told at once, then waited for
+    def refresh(self, urls: list[str]) -> None:
+        """Join the routers of `urls` not joined yet; let go of those no longer among them."""
+        with self._lock:
+            have = {m.router_url: m for m in self.members}
+            gone = [m for url, m in have.items() if url not in urls]
+            new = [self.member(url).start() for url in urls if url not in have]
+            self.members = [m for m in self.members if m.router_url in urls] + new
+        for m in gone:
+            log.info("router %s is no longer listed: its membership ends", m.router_url)
             m.stop(wait=False)
-        for m in self.members:
+        for m in new:
+            log.info("router %s found: registering with it", m.router_url)
+
+    def stop(self) -> None:
+        self._refresh.stop()
+        members = self.members
+        for m in members:  # all told at once, then waited for
+            m.stop(wait=False)
+        for m in members:
             m.stop()
 
     def beat_now(self) -> None:
@@ -156,16 +178,15 @@ class Memberships:
             m.beat_now()
 
     def leave(self) -> None:
+        self._refresh.stop()
         for m in self.members:
             m.leave()
 
     @property
     def status(self) -> str:
-        if len(self.members) == 1:
-            return self.members[0].status
-        return "; ".join(f"{m.router_url}: {m.status}" for m in self.members)
-
-
-def router_urls(text: str) -> list[str]:
-    """`--router`'s value: one router's URL, or several, comma-separated (router replicas)."""
-    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+        members = self.members
+        if len(members) == 1:
+            return members[0].status
+        if not members:
+            return "no router address resolves yet"
+        return "; ".join(f"{m.router_url}: {m.status}" for m in members)

@@ -145,16 +145,16 @@ class Worker:
             self.durable.expire()
 
     def join(self, router_url: str, own_url: str, token: str | None = None) -> Memberships:
-        """Register with the router at `router_url` (or each of several, comma-separated: router
-        replicas) as the worker at `own_url`, and renew the lease by heartbeats of `stats` from now
+        """Register with the router at `router_url` (or each of several, comma-separated, or those
+        behind a dns+ name: router replicas, `router_addresses.py`) as the worker at `own_url`, and renew the lease by heartbeats of `stats` from now
         on; a role change or a drain is told to it at once. `token`: the router's worker token (by
         default this worker's own, as in a cluster)."""
-        from pdserve.worker.registration import Memberships, RouterMembership, router_urls
+        from pdserve.worker.registration import Memberships, RouterMembership
 
         token = self._token if token is None else token
-        self.membership = Memberships([
-            RouterMembership(url, own_url, self.role, self.model_hash, self.stats, token, self.config.block_size,
-                             self.settings.node, self.settings.version) for url in router_urls(router_url)]).start()
+        self.membership = Memberships(router_url, lambda url: RouterMembership(
+            url, own_url, self.role, self.model_hash, self.stats, token, self.config.block_size,
+            self.settings.node, self.settings.version)).start()
         return self.membership
 
     def on_drain_request(self, begin: Callable[[], None]) -> None:

@@ -21,6 +21,8 @@ def test_a_chaos_run_loses_nothing_and_leaks_nothing(tiny_llama, tmp_path):
     assert run["outcomes"]["lost"] == 0 and run["unaccounted"] == 0
     assert run["outcomes"]["ok"] > 0 and len(run["requests"]) == sum(run["outcomes"].values())
     assert run["kv_blocks_in_use_at_end"] == 0 and not run["busy_at_end"]
+    causes = run["errors_by_cause"]  # each error has one cause
+    assert causes["refused"] + causes["in_flight"] + causes["later"] == run["outcomes"]["error"], causes
     cut, freeze, kill = run["faults"]
     assert cut["reported"]["sender_links"] >= 1 and not cut["error"]  # the warm-up opened a link; it was cut
     assert freeze["resumed_s"] > freeze["injected_s"]
