@@ -108,9 +108,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "--kv-store (a store already running) or --ray (give the workers --kv-store URL)")
     if not 1 <= args.routers <= 16:
         raise SystemExit("pdserve serve: --routers takes 1 to 16")
-    if args.routers > 1 and args.ray:
-        raise SystemExit("pdserve serve: --routers runs router replicas on this host; not with --ray yet (one router "
-                         "actor)")
     if args.ray:
         from pdserve.on_ray.driver import run_serve_on_ray
 

@@ -59,7 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routers", type=int, default=1,
                    help="routers serving the cluster on --port together (SO_REUSEPORT): the kernel spreads clients "
                         "among them, every worker registers with each, one of them leads (docs/router.md); a "
-                        "router that dies leaves the address served by the others while it restarts")
+                        "router that dies leaves the address served by the others while it restarts; with --ray, "
+                        "each on a node of its own where there are nodes enough, also on --port + 1 + its number")
     add_secret_args(g, "api-key", API_KEY_ENV, "the key clients must send as Bearer (none: clients are not asked)")
     add_secret_args(g, "admin-key", ADMIN_KEY_ENV, "the router's admin API key (none: no admin API)")
     add_secret_args(g, "token", TOKEN_ENV, "the cluster's shared worker token (none: a fresh one for this cluster)")

@@ -3,7 +3,8 @@ actor that `pdserve serve --ray` starts and `pdserve scale` finds by its name.
 
 Lifecycle:
 1. `start()`: the router on the node its resources ask for (the head node by default: its
-   address must outlive any worker), then each pool's workers on theirs (in a placement group of
+   address must outlive any worker), or `--routers` replicas each pinned to a node of its own
+   where there are nodes enough (the head node's first), then each pool's workers on theirs (in a placement group of
    the chosen strategy, where one is asked for), registered with the router. Ready when every
    worker has registered.
 2. A monitor thread asks each actor for its status every second and turns what changed into
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pdserve.credentials import API_KEY_ENV
 from pdserve.launcher import router_argv, served_model, wait_registered, worker_argv
 from pdserve.on_ray.process_actor import DURABLE_PLACEHOLDER
-from pdserve.on_ray.placement import Resources
+from pdserve.on_ray.placement import HEAD_NODE, Resources, router_homes
 from pdserve.on_ray.process_actor import ProcessActor
 
 POOLS = ("prefill", "decode", "both")
@@ -93,7 +94,8 @@ class Deployment:
         self.remote_process = ray.remote(ProcessActor)
         self.members: list[Member] = []
         self.events = _Events()
-        self.router_url = ""
+        self.router_url = ""  # the clients' (the first router's)
+        self.routers_spec = ""  # with replicas: every router's own address, as workers are given them
         self._numbers = itertools.count()
         self._groups: list = []  # placement groups made, removed at stop
         self._free_slots: dict[str, list[tuple]] = {}  # per pool: bundles of removed workers, for new ones
@@ -104,16 +106,38 @@ class Deployment:
 
     def start(self) -> dict:
         timeout = self.args.ready_timeout
-        router = self._add_actor("router", "router", router_argv(self.args, "{node_ip}", self.args.port),
-                                 self.spec.router, None)
-        self._await_ready([router], timeout)
-        self.router_url = router.url
+        routers, self.routers_spec = self._add_routers()
+        self._await_ready(routers, timeout)
+        self.router_url = routers[0].url
         for pool in POOLS:
             self._add_workers(pool, self._wanted(pool), timeout)
         wait_registered(self.router_url, len(self._workers()), timeout)
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         model = served_model(self.router_url, self.spec.env.get(API_KEY_ENV, ""))
         return {"url": self.router_url, "model": model, "members": self.view()}
+
+    def _add_routers(self) -> tuple[list[Member], str]:
+        """The router, or `--routers` replicas each pinned to a node of its own where the cluster has
+        enough (`router_homes`): all listen on `--port` (SO_REUSEPORT where two share a node), each
+        also on a port of its own (`--port` + 1 + its number) where workers register and routers ask
+        each other who leads. Returns them and the routers' addresses the workers register with."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        args, count = self.args, self.args.routers
+        if count == 1:
+            router = self._add_actor("router", "router", router_argv(args, "{node_ip}", args.port), self.spec.router)
+            return [router], ""
+        homes = router_homes(self.ray.nodes(), count, self.spec.router)
+        own = [f"http://{ip}:{args.port + 1 + i}" for i, (_, ip) in enumerate(homes)]
+        pinned = Resources(self.spec.router.cpus, self.spec.router.gpus,
+                           {k: v for k, v in self.spec.router.custom.items() if k != HEAD_NODE})
+        routers = []
+        for i, (node_id, _) in enumerate(homes):
+            argv = [*router_argv(args, "{node_ip}", args.port), "--reuse-port", "--internal-port",
+                    str(args.port + 1 + i), "--peers", ",".join(own)]
+            routers.append(self._add_actor(f"router {i}", "router", argv, pinned,
+                                           strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)))
+        return routers, ",".join(own)
 
     def _wanted(self, pool: str) -> int:
         return {"prefill": self.args.prefill, "decode": self.args.decode, "both": self.args.colocated}[pool]
@@ -122,12 +146,15 @@ class Deployment:
         return [m for m in self.members if m.role != "router" and (pool is None or m.role == pool)
                 and m.state not in ("draining", "lost")]
 
-    def _add_actor(self, name: str, role: str, argv: list[str], resources: Resources, slot: tuple | None) -> Member:
+    def _add_actor(self, name: str, role: str, argv: list[str], resources: Resources, slot: tuple | None = None,
+                   strategy=None) -> Member:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         options = {**resources.actor_options(), "max_restarts": self.spec.max_actor_restarts, "max_concurrency": 4}
         if slot is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(*slot)
+        elif strategy is not None:
+            options["scheduling_strategy"] = strategy
         actor = self.remote_process.options(**options).remote(name, argv, self.spec.env, self.spec.policy)
         member = Member(name, role, actor, slot)
         self.members.append(member)
@@ -141,7 +168,8 @@ class Deployment:
         added = []
         for slot in slots:
             number = next(self._numbers)
-            argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.router_url, "{node_ip}",
+            argv = [*worker_argv(self.args, self.spec.engine_argv, pool, number, self.routers_spec or self.router_url,
+                                 "{node_ip}",
                                  self.args.threads or resources.threads()), "--node-name", "{node}"]
             if self.args.durable_kv and pool != "prefill":  # its actor names the pool file, on its node
                 argv += ["--durable-kv", DURABLE_PLACEHOLDER]

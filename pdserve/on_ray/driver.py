@@ -81,6 +81,9 @@ def deployment_spec(args: argparse.Namespace, engine_argv: list[str]):
     args.prefill, args.decode, args.colocated = pools.prefill, pools.decode, pools.colocated
     if args.port == 0:
         raise ValueError("--ray needs a fixed router --port: workers on other nodes keep its address")
+    if args.routers > 1 and args.port + args.routers > 65535:
+        raise ValueError(f"--routers {args.routers} on Ray takes ports --port to --port + {args.routers} (each "
+                         f"router's own is --port + 1 + its number): give a lower --port")
     if args.host != "127.0.0.1":
         raise ValueError("--host is for one host: on Ray, each process binds to and advertises its node's address")
     if args.pin_cpus:

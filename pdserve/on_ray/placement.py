@@ -72,3 +72,19 @@ def placement_strategy(name: str) -> str | None:
     if name not in PLACEMENTS:
         raise ValueError(f"--placement takes one of {', '.join(PLACEMENTS)}, got {name!r}")
     return None if name == "default" else name.replace("-", "_").upper()
+
+
+def router_homes(nodes: list[dict], count: int, wanted: Resources) -> list[tuple[str, str]]:
+    """(node id, node address) for each of `count` router replicas, from `ray.nodes()`: the head
+    node first, then the other live nodes (by id, so the same cluster gives the same answer), one
+    router each while there are nodes enough, then round again. Only nodes with every custom
+    resource `wanted` asks (bar the head-node marker) are chosen. Each router stays on its node,
+    so its address, which the workers and the other routers were given, outlives its restarts."""
+    labels = {k for k in wanted.custom if k != HEAD_NODE}
+    alive = [n for n in nodes if n.get("Alive") and labels <= set(n.get("Resources") or {})]
+    if not alive:
+        raise ValueError("no live Ray node has the resources --router-resources asks for")
+    head = [n for n in alive if HEAD_NODE in (n.get("Resources") or {})]
+    ordered = head + sorted((n for n in alive if n not in head), key=lambda n: n["NodeID"])
+    return [(ordered[i % len(ordered)]["NodeID"], ordered[i % len(ordered)]["NodeManagerAddress"])
+            for i in range(count)]

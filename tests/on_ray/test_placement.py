@@ -8,7 +8,7 @@ import pytest
 from pdserve.cli import build_parser, engine_argv
 from pdserve.on_ray.driver import deployment_spec, describe
 from pdserve.on_ray.placement import (
-    HEAD_NODE, ROUTER_DEFAULT, Resources, parse_resources, placement_strategy, worker_default,
+    HEAD_NODE, ROUTER_DEFAULT, Resources, parse_resources, placement_strategy, router_homes, worker_default,
 )
 
 
@@ -81,6 +81,7 @@ def test_a_tensor_parallel_pool_asks_a_cpu_and_gpu_per_rank():
     (["--host", "0.0.0.0"], "--host is for one host"),
     (["--prefill", "0", "--decode", "0"], "at least one worker"),
     (["--router-resources", "{"], "--router-resources takes a JSON object"),
+    (["--routers", "3", "--port", "65533"], "give a lower --port"),
 ])
 def test_flags_refused_before_ray_is_asked(flags, fragment):
     with pytest.raises(ValueError) as e:
@@ -109,3 +110,20 @@ def test_an_address_where_no_ray_cluster_answers_is_refused_at_once():
         port = s.getsockname()[1]
     with pytest.raises(ValueError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
         _connect(None, f"127.0.0.1:{port}")  # refused before Ray is asked (it would retry for minutes)
+
+
+def _node(node_id: str, ip: str, alive: bool = True, **resources) -> dict:
+    return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive, "Resources": {"CPU": 1.0, **resources}}
+
+
+def test_router_replicas_go_to_nodes_of_their_own_head_first():
+    nodes = [_node("c", "10.0.0.3"), _node("a", "10.0.0.1", **{HEAD_NODE: 1.0}), _node("b", "10.0.0.2"),
+             _node("d", "10.0.0.4", alive=False)]
+    assert router_homes(nodes, 2, ROUTER_DEFAULT) == [("a", "10.0.0.1"), ("b", "10.0.0.2")]
+    assert router_homes(nodes, 4, ROUTER_DEFAULT) == [("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3"),
+                                                      ("a", "10.0.0.1")]  # fewer live nodes than routers: again
+    labelled = Resources(0.0, 0.0, {"router_node": 0.01})
+    nodes.append(_node("e", "10.0.0.5", router_node=1.0))
+    assert router_homes(nodes, 2, labelled) == [("e", "10.0.0.5"), ("e", "10.0.0.5")]  # only where it is asked
+    with pytest.raises(ValueError, match="no live Ray node"):
+        router_homes(nodes, 1, Resources(0.0, 0.0, {"gpu_router": 1.0}))

@@ -1,6 +1,7 @@
 """`pdserve serve --ray` on a Ray cluster of four nodes on this machine (`ray.cluster_utils.Cluster`,
 every node on 127.0.0.1): a head node for the router, a node marked `prefill_node` and two marked
-`decode_node`. One deployment (1P2D, each pool in a spread placement group, KV over tcp only) serves the module's scenarios in order:
+`decode_node`. First, a small deployment of two routers (`--routers 2`) and one colocated worker
+loses its leading router. Then one deployment (1P2D, each pool in a spread placement group, KV over tcp only) serves the module's scenarios in order:
 placement and token-exact output, a decode worker's process killed mid-stream (its actor holds its
 durable KV pool: the worker comes back in the actor and resumes its streams), a decode node lost
 mid-stream (its requests recover, its actor comes back when a node fits again), and `pdserve scale`."""
@@ -109,6 +110,52 @@ def _current_url(router_url: str, actor: dict) -> str:
 def _idle(worker_url: str) -> bool:
     s = httpx.get(worker_url + "/stats", headers=WORKER_AUTH).json()
     return s["running"] == s["waiting"] == s["waiting_for_kv"] == s["kv_blocks_used"] == 0
+
+
+def test_two_routers_on_nodes_of_their_own_one_killed(cluster, tiny_llama):
+    """Run first, on the free head node's CPU: `--routers 2` puts router 0 on the head node and
+    router 1 on another, each worker registered with both; router 0 killed, the shared address
+    (every node here is 127.0.0.1: SO_REUSEPORT) is served by router 1; router 0 comes back on its
+    node and address, registered with the worker again, and leads again."""
+    c, _ = cluster
+    port = _free_port()
+    serve = ServeProcess(
+        "--ray", c.address, "--name", "replicas", "--model", str(tiny_llama), "--port", str(port), "--routers", "2",
+        "--prefill", "0", "--decode", "0", "--colocated", "1", "--transfer", "tcp", "--dtype", "float32",
+        "--kv-cache-memory", "8MiB", "--block-size", "4", "--max-restart-backoff", "0.5",
+        env={**os.environ, "PDSERVE_TOKEN": TOKEN, "PDSERVE_ADMIN_KEY": ADMIN_KEY})
+    try:
+        wait_for(lambda: serve.event("ready") or serve.proc.poll() is not None, 240, "the deployment",
+                 state=lambda: serve.log[-10:])
+        ready = serve.event("ready")
+        assert ready, serve.log[-20:]
+        actors = _actors(serve)
+        assert actors["router 0"]["node_id"] == c.head_node.node_id
+        assert actors["router 1"]["node_id"] != c.head_node.node_id  # a node of its own
+        own = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+
+        def health(i: int) -> dict | None:
+            try:
+                return httpx.get(own[i] + "/health", timeout=2).json()
+            except httpx.HTTPError:
+                return None
+        wait_for(lambda: [(h or {}).get("workers") for h in map(health, (0, 1))] == [1, 1], 30,
+                 "the worker registered with both routers")
+        wait_for(lambda: [(h or {}).get("leading") for h in map(health, (0, 1))] == [True, False], 30,
+                 "router 0 leading", state=lambda: [health(0), health(1)])
+        client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        os.kill(actors["router 0"]["pid"], signal.SIGKILL)
+        for i in range(5):  # begun after the kill: router 1 answers on the shared address
+            client.completions.create(model=ready["model"], prompt=f"after the kill {i}", max_tokens=4,
+                                      temperature=0)
+        wait_for(lambda: serve.event("ready_again", "router 0"), 60, "router 0 back in its actor",
+                 state=lambda: serve.log[-5:])
+        wait_for(lambda: [(h or {}).get("leading") for h in map(health, (0, 1))] == [True, False], 30,
+                 "router 0 leading again", state=lambda: [health(0), health(1)])
+        assert health(0)["workers"] == 1
+    finally:
+        serve.close()
+    assert serve.proc.returncode == 0, serve.log[-20:]
 
 
 def test_one_prefill_two_decode_on_their_nodes_token_exact_over_tcp(cluster, deployment, offline):
