@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.router.peers import Peers
-from pdserve.router_addresses import Refreshed, check, expand, is_dynamic
+from pdserve.router_addresses import check, expand, is_dynamic
 from pdserve.worker.registration import Memberships
 from tests.wait import wait_for
 

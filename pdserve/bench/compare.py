@@ -5,7 +5,8 @@
    - default: `pdserve serve` as a user starts it, no layout flag (the layout it picks for this host);
    - colocated: one worker doing prefill and decode on all cores;
    - disaggregated: one prefill and one decode worker, the cores split between them;
-   - replicas: two colocated workers, the cores split.
+   - replicas: two colocated workers, the cores split;
+   - disaggregated-2-routers: disaggregated behind two routers on one address (router replicas).
    With `--peer-url [NAME=]URL`, servers already running (vLLM for CPU, SGLang, another pdserve)
    are measured too, each as one more row: the same prompts, loads and targets. With
    `--peer-command NAME=CMD` the peer is started only for its own rows and stopped after them
@@ -44,6 +45,8 @@ CONFIGS = {
     "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"],
     "disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0"],
     "replicas": ["--prefill", "0", "--decode", "0", "--colocated", "2"],
+    # disaggregated behind two routers on one address (router replicas): what a second router costs
+    "disaggregated-2-routers": ["--prefill", "1", "--decode", "1", "--colocated", "0", "--routers", "2"],
 }
 
 
