@@ -114,3 +114,17 @@ def test_an_admin_call_before_the_router_knows_its_leader_is_refused_with_retry_
     r = admin(follower, "/admin/workers")
     assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
     assert "which router" in r.json()["error"]["message"]
+
+
+def test_the_cluster_wide_rounds_run_on_the_leader_alone_and_move_when_it_dies(cluster):
+    """The P:D controller, hot-spot relief, prefix copies and rollout steps: counted per router."""
+    leader, follower, _, _ = cluster
+    ran = {id(r): 0 for r in (leader, follower)}
+    for r in (leader, follower):
+        async def counted(r=r):
+            ran[id(r)] += 1
+        r.rounds.rebalance = r.rounds.relieve_hot_spots = r.rounds.copy_hot_prefixes = r.rounds.roll_out = counted
+    wait_for(lambda: ran[id(leader)] >= 8, 10, "the leader's rounds", state=lambda: ran)
+    assert ran[id(follower)] == 0
+    leader.stop()
+    wait_for(lambda: ran[id(follower)] >= 8, DEAD_AFTER_S + 10, "the follower's rounds once it leads", state=lambda: ran)
