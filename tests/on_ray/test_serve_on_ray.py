@@ -145,6 +145,9 @@ def test_two_routers_on_nodes_of_their_own_one_killed(cluster, tiny_llama):
                  "router 0 leading", state=lambda: [health(0), health(1)])
         client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
         os.kill(actors["router 0"]["pid"], signal.SIGKILL)
+        # from when its own port refuses: its sockets are closed then (a connection the kernel gave its
+        # public listener before that was its own, in flight at the kill)
+        wait_for(lambda: health(0) is None, 10, "router 0's sockets closed")
         for i in range(5):  # begun after the kill: router 1 answers on the shared address
             client.completions.create(model=ready["model"], prompt=f"after the kill {i}", max_tokens=4,
                                       temperature=0)
