@@ -50,7 +50,10 @@ class Rounds:
                 log.warning("this router %s for the cluster now (leader: %s)",
                             "acts" if router.leading else "no longer acts", router.peers.leader)
             if (leader := router.peers.leader_state) is not None:
-                await self.follow(leader)
+                try:
+                    await self.follow(leader)
+                except Exception:  # a leader's state this router cannot take: it keeps its own
+                    log.exception("following the leader's versions state failed")
             if not router.leading:  # another router acts for the cluster (or this one is still filling up)
                 continue
             for name, round_ in (("hot-spot relief", self.relieve_hot_spots), ("rebalance", self.rebalance),
