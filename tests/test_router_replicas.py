@@ -16,10 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from pdserve.credentials import TOKEN_ENV
+from pdserve.credentials import ADMIN_KEY_ENV, TOKEN_ENV
 from tests.serve_process import ServeProcess
 from tests.wait import wait_for
 from tests.worker.cluster import prompt
+
+
+ADMIN_KEY = "admin-" + "k" * 32
+
+
+def admin_workers(url: str) -> tuple[tuple[str, str], ...]:
+    r = httpx.get(url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return tuple(sorted((w["id"], w["url"]) for w in r.json()["workers"]))
 
 
 def leading(routers: list[dict]) -> list[bool | None]:
@@ -35,7 +44,8 @@ def leading(routers: list[dict]) -> list[bool | None]:
 def test_two_routers_one_killed_under_load(tiny_llama):
     cluster = ServeProcess("--model", str(tiny_llama), "--port", "0", "--prefill", "1", "--decode", "1",
                            "--routers", "2", "--dtype", "float32", "--block-size", "4", "--kv-cache-memory", "8MiB",
-                           "--max-restart-backoff", "0.5", env={**os.environ, TOKEN_ENV: "t" * 48})
+                           "--max-restart-backoff", "0.5", env={**os.environ, TOKEN_ENV: "t" * 48,
+                                                                ADMIN_KEY_ENV: ADMIN_KEY})
     try:
         wait_for(lambda: cluster.event("ready") or cluster.proc.poll() is not None, 240, "the cluster",
                  state=lambda: cluster.log[-5:])
@@ -47,6 +57,13 @@ def test_two_routers_one_killed_under_load(tiny_llama):
         for r in routers:  # each has every worker
             assert httpx.get(r["internal_url"] + "/health").json()["workers"] == 2
         wait_for(lambda: sorted(leading(routers)) == [False, True], 15, "one leader", state=lambda: leading(routers))
+        # admin calls are the leader's whichever router they reach: its worker ids, from each router's own
+        # address and from the shared one (where the kernel picks the router)
+        answers = {admin_workers(u) for u in [*(r["internal_url"] for r in routers), *[ready["url"]] * 6]}
+        assert len(answers) == 1 and len(next(iter(answers))) == 2, answers
+        for r, leads in zip(routers, leading(routers)):  # the follower passed it on
+            passed = httpx.get(r["internal_url"] + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert passed.headers.get("X-Pdserve-Forwarded") == (None if leads else "1"), r["name"]
 
         client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="none", max_retries=0, timeout=60)
         outcomes: list[tuple[float, str]] = []  # (when it started, "" if answered, else the error)

@@ -9,7 +9,7 @@ the leader's versions state each round, `peer_state.py`).
 - A leader that does not answer: 503 naming it; a router that stays silent `DEAD_AFTER_S` is no
   longer the leader, and the call goes to the next one.
 A call passed on carries `FORWARDED`: the receiver answers it itself, so two routers that briefly
-disagree on who leads never pass a call back and forth.
+disagree on who leads never pass a call back and forth; the answer returned carries it too.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def at_the_leader(app: FastAPI, router: Router):
         except httpx.HTTPError:
             raise APIError(503, f"the leading router {leader} did not answer: try again", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
-        raise AnsweredByLeader(Response(r.content, r.status_code, media_type=r.headers.get("content-type")))
+        raise AnsweredByLeader(Response(r.content, r.status_code, media_type=r.headers.get("content-type"),
+                                        headers={FORWARDED: "1"}))  # says whose answer it is
 
     return check
