@@ -9,7 +9,8 @@ traffic (`shadow.py`).
 - POST /admin/rollout/pause      hold the canary's share; /resume goes on (the step starts again)
 - POST /admin/rollout/promote    the canary becomes the stable version now
 - POST /admin/rollout/abort      the canary gets no new request from now on
-- GET  /admin/shadow             the shadow's report (404 when none runs)
+- GET  /admin/shadow             the shadow's report (404 when none runs): the copies this router made,
+                                 one of `routers` (replicas each copy their share of their own requests)
 - POST /admin/shadow             {"version": "v2", "share": 0.1, "max_concurrency": 4, "timeout_s": 120}:
                                  copy that share of requests to that version's workers (409
                                  for the stable version, or one with no decode worker)
@@ -69,7 +70,7 @@ def add_shadow_routes(app: APIRouter, router: Router) -> None:
     async def report():
         if router.shadow is None:
             raise APIError(404, "no shadow traffic runs", "not_found_error")
-        return router.shadow.report()
+        return shadow_report(router, router.shadow)
 
     @app.post("/admin/shadow")
     async def start(request: Request):
@@ -85,7 +86,7 @@ def add_shadow_routes(app: APIRouter, router: Router) -> None:
         router.shadow = Shadow(router, body.version, body.share, body.max_concurrency, body.timeout_s)
         log.warning("shadow traffic: %.0f%% of requests copied to %s (at most %d at once)", 100 * body.share,
                     body.version, body.max_concurrency)
-        return router.shadow.report()
+        return shadow_report(router, router.shadow)
 
     @app.post("/admin/shadow/stop")
     async def stop():
@@ -94,7 +95,13 @@ def add_shadow_routes(app: APIRouter, router: Router) -> None:
             raise APIError(404, "no shadow traffic runs", "not_found_error")
         await shadow.close()
         log.warning("shadow traffic to %s stopped", shadow.version)
-        return shadow.report()
+        return shadow_report(router, shadow)
+
+
+def shadow_report(router: Router, shadow: Shadow) -> dict:
+    """The shadow's report, saying whose copies it counts: with router replicas each router copies
+    its share of its own requests, and the report is the answering router's (the leader's)."""
+    return {**shadow.report(), "routers": 1 + len(router.peers.alive()), "copies_of": "this router"}
 
 
 def add_rollout_routes(app: APIRouter, router: Router) -> None:

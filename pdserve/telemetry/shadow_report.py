@@ -22,7 +22,9 @@ def render(report: dict) -> str:
     """The report as text."""
     agreement = report.get("greedy_agreement_mean")
     lines = [f"shadow version {report['version']}: {report['share']:.0%} of requests, at most "
-             f"{report['max_concurrency']} at once ({report['in_flight']} now), for {report['running_s']:.0f} s",
+             f"{report['max_concurrency']} at once ({report['in_flight']} now), for {report['running_s']:.0f} s"
+             + (f"; the leading router's copies, one of {report['routers']} routers" if report.get("routers", 1) > 1
+                else ""),
              "  " + "  ".join(f"{key} {report[key]}" for key in COUNTS),
              f"  greedy token agreement (from the start): "
              f"{'n/a' if agreement is None else f'{agreement:.1%}'} over the last {report['window']} comparisons",

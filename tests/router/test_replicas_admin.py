@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from pdserve.router.peers import DEAD_AFTER_S, Peers
+from pdserve.telemetry.shadow_report import render
 from tests.router_server import MODEL, RouterServer
 from tests.wait import wait_for
 from tests.worker.cluster import WorkerServer, prompt
@@ -89,6 +90,9 @@ def test_a_shadow_asked_of_the_follower_runs_on_both_and_stops_on_both(cluster):
     complete(follower, 3)
     wait_for(lambda: follower.router.shadow.counts["mirrored"] == 3, 10, "the follower's copies",
              state=lambda: follower.router.shadow.counts)
+    report = admin(follower, "/admin/shadow").json()  # the leader's, saying so
+    assert (report["routers"], report["copies_of"]) == (2, "this router")
+    assert "one of 2 routers" in render(report)
     assert admin(follower, "/admin/shadow/stop", {}).status_code == 200
     assert leader.router.shadow is None
     wait_for(lambda: follower.router.shadow is None, 5, "the follower stopping its copies")
