@@ -5,6 +5,7 @@ lease by heartbeat (its stats are the load the policies route by), deregister on
 - POST /internal/heartbeat   Heartbeat (404: unknown, register again)
 - POST /internal/deregister  Deregistration
 - GET  /internal/peer        PeerState: what another router of the cluster asks each round (`peer_state.py`)
+- POST /internal/move        PeerMove: the leading router's relief moves a stream this router follows
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi.responses import Response
 from pdserve import wire
 from pdserve.errors import OtherModel, RegistrationError
 from pdserve.http_errors import APIError, message_body, require_bearer
-from pdserve.router.peer_state import own_state
+from pdserve.router.peer_state import PeerMove, own_state
 from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.router")
@@ -68,6 +69,17 @@ def add_membership_routes(app: FastAPI, router: Router) -> None:
     async def peer(request: Request):
         check_worker_token(request)
         return Response(wire.encode(own_state(router)), media_type="application/json")
+
+    @app.post("/internal/move")
+    async def move(request: Request):
+        check_worker_token(request)
+        body = await message_body(request, PeerMove)
+        live = router.live.get(body.stream_id)
+        hot, target = router.registry.at_url(body.worker_url), router.registry.at_url(body.target_url)
+        if (live is None or not live.movable or hot is None or target is None or live.worker_id != hot.worker_id
+                or not target.decodes or target.version != hot.version or target is hot):
+            return {"moved": False}  # it ended, moved, or the workers changed since the leader looked
+        return {"moved": await router.move_stream(live, hot, target)}
 
     @app.post("/internal/deregister")
     async def deregister(request: Request):

@@ -11,6 +11,10 @@ who is alive. Then:
 - the leader judges a step on the outcomes of every router: each router counts the calls and
   requests of the step (rollout id and step) it saw, and the leader adds its followers' counts
   for the same step to its own (`Rollout.tick`).
+- hot-spot relief is the leader's for every router's streams: each router tells the others its
+  movable streams on decode workers past the hot threshold (or draining), the leader chooses the
+  moves among all of them, and asks the router that follows a stream to move it (POST
+  /internal/move): that router takes the stream's next call to the target, as its own relief does.
 Admin calls reaching a follower are answered by the leader (`admin.py`): only the leader changes
 this state. A shadow report covers the copies the router answering it made (the leader's).
 """
@@ -27,6 +31,7 @@ from pdserve.router.rollout import STATES, Rollout, RolloutPolicy, Tally
 Label = Annotated[str, Meta(max_length=64, pattern=wire.VERSION_LABEL)]
 Share = Annotated[float, Meta(ge=0, le=1)]
 MAX_VERSIONS = 64
+MAX_STREAMS = 1024  # hot workers' streams a router tells its peers of, at most
 
 
 class RolloutView(wire.Message):
@@ -59,10 +64,28 @@ class ShadowView(wire.Message):
     timeout_s: Annotated[float, Meta(gt=0, le=86_400)]
 
 
+class PeerStream(wire.Message):
+    """A router's stream that relief could move: on which worker (by URL: ids are each router's own)."""
+
+    stream_id: wire.RequestId
+    worker_url: wire.Url
+    context_tokens: wire.Count
+    remaining_tokens: wire.Count
+
+
+class PeerMove(wire.Message):
+    """The leader's relief, to the router following `stream_id`: move it to the worker at `target_url`."""
+
+    stream_id: wire.RequestId
+    worker_url: wire.Url  # where the leader saw it: a stream that moved meanwhile stays
+    target_url: wire.Url
+
+
 class PeerState(wire.Message):
     rollout: RolloutView
     tallies: Annotated[dict[Label, StepTally], Meta(max_length=MAX_VERSIONS)] = {}  # of the step in `rollout`
     shadow: ShadowView | None = None
+    streams: Annotated[list[PeerStream], Meta(max_length=MAX_STREAMS)] = []  # movable, on hot workers
 
 
 def rollout_view(rollout: Rollout) -> RolloutView:
@@ -83,7 +106,21 @@ def own_state(router) -> PeerState:
     shadow = router.shadow
     return PeerState(rollout=rollout_view(rollout), tallies=tallies,
                      shadow=None if shadow is None else ShadowView(shadow.version, shadow.share,
-                                                                   shadow.max_concurrency, shadow.timeout_s))
+                                                                   shadow.max_concurrency, shadow.timeout_s),
+                     streams=hot_streams(router))
+
+
+def hot_streams(router) -> list[PeerStream]:
+    """This router's movable streams on decode workers relief would move requests off (past the
+    hot threshold of KV use, or draining), the largest first."""
+    if not router.config.migrate_hot_spots:
+        return []
+    hot = router.config.decode_weights.hot_kv_usage
+    urls = {w.worker_id: w.url for w in router.registry.workers("decode")
+            if w.stats.draining or w.load.kv_usage > hot}
+    streams = [PeerStream(s.request_id, urls[s.worker_id], max(0, s.context_tokens), max(0, s.remaining_tokens))
+               for s in list(router.live.values()) if s.movable and s.worker_id in urls]
+    return sorted(streams, key=lambda s: -s.context_tokens)[:MAX_STREAMS]
 
 
 def follow_rollout(rollout: Rollout, view: RolloutView) -> None:

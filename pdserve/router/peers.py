@@ -76,9 +76,10 @@ class Peers:
     def heard(self, peer: str) -> None:
         self.last_seen[peer] = self.clock()
 
-    def live_states(self) -> list[PeerState]:
+    def live_states(self) -> dict[str, PeerState]:
+        """What each live peer last said, by its address."""
         alive = set(self.alive())
-        return [s for p, s in self.states.items() if p in alive]
+        return {p: s for p, s in self.states.items() if p in alive}
 
     @property
     def leader_state(self) -> PeerState | None:

@@ -177,6 +177,11 @@ class Registry:
             return [e for e in entries if e.prefills]
         return entries
 
+    def at_url(self, url: str) -> WorkerEntry | None:
+        """The worker registered at `url` (the address every router knows it by)."""
+        with self._lock:
+            return next((e for e in self._workers.values() if e.url == url.rstrip("/")), None)
+
     def versions(self) -> set[str]:
         """The version labels of the workers registered now."""
         with self._lock:

@@ -5,7 +5,7 @@ workers, or their copies let go (`replicas.py`), and a canary rollout advances, 
 rolls back (`rollout.py`). A round that fails is logged; the next one runs all the same.
 
 With several routers (`peers.py`), only the leader runs the rounds after the reaping: each acts
-once per cluster. Each keeps to one version's workers: relief moves a request only to a worker of its own version
+once per cluster (relief on every router's streams: a follower moves its own when asked). Each keeps to one version's workers: relief moves a request only to a worker of its own version
 (its KV stays among them); the controller and the prefix copies act on the stable version's."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 import httpx
 
 from pdserve import wire
-from pdserve.router.peer_state import PeerState, follow_rollout, peers_tallies
-from pdserve.router.policy import WorkerLoad, choose_migrations
+from pdserve.router.peer_state import PeerMove, PeerState, PeerStream, follow_rollout, peers_tallies
+from pdserve.router.policy import RunningStream, WorkerLoad, choose_migrations
 from pdserve.router.rebalance import ControllerState, PoolMember, decide, new_role, pool_signals, to_move
 from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.router import Router
@@ -97,36 +97,56 @@ class Rounds:
 
     async def relieve_hot_spots(self) -> None:
         """Move requests off decode workers whose KV use is past the hot threshold, at most one per
-        worker per heartbeat it sent (its load is only known again then)."""
+        worker per heartbeat it sent (its load is only known again then). The streams of every
+        router are candidates: a follower's is moved by asking it to (`peer_state.py`)."""
         router = self.router
         if not router.config.migrate_hot_spots:
             return
         # a worker's load is known afresh only after a heartbeat since it last gave or took a request
         fresh = [w for w in router.registry.workers("decode") if w.heartbeats > self.relieved_at.get(w.worker_id, 0)]
+        peers = [(url, stream) for url, state in router.peers.live_states().items() for stream in state.streams]
         for version in {w.version for w in fresh}:  # a request moves among its own version's workers
             decodes = {w.worker_id: w for w in fresh if w.version == version}
-            await self._relieve(decodes)
+            await self._relieve(decodes, peers)
 
-    async def _relieve(self, decodes: dict[str, WorkerEntry]) -> None:
+    async def _relieve(self, decodes: dict[str, WorkerEntry], peers: list[tuple[str, PeerStream]]) -> None:
         router = self.router
-        streams = [s.running() for s in router.live.values()
-                   if s.movable and s.worker_id in decodes]
+        streams = [s.running() for s in router.live.values() if s.movable and s.worker_id in decodes]
+        by_url = {w.url: k for k, w in decodes.items()}
+        followed: dict[str, tuple[str, PeerStream]] = {}  # a follower's stream -> (that router, the stream)
+        for peer, ps in peers:
+            if (worker_id := by_url.get(ps.worker_url)) is not None and ps.stream_id not in router.live:
+                streams.append(RunningStream(ps.stream_id, worker_id, ps.context_tokens, ps.remaining_tokens))
+                followed[ps.stream_id] = (peer, ps)
         loads = {k: _as_relief_sees(w) for k, w in decodes.items()}
         moves = choose_migrations(loads, streams, router.config.decode_weights, router.config.relief)
         for stream_id, target in moves:
             live = router.live.get(stream_id)
-            if live is None:
-                continue
-            hot = decodes[live.worker_id]
+            if stream_id in followed:
+                hot = decodes[by_url[followed[stream_id][1].worker_url]]
+            elif live is not None:
+                hot = decodes[live.worker_id]
+            else:
+                continue  # it ended meanwhile
+            # moved or not, both wait for their next heartbeat before relief looks at them again
             for entry in (hot, decodes[target]):
                 self.relieved_at[entry.worker_id] = entry.heartbeats
-            live.ask_to_move(decodes[target])
-            try:  # the hot worker stops it; its last line ends the call, and the stream moves on
-                await router.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
-                    request_id=live.worker_request_id)), headers=router.worker_headers, timeout=5.0)
-            except httpx.HTTPError:
-                live.cancel_move()  # the worker is failing: the failure path takes over
+            if live is None:
+                peer, stream = followed[stream_id]
+                await self._ask_peer_to_move(peer, wire_move(stream, decodes[target].url))
+            else:
+                await router.move_stream(live, hot, decodes[target])
 
+    async def _ask_peer_to_move(self, peer: str, move: PeerMove) -> bool:
+        """The follower `peer` moves a stream of its own, if it still can; whether it did."""
+        router = self.router
+        try:
+            r = await router.http.post(peer + "/internal/move", content=wire.encode(move),
+                                       headers=router.worker_headers, timeout=5.0)
+            return r.status_code == 200 and bool(r.json().get("moved"))
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("relief: router %s did not move %s: %s", peer, move.stream_id, type(e).__name__)
+            return False
 
     async def follow(self, leader: PeerState) -> None:
         """Another router leads: route by its rollout and copy to its shadow, as it does."""
@@ -150,7 +170,7 @@ class Rounds:
         rollout = router.rollout
         canary = rollout.canary
         happened = (rollout.tick(len(router.registry.workers("decode", canary)),
-                                 peers_tallies(router.peers.live_states(), rollout)) if canary is not None else None)
+                                 peers_tallies(list(router.peers.live_states().values()), rollout)) if canary is not None else None)
         if happened is None:
             return
         event = rollout.events[-1]
@@ -158,6 +178,10 @@ class Rounds:
                     f": {event['why']}" if "why" in event else "")
         if happened != "advanced":
             router.metrics.rollouts.labels(happened).inc()
+
+
+def wire_move(stream: PeerStream, target_url: str) -> PeerMove:
+    return PeerMove(stream_id=stream.stream_id, worker_url=stream.worker_url, target_url=target_url)
 
 
 def pool_members(registry: Registry, version: str | None = None) -> list[PoolMember]:

@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from pdserve import wire
 from pdserve.http_errors import APIError
 from pdserve.router import routing
 from pdserve.router.config import RouterConfig
@@ -176,6 +177,19 @@ class Router:
         if self.config.worker_token:
             headers["Authorization"] = f"Bearer {self.config.worker_token}"
         return headers
+
+    async def move_stream(self, live: LiveStream, hot: WorkerEntry, target: WorkerEntry) -> bool:
+        """Hot-spot relief: `live` continues on `target`, which takes its KV from `hot`, once `hot`
+        stops it (asked here by an abort: its last line ends the call, and the stream moves on).
+        False if `hot` could not be asked (the failure path takes the stream over)."""
+        live.ask_to_move(target)
+        try:
+            await self.http.post(hot.url + "/v1/abort", content=wire.encode(wire.AbortRequest(
+                request_id=live.worker_request_id)), headers=self.worker_headers, timeout=5.0)
+        except httpx.HTTPError:
+            live.cancel_move()
+            return False
+        return True
 
     # -- workers that leave ---------------------------------------------------------------------
 

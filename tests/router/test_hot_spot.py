@@ -112,3 +112,41 @@ def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_lla
         assert r.status_code == 503 and "draining" in r.json()["error"]["message"]  # nothing new is taken
         wait_for(lambda: draining.is_idle() and other.is_idle(), 10, "both workers idle")
         assert draining.worker.idle() and not rs.router.live
+
+
+def test_the_leader_relieves_a_hot_worker_of_the_streams_another_router_follows(tiny_llama, monkeypatch):
+    """Router replicas: the requests run through the follower only; the leader's relief chooses the
+    moves and the follower carries them out, each stream going on with the same text."""
+    from pdserve.router.peers import Peers
+
+    offline = make_llm(tiny_llama)
+    expected = [offline_text(offline, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+    relief = dict(lease_s=1.5, hot_kv_usage=0.25, relief=HotSpotRelief(target_max_kv_usage=0.2, min_remaining_tokens=16))
+    with (WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8, kv_cache_memory="1MiB") as hot,
+          WorkerServer(tiny_llama, "decode", ["tcp"], block_size=8) as cool,
+          RouterServer(tiny_llama, **relief) as a, RouterServer(tiny_llama, **relief) as b):
+        for r in (a, b):
+            r.router.peers = Peers(r.url, [a.url, b.url])
+        both = f"{a.url},{b.url}"
+        a.members.append(hot.worker.join(both, hot.url, ""))
+        wait_for(lambda: sorted(r.router.leading for r in (a, b)) == [False, True], 15, "one leader")
+        leader, follower = (a, b) if a.router.leading else (b, a)
+        moved = lambda: follower.router.metrics.migrations.labels("hot_spot")._value.get()  # noqa: E731
+        slow_until_moved(hot, moved, monkeypatch)
+
+        def complete(prompt: str) -> str:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(follower.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(complete, p) for p in PROMPTS]
+            wait_for(lambda: hot.worker.stats().running >= len(PROMPTS), 30, "the requests to start")
+            a.members.append(cool.worker.join(both, cool.url, ""))  # now there is somewhere to go
+            texts = [f.result(timeout=120) for f in futures]
+
+        assert texts == expected
+        assert moved() >= 1 and cool.worker.stats().kv_landed == moved()  # the KV came from the hot worker
+        assert leader.router.metrics.migrations.labels("hot_spot")._value.get() == 0  # it had no stream to move
+        assert not follower.router.live and not leader.router.live

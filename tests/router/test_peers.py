@@ -51,4 +51,4 @@ def test_probing_hears_the_peers_that_answer():
             return c
     c = asyncio.run(scenario())
     assert c.asked_all and c.alive() == [A] and c.leader == A and not c.leading
-    assert c.leader_state.rollout.stable == "v1" and [s.rollout.stable for s in c.live_states()] == ["v1"]
+    assert c.leader_state.rollout.stable == "v1" and [s.rollout.stable for s in c.live_states().values()] == ["v1"]
