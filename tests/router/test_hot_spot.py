@@ -44,6 +44,14 @@ def slow_until_moved(server: WorkerServer, moved, monkeypatch) -> None:
     monkeypatch.setattr(server.worker.engine, "step", step_until_relief)
 
 
+def complete(url: str, prompt: str) -> str:
+    """One greedy completion of MAX_TOKENS (EOS ignored) through the router at `url`: its text."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
 def test_requests_move_off_a_hot_decode_worker_without_a_gap(tiny_llama, two_decoders, monkeypatch):
     router, url, hot, cool, register = two_decoders
     offline = make_llm(tiny_llama)
@@ -92,14 +100,8 @@ def test_a_draining_decode_worker_hands_its_requests_over_with_their_kv(tiny_lla
         moved = lambda: rs.router.metrics.migrations.labels("hot_spot")._value.get()  # noqa: E731
         slow_until_moved(draining, moved, monkeypatch)
 
-        def complete(prompt: str) -> str:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(rs.url + "/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(complete, p) for p in PROMPTS]
+            futures = [pool.submit(complete, rs.url, p) for p in PROMPTS]
             wait_for(lambda: draining.worker.stats().running >= len(PROMPTS), 30, "the requests to start")
             rs.join(other)
             draining.worker.drain()
@@ -134,14 +136,8 @@ def test_the_leader_relieves_a_hot_worker_of_the_streams_another_router_follows(
         moved = lambda: follower.router.metrics.migrations.labels("hot_spot")._value.get()  # noqa: E731
         slow_until_moved(hot, moved, monkeypatch)
 
-        def complete(prompt: str) -> str:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(follower.url + "/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(complete, p) for p in PROMPTS]
+            futures = [pool.submit(complete, follower.url, p) for p in PROMPTS]
             wait_for(lambda: hot.worker.stats().running >= len(PROMPTS), 30, "the requests to start")
             a.members.append(cool.worker.join(both, cool.url, ""))  # now there is somewhere to go
             texts = [f.result(timeout=120) for f in futures]
