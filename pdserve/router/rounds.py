@@ -5,8 +5,9 @@ workers, or their copies let go (`replicas.py`), and a canary rollout advances, 
 rolls back (`rollout.py`). A round that fails is logged; the next one runs all the same.
 
 With several routers (`peers.py`), only the leader runs the rounds after the reaping: each acts
-once per cluster (relief on every router's streams: a follower moves its own when asked). Each keeps to one version's workers: relief moves a request only to a worker of its own version
-(its KV stays among them); the controller and the prefix copies act on the stable version's."""
+once per cluster (relief on every router's streams: a follower moves its own when asked). Each
+keeps to one version's workers: relief moves a request only to a worker of its own version (its
+KV stays among them); the controller and the prefix copies act on the stable version's."""
 
 from __future__ import annotations
 
@@ -133,20 +134,18 @@ class Rounds:
                 self.relieved_at[entry.worker_id] = entry.heartbeats
             if live is None:
                 peer, stream = followed[stream_id]
-                await self._ask_peer_to_move(peer, wire_move(stream, decodes[target].url))
+                await self._ask_peer_to_move(peer, PeerMove(stream.stream_id, stream.worker_url, decodes[target].url))
             else:
                 await router.move_stream(live, hot, decodes[target])
 
-    async def _ask_peer_to_move(self, peer: str, move: PeerMove) -> bool:
-        """The follower `peer` moves a stream of its own, if it still can; whether it did."""
+    async def _ask_peer_to_move(self, peer: str, move: PeerMove) -> None:
+        """The follower `peer` moves a stream of its own, if it still can (it checks)."""
         router = self.router
         try:
-            r = await router.http.post(peer + "/internal/move", content=wire.encode(move),
-                                       headers=router.worker_headers, timeout=5.0)
-            return r.status_code == 200 and bool(r.json().get("moved"))
-        except (httpx.HTTPError, ValueError) as e:
+            await router.http.post(peer + "/internal/move", content=wire.encode(move), headers=router.worker_headers,
+                                   timeout=5.0)
+        except httpx.HTTPError as e:
             log.warning("relief: router %s did not move %s: %s", peer, move.stream_id, type(e).__name__)
-            return False
 
     async def follow(self, leader: PeerState) -> None:
         """Another router leads: route by its rollout and copy to its shadow, as it does."""
@@ -169,8 +168,10 @@ class Rounds:
         router = self.router
         rollout = router.rollout
         canary = rollout.canary
-        happened = (rollout.tick(len(router.registry.workers("decode", canary)),
-                                 peers_tallies(list(router.peers.live_states().values()), rollout)) if canary is not None else None)
+        if canary is None:
+            return
+        peers = peers_tallies(list(router.peers.live_states().values()), rollout)
+        happened = rollout.tick(len(router.registry.workers("decode", canary)), peers)
         if happened is None:
             return
         event = rollout.events[-1]
@@ -178,10 +179,6 @@ class Rounds:
                     f": {event['why']}" if "why" in event else "")
         if happened != "advanced":
             router.metrics.rollouts.labels(happened).inc()
-
-
-def wire_move(stream: PeerStream, target_url: str) -> PeerMove:
-    return PeerMove(stream_id=stream.stream_id, worker_url=stream.worker_url, target_url=target_url)
 
 
 def pool_members(registry: Registry, version: str | None = None) -> list[PoolMember]:
