@@ -216,8 +216,8 @@ static void damx_attend(const uint16_t *q, int64_t H, int64_t KV, int64_t D, con
  * -2 where memory is short (the caller then uses the vector kernel). */
 static int amx_decode_attention(int threads, const uint16_t *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                                 int64_t D, const uint16_t *cache, int64_t block_size, const int64_t *tables,
-                                int64_t max_blocks, const int64_t *lens, float scale, uint16_t *out) {
-    const int64_t G = H / KV, parts = attention_parts(R, 1, lens, threads), part_floats = G * (D + 2);
+                                int64_t max_blocks, const int64_t *lens, int64_t window, float scale, uint16_t *out) {
+    const int64_t G = H / KV, parts = attention_parts(R, 1, lens, window, threads), part_floats = G * (D + 2);
     float *scratch = parts > 1 ? malloc(R * KV * parts * part_floats * sizeof(float)) : NULL;
     if (parts > 1 && !scratch) return -2;
     int failed = 0;
@@ -230,7 +230,8 @@ static int amx_decode_attention(int threads, const uint16_t *q, int64_t q_stride
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < R * parts; task++) {
-            const int64_t r = task / parts, c = task % parts, jb = lens[r] * c / parts, je = lens[r] * (c + 1) / parts;
+            const int64_t r = task / parts, c = task % parts, first = window_start(lens[r], window);
+            const int64_t jb = first + (lens[r] - first) * c / parts, je = first + (lens[r] - first) * (c + 1) / parts;
             float *parts_base = scratch ? scratch + (r * KV * parts + c) * part_floats : NULL;
             if (!work) continue;
             if (je > jb) {

@@ -28,14 +28,17 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP runtime must resolve to the one torch loaded
 
+from gguf import GGML_QUANT_SIZES
+
 from pdserve.cache import cache_path
 from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "qmatmul_panel.h", "dequant.c", "ops.c", "ops_body.h",
-            "attention_bf16.h", "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h")
-_COMPILED = ("qmatmul.c", "dequant.c", "ops.c")
+            "attention_bf16.h", "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h", "blocks.c",
+            "blocks_format.h", "blocks_simd.h", "blocks_k.h", "blocks_dot.h")
+_COMPILED = ("qmatmul.c", "dequant.c", "ops.c", "blocks.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
 ISA_ENV = "PDSERVE_CPU_ISA"
@@ -152,6 +155,76 @@ class NativeKernels:
         return out
 
 
+    # -- weights in GGUF's block formats (blocks.c), by ggml type id -------------------------------
+
+    def block_format_supported(self, format: int) -> bool:
+        """Whether the block kernels serve ggml type `format` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K,
+        IQ4_NL, IQ4_XS)."""
+        return _block_format_supported(self.lib, format)
+
+    def block_matmul(self, x: torch.Tensor, format: int, w: torch.Tensor, out_features: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] float32 or bfloat16 (contiguous) @ w^T, w the file's bytes ([out_features,
+        row bytes] uint8) -> [rows, out_features] in x's dtype; or into `out` ([rows, >= out_features],
+        x's dtype, rows may be strided: a column slice of a wider output), which is returned."""
+        rows, in_features = x.shape
+        _contiguous(x)
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"block_matmul takes float32 or bfloat16 activations, not {x.dtype}")
+        self._check_blocks(format, w, out_features, in_features)
+        if out is None:
+            out = torch.empty(rows, out_features, dtype=x.dtype)
+        elif (out.dtype != x.dtype or out.dim() != 2 or out.shape[0] != rows or out.shape[1] < out_features
+              or out.stride(1) != 1 or (rows > 1 and out.stride(0) < out_features)):
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} strides {out.stride()} cannot take "
+                             f"[{rows}, {out_features}] {x.dtype} outputs in rows of its own")
+        rc = self.lib.pd_block_matmul(self.isa, torch.get_num_threads(), format, x.data_ptr(),
+                                      x.dtype == torch.bfloat16, rows, in_features, w.data_ptr(), out_features,
+                                      out.data_ptr(), out.stride(0) if rows > 1 else max(out_features, 1))
+        if rc:
+            raise RuntimeError(f"pd_block_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
+                               f"format {format}, x {tuple(x.shape)}, {out_features} outputs")
+        return out
+
+    def block_dequantize(self, format: int, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The whole weight (w: [out, row bytes] uint8) into `out` ([out, in] float32 or bfloat16,
+        contiguous): gguf's values, bit for bit in float32."""
+        _contiguous(out)
+        self._check_blocks(format, w, out.shape[0], out.shape[1])
+        _check_expansion(out)
+        _check(self.lib.pd_block_dequantize(self.isa, torch.get_num_threads(), format, w.data_ptr(), out.shape[0],
+                                            out.shape[1], out.data_ptr(), out.dtype == torch.bfloat16),
+               "block_dequantize")
+        return out
+
+    def block_rows(self, format: int, w: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [count]) of the weight expanded into `out` ([count, in] float32 or bfloat16,
+        contiguous): an embedding lookup from a quantized table."""
+        _contiguous(out, ids)
+        if ids.dtype != torch.int64 or ids.dim() != 1 or out.shape[0] != ids.shape[0]:
+            raise ValueError(f"ids must be int64 [count] with out [count, in]; got ids {tuple(ids.shape)} "
+                             f"{ids.dtype}, out {tuple(out.shape)}")
+        self._check_blocks(format, w, w.shape[0], out.shape[1])
+        _check_expansion(out)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+            raise ValueError(f"ids must lie in [0, {w.shape[0]}): got {int(ids.min())}..{int(ids.max())}")
+        _check(self.lib.pd_block_rows(self.isa, torch.get_num_threads(), format, w.data_ptr(), out.shape[1],
+                                      ids.data_ptr(), ids.shape[0], out.data_ptr(), out.dtype == torch.bfloat16),
+               "block_rows")
+        return out
+
+    def _check_blocks(self, format: int, w: torch.Tensor, out_features: int, in_features: int) -> None:
+        """w must be out_features rows of in_features elements of `format`, as the file stores them."""
+        if not self.block_format_supported(format):
+            raise ValueError(f"the block kernels do not serve ggml type {format}")
+        elements, size = GGML_QUANT_SIZES[format]
+        if in_features < 1 or in_features % elements:
+            raise ValueError(f"ggml type {format} takes rows of whole blocks of {elements}, not {in_features} elements")
+        row_bytes = in_features // elements * size
+        if w.dtype != torch.uint8 or tuple(w.shape) != (out_features, row_bytes) or not w.is_contiguous():
+            raise ValueError(f"w must be contiguous uint8 [{out_features}, {row_bytes}] (ggml type {format}, "
+                             f"{in_features} inputs); got {w.dtype} {tuple(w.shape)}")
+
     # -- the per-token operations (ops.c); tensors are float32 or bfloat16, contiguous rows --------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -190,9 +263,10 @@ class NativeKernels:
             "rotary_store")
 
     def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_size: int, tables: torch.Tensor,
-                         lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
         """q [rows, heads, head_dim] (rows may be strided) attending to each row's context of
-        `lens` tokens in the paged cache (tables int64 [rows, max_blocks]) -> [rows, heads * head_dim]."""
+        `lens` tokens in the paged cache (tables int64 [rows, max_blocks]) -> [rows, heads * head_dim];
+        with a sliding `window`, to the last `window` tokens of it only."""
         rows, heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             raise ValueError("decode_attention needs each row's heads side by side")
@@ -200,7 +274,7 @@ class NativeKernels:
         out = activation_buffer(rows, heads * head_dim, q.dtype)  # a product's input
         _check(self.lib.pd_decode_attention(
             self.isa, torch.get_num_threads(), q.data_ptr(), q.stride(0), rows, heads, kv_cache.shape[2], head_dim,
-            kv_cache.data_ptr(), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+            kv_cache.data_ptr(), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), window or 0, scale,
             out.data_ptr(), q.dtype == torch.bfloat16), "decode_attention")
         return out
 
@@ -228,6 +302,16 @@ class NativeKernels:
 @functools.lru_cache(maxsize=None)
 def _prefill_attention_kinds(lib: ctypes.CDLL, isa: int) -> int:
     return lib.pd_prefill_attention_kinds(isa)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_format_supported(lib: ctypes.CDLL, format: int) -> bool:
+    return bool(lib.pd_block_format_supported(format))
+
+
+def _check_expansion(out: torch.Tensor) -> None:
+    if out.dim() != 2 or out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"expands into [rows, in] float32 or bfloat16, not {tuple(out.shape)} {out.dtype}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,7 +356,8 @@ def load() -> NativeKernels | None:
     lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
     lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     lib.pd_rotary_store.argtypes = [i32, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
-    lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i32]
+    lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, f32, ptr,
+                                        i32]
     lib.pd_prefill_attention.argtypes = [i32, i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr,
                                          i64]
     lib.pd_prefill_attention_kinds.argtypes = [i32]
@@ -283,7 +368,12 @@ def load() -> NativeKernels | None:
     lib.pd_qmatmul_amx_available.argtypes = [i32]
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
+    lib.pd_block_format_supported.argtypes = [i32]
+    lib.pd_block_matmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, i64, ptr, i64]
+    lib.pd_block_dequantize.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i32]
+    lib.pd_block_rows.argtypes = [i32, i32, i32, ptr, i64, ptr, i64, ptr, i32]
+    for name in ("pd_block_format_supported", "pd_block_matmul", "pd_block_dequantize", "pd_block_rows",
+                 "pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
                  "pd_panel_matmul", "pd_panels_available",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):

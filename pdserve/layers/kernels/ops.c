@@ -35,13 +35,22 @@ static inline int64_t next_slot(struct slot_cursor *at) {
     return slot;
 }
 
+/* The first key a query at context length `len` sees: with a sliding window (window > 0) only
+ * the last `window` tokens, its own included. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* How many parts each row's context is split into for decode attention with few rows, where a row
  * makes `row_tasks` tasks a part: enough tasks to share among the threads, none shorter than
  * MIN_PART_TOKENS. Rows enough to give every thread a few take one part each. */
-static int64_t attention_parts(int64_t R, int64_t row_tasks, const int64_t *lens, int threads) {
+static int64_t attention_parts(int64_t R, int64_t row_tasks, const int64_t *lens, int64_t window, int threads) {
     if (R >= 2 * threads) return 1;
     int64_t longest = 0;
-    for (int64_t r = 0; r < R; r++) longest = lens[r] > longest ? lens[r] : longest;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t seen = lens[r] - window_start(lens[r], window);
+        longest = seen > longest ? seen : longest;
+    }
     int64_t parts = (4 * threads + R * row_tasks - 1) / (R * row_tasks);
     if (parts > longest / MIN_PART_TOKENS) parts = longest / MIN_PART_TOKENS;
     return parts < 1 ? 1 : parts;
@@ -116,8 +125,8 @@ static int amx_available(int isa);
 
 int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                         int64_t D, const void *cache, int64_t block_size, const int64_t *tables, int64_t max_blocks,
-                        const int64_t *lens, float scale, void *out, int bf16) {
-    if (R < 0 || KV < 1 || H % KV || H / KV > MAX_GROUP || D < 1 || D > MAX_HEAD_DIM || block_size < 1 ||
+                        const int64_t *lens, int64_t window, float scale, void *out, int bf16) {
+    if (window < 0 || R < 0 || KV < 1 || H % KV || H / KV > MAX_GROUP || D < 1 || D > MAX_HEAD_DIM || block_size < 1 ||
         threads < 1)
         return -1;
     for (int64_t r = 0; r < R; r++)
@@ -125,12 +134,12 @@ int pd_decode_attention(int isa, int threads, const void *q, int64_t q_stride, i
 #ifdef PD_AMX
     if (bf16 && amx_available(isa) && D % 32 == 0 && D <= PF_MAX_HEAD_DIM && H / KV <= 16 &&
         block_size % 16 == 0 &&
-        !amx_decode_attention(threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens, scale,
-                              out))
+        !amx_decode_attention(threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens, window,
+                              scale, out))
         return 0;
 #endif
     DISPATCH(isa, decode_attention, threads, q, q_stride, R, H, KV, D, cache, block_size, tables, max_blocks, lens,
-             scale, out, bf16);
+             window, scale, out, bf16);
 }
 
 /* Where this CPU has AMX for bfloat16 and the AVX-512 variant runs. */
@@ -264,7 +273,7 @@ int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t
         if (!rc && w->qkv_bias) add_bias(qkv, w->qkv_bias, T, width, bf16);
         if (!rc) rc = pd_rotary_store(isa, threads, qkv, T, heads, kv_heads, D, cos, sin, layer_cache, slots, bf16);
         if (!rc) rc = pd_decode_attention(isa, threads, qkv, width, T, heads, kv_heads, D, layer_cache, block_size,
-                                          tables, max_blocks, lens, scale, att, bf16);
+                                          tables, max_blocks, lens, 0, scale, att, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->o, att, bf16, T, q_size, H, delta);
         if (!rc) rc = pd_rms_norm(isa, threads, x, delta, w->post_norm, eps, T, H, h, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->gate_up, h, bf16, T, H, 2 * I, gu);

@@ -509,18 +509,19 @@ static void FN(merge_parts)(const float *scratch, int64_t R, int64_t H, int64_t 
 
 static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, int64_t R, int64_t H, int64_t KV,
                                  int64_t D, const void *cache, int64_t block_size, const int64_t *tables,
-                                 int64_t max_blocks, const int64_t *lens, float scale, void *out, int bf16) {
+                                 int64_t max_blocks, const int64_t *lens, int64_t window, float scale, void *out,
+                                 int bf16) {
     if (R >= 2 * threads) { /* rows give every thread a few: a task per row */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++) {
             const int64_t kv0 = 0, kv1 = KV, *table = tables + r * max_blocks;
-            ATTEND(D, table, 0, lens[r], scale, out, bf16, NULL);
+            ATTEND(D, table, window_start(lens[r], window), lens[r], scale, out, bf16, NULL);
         }
         return;
     }
     /* few rows: a task per row, KV head and part of the context (parts where a context is long
      * enough to share among threads), merged after by the parts' largest scores */
-    int64_t parts = attention_parts(R, KV, lens, threads);
+    int64_t parts = attention_parts(R, KV, lens, window, threads);
     const int64_t G = H / KV;
     int64_t tasks = R * KV * parts;
     float *scratch = parts > 1 ? malloc(tasks * G * (D + 2) * sizeof(float)) : NULL;
@@ -528,10 +529,10 @@ static void FN(decode_attention)(int threads, const void *q, int64_t q_stride, i
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t r = task / (KV * parts), kv0 = task / parts % KV, kv1 = kv0 + 1, c = task % parts;
-        const int64_t *table = tables + r * max_blocks, len = lens[r];
-        const int64_t jb = len * c / parts, je = len * (c + 1) / parts;
+        const int64_t *table = tables + r * max_blocks, len = lens[r], first = window_start(len, window);
+        const int64_t jb = first + (len - first) * c / parts, je = first + (len - first) * (c + 1) / parts;
         if (!scratch) {
-            ATTEND(D, table, 0, len, scale, out, bf16, NULL);
+            ATTEND(D, table, first, len, scale, out, bf16, NULL);
         } else {
             float *base = scratch + task * G * (D + 2);
             const struct attn_part part = {base, base + G, base + 2 * G};
