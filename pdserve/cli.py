@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    gen.add_argument("--raw", action="store_true",
+                     help="do not wrap prompts in the chat template (a model without one always takes them raw)")
     gen.set_defaults(func=cmd_generate)
 
     mk = sub.add_parser("make-model", help="write a deterministic random-weight model (tests, demos)")

@@ -3,6 +3,8 @@
 Text is released only once it is final: never half of a multi-byte character (the decoder shows
 an incomplete one as U+FFFD), and never the first characters of what might still become a stop
 string. When a stop string appears, the text is cut exactly before it (or after it, if asked).
+The prompt's last few tokens are decoded along for context (a leading space depends on it), up to
+the end of its last whole character.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stops), default=1) - 1
         self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt given as ids may stop inside a character. New bytes completing it would make the
+        # text no longer than the context's, and never released: the context ends before it.
+        while self.token_ids and tokenizer.decode(self.token_ids, self.skip_special).endswith(_REPLACEMENT):
+            self.token_ids.pop()
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""  # all decoded text so far (before any stop cut)

@@ -1,5 +1,6 @@
 """The model's tokenizer: a `tokenizers.Tokenizer` plus the special tokens and chat template of
-tokenizer_config.json. Same calls as the tokenizer vLLM's `LLM.get_tokenizer()` returns."""
+tokenizer_config.json. Same calls as the tokenizer vLLM's `LLM.get_tokenizer()` returns; byte-fallback
+tokens that are not valid UTF-8 decode as llama.cpp decodes them (`byte_fallback`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+
+from pdserve.byte_fallback import ByteFallback
 
 
 class Tokenizer:
@@ -26,6 +29,7 @@ class Tokenizer:
             idx for idx, tok in backend.get_added_tokens_decoder().items() if tok.special
         }
         self._template: jinja2.Template | None = None
+        self._byte_fallback = ByteFallback.of(backend)  # None unless the vocabulary spells bytes as tokens
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -59,7 +63,11 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._byte_fallback is None:
+            return text
+        return self._byte_fallback.fix(ids, text, lambda some: self.backend.decode(some, skip_special_tokens=False),
+                                       self._all_special_ids if skip_special_tokens else set())
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.backend.id_to_token(i) for i in ids]

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.cli import main
 from pdserve.tokenizer import Tokenizer
+from tests.factories import make_base_model, make_llm, offline_text
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -24,6 +25,17 @@ def test_make_model_then_generate(tmp_path):
                   "--max-tokens", "5", "hello there")
     assert res.returncode == 0, res.stderr
     assert "5 tokens in" in res.stderr
+
+
+def test_generate_takes_a_base_models_text_as_the_prompt(tmp_path, capsys):
+    # No chat template: the text is the prompt itself, as --raw makes it for a chat model.
+    base = make_base_model(tmp_path / "base")
+    args = ["generate", "--model", str(base), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-tokens", "5",
+            "hello there"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--raw"]) == 0
+    assert capsys.readouterr().out == plain == offline_text(make_llm(base), "hello there", 5) + "\n"
 
 
 def test_export_round_trips(tmp_path, tiny_llama):

@@ -2,7 +2,13 @@
 
 From the vocabulary, merges (or scores) and token types, with the pre-tokenizer the file's
 `tokenizer.ggml.pre` names. Where transformers does not know that name (SmolLM2's "smollm") it
-falls back to GPT-2's split; we split as llama.cpp and the original model do.
+falls back to GPT-2's split; we split as llama.cpp and the original model do. A sentencepiece
+vocabulary without merges gets them from its scores (`spm_merges`); Gemma 3's tokenizes as
+llama.cpp's does, token for token (tests/models/test_gguf_tokenizer.py).
+
+Limits: with `add_space_prefix` (Llama 2-style files) the prefix space follows transformers
+(`Metaspace`, once, not before a text that starts with a space), while llama.cpp puts one before
+every stretch of text, after each special or user-defined token too.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pdserve.models.spm_merges import sentencepiece_merges
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,17 +56,17 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     ids = {name: meta.get(f"tokenizer.ggml.{key}_token_id") for name, key in _SPECIAL_TOKEN_KEYS.items()}
     special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
     if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre", "default"))
+        backend, vocab = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre", "default"))
         add_bos_default = False
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-        backend = _sentencepiece_bpe(tokens, scores, merges, special["unk_token"], add_prefix)
+        backend, vocab = _sentencepiece_bpe(tokens, scores, merges, special["unk_token"], add_prefix)
         add_bos_default = True  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2, llama")
     types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    _add_special_tokens(backend, tokens, types, {t for t in special.values() if t is not None})
+    _add_special_tokens(backend, vocab, tokens, types, {t for t in special.values() if t is not None})
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -77,26 +84,28 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     return Tokenizer(backend, config)
 
 
-def _add_special_tokens(backend: _HFTokenizer, tokens: list[str], types: list[int], named: set[str]) -> None:
+def _add_special_tokens(backend: _HFTokenizer, vocab: dict[str, int], tokens: list[str], types: list[int],
+                        named: set[str]) -> None:
     # Control tokens (and the named ones: bos, eos, ...) match whole and are skipped on decode.
     # Byte-level vocabularies respell a token with characters outside the byte alphabet, so its
     # plain form is not in the vocabulary: llama.cpp mislabelled it, and no text can reach it.
-    vocab = backend.get_vocab()
     special = [t for t, ty in zip(tokens, types) if (ty in (_CONTROL, _UNKNOWN) or t in named) and t in vocab]
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) 
-                                for t in dict.fromkeys(special)])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
     # User-defined tokens (like `<think>`) also match whole in llama.cpp, but are ordinary text.
     user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in dict.fromkeys(user)])
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str) -> _HFTokenizer:
+def _byte_level_bpe(
+    tokens: list[str], merges: list[tuple[str, ...]], pre: str
+) -> tuple[_HFTokenizer, dict[str, int]]:
     # Byte-level vocabularies spell every byte as a printable character; a token written in plain
     # text (llama.cpp does that for some added tokens) is respelled so the BPE model can find it.
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
-    backend = _HFTokenizer(models.BPE({t: i for i, t in enumerate(spelled)}, merges, fuse_unk=False))
+    vocab = {t: i for i, t in enumerate(spelled)}
+    backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split
     if pre in _SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -111,14 +120,14 @@ def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: str) 
             logger.warning("GGUF pre-tokenizer %r is unknown; splitting text the GPT-2 way", pre)
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
-    return backend
+    return backend, vocab
 
 
 def _sentencepiece_bpe(
     tokens: list[str], scores: list[float], merges: list[tuple[str, ...]], unk: str | None, add_prefix: bool
-) -> _HFTokenizer:
+) -> tuple[_HFTokenizer, dict[str, int]]:
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = merges or _merges_from_scores(tokens, scores, vocab)
+    merges = merges or sentencepiece_merges(tokens, scores, vocab)
     backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # A space goes in front of the text, and every space becomes "▁", as sentencepiece does.
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -126,21 +135,7 @@ def _sentencepiece_bpe(
     )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
-    return backend
-
-
-def _merges_from_scores(
-    tokens: list[str], scores: list[float], vocab: dict[str, int]
-) -> list[tuple[str, str]]:
-    # Sentencepiece ranks whole tokens by score, not merges. Every split of a token into two known
-    # pieces becomes a merge ranked by the token's score, ties broken as transformers does.
-    ranked: list[tuple[str, str, float]] = []
-    for tok, score in dict(zip(tokens, scores)).items():
-        pairs = [(tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab]
-        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
-        ranked += [(left, right, score) for left, right in pairs]
-    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in ranked]
+    return backend, vocab
 
 
 def _post_processor(backend: _HFTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:

@@ -28,6 +28,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig
         if not any(value == v and type(value) is type(v) for v in neutral):
             raise APIError(400, f"{name} is not supported", param=name)
     if isinstance(req, ChatCompletionRequest):
+        if not tokenizer.chat_template:  # a base model: it continues text, and has no turns to fill in
+            raise APIError(400, f"the model {config.model_name!r} has no chat template, so it cannot take chat "
+                                "messages; send the text as a prompt to /v1/completions instead", param="messages")
         try:
             messages = [m.for_template() for m in req.messages]
             tools = {"tools": [t.for_template() for t in req.tools]} if req.tools else {}
