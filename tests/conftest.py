@@ -26,6 +26,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M in Q4_K_M (253 MB): a sentencepiece vocabulary of 262,144 tokens with byte
+    fallback, K-quant blocks. setup.sh installs the package that ships it; the tests that need it
+    skip without it. $PDSERVE_TEST_GEMMA_GGUF names another copy."""
+    import os
+
+    from pdserve.models.registry import packaged_model_path
+
+    if (given := os.environ.get("PDSERVE_TEST_GEMMA_GGUF")) and Path(given).is_file():
+        return Path(given)
+    try:
+        return packaged_model_path("gemma3-270m")
+    except FileNotFoundError as e:
+        pytest.skip(f"Gemma 3 270M GGUF not found ({e}); or set PDSERVE_TEST_GEMMA_GGUF")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {name: make_tiny_model(root / name, name) for name in TINY_VARIANTS}

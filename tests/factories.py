@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,13 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(architecture="qwen2"),
     # q/k RMSNorm, explicit head_dim (heads * head_dim != hidden)
     "qwen3": dict(architecture="qwen3", head_dim=32),
+    # Gemma 3: two periods of two local layers (a window of 8: shorter than the prompts, a block and
+    # a half past a block edge) and a global one, rotated by bases of their own (the global layers'
+    # linearly scaled), a query scale other than head_dim's, one KV head
+    "gemma3": dict(architecture="gemma3", num_hidden_layers=6, num_key_value_heads=1, head_dim=32,
+                   sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   query_pre_attn_scalar=24, rope_theta=1_000_000.0, rope_local_base_freq=100.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0}),
     # routed experts (top 2 of 4, renormalized), GQA
     "mixtral": dict(architecture="mixtral"),
     # q/k/v biases, a dense first layer, a shared expert with its gate, top-k weights as the router gives them
@@ -50,6 +58,16 @@ def make_tiny_model(directory: Path, variant: str = "llama", seed: int = 0, layo
     path = write_model(directory, "tiny", arch, seed=seed, **spec)
     if layout == "installed":
         resave_config_with_transformers(path)
+    return path
+
+
+def make_base_model(directory: Path) -> Path:
+    """The tiny llama as base models ship: its tokenizer has no chat template."""
+    path = make_tiny_model(directory, "llama")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    del config["chat_template"]
+    config_file.write_text(json.dumps(config, indent=2))
     return path
 
 

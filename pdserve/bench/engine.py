@@ -197,13 +197,15 @@ def _line(label: str, row: dict[str, Any], key: str, unit: str, pct: str | None 
 
 
 def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: int,
-                        compiled: bool = False) -> dict[str, Any]:
-    """Batch-1 decode of the default GGUF model: ours at each dtype of `limits` (and with `compiled`,
-    bfloat16 with compiled decode graphs), and llama.cpp."""
+                        compiled: bool = False, gguf: Path | None = None) -> dict[str, Any]:
+    """Batch-1 decode of a GGUF model (`gguf`; default: the default model): ours at each dtype of
+    `limits` (and with `compiled`, bfloat16 with compiled decode graphs), and llama.cpp; and the
+    bytes a decode step of ours reads against the file's own matmul tensors'."""
     from pdserve.models.default_model import default_model_path
+    from pdserve.models.gguf_reader import matmul_tensor_bytes
 
     try:
-        path = default_model_path()
+        path = gguf or default_model_path()
     except FileNotFoundError as e:
         _say(f"default model: skipped ({e})")
         return {"skipped": str(e)}
@@ -223,7 +225,13 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
     one = replace(sizes, prefill_lengths=(), decode_batches=(1,), offline_requests=0)
     prompts = make_workload(one, cfg.vocab_size, seed).decode[1]  # [warm-up, rep 1, ...], batches of one
     contenders = {dtype: (lambda b, llm=llm: ours_decode(llm, b, steps)) for dtype, llm in engines.items()}
-    result: dict[str, Any] = {"path": str(path), "file_bytes": path.stat().st_size, "decode_steps": steps}
+    result: dict[str, Any] = {"path": str(path), "file_bytes": path.stat().st_size, "decode_steps": steps,
+                              "file_matmul_bytes": matmul_tensor_bytes(path),
+                              "matmul_bytes_read": {name: weight_bytes[name] for name in engines}}
+    for dtype in limits:  # the file's own blocks: a decode step reads the file's bytes, and no more
+        ratio = weight_bytes[AS_STORED + dtype] / result["file_matmul_bytes"]
+        _say(f"{path.name} as stored, {dtype} activations: a decode step reads {weight_bytes[AS_STORED + dtype] / 2**20:.1f} "
+             f"MiB of matmul weights; the file holds {result['file_matmul_bytes'] / 2**20:.1f} MiB of them ({ratio:.3f}x)")
     try:
         import llama_cpp  # noqa: F401
     except (ImportError, OSError) as e:  # OSError: installed, but its shared library will not load
@@ -284,7 +292,7 @@ def demo_model_path() -> Path:
 
 
 def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_hf: bool = True,
-        with_default_model: bool = True, compiled: bool = False) -> dict[str, Any]:
+        with_default_model: bool = True, compiled: bool = False, gguf: Path | None = None) -> dict[str, Any]:
     """Every section in turn; returns what the JSON holds."""
     started = time.time()
     torch.manual_seed(seed)
@@ -317,7 +325,7 @@ def run(model_path: Path, dtypes: list[str], sizes: Sizes, seed: int = 0, with_h
         results["dtypes"][dtype] = {"machine": asdict(m)}
         results["dtypes"][dtype] |= bench_dtype(model_path, dtype, sizes, workload, m, with_hf)
     if with_default_model:
-        results["default_model"] = bench_default_model(limits, sizes, seed, compiled)
+        results["default_model"] = bench_default_model(limits, sizes, seed, compiled, gguf)
     results["peak_rss_bytes"] = peak_rss_bytes()
     results["environment"]["load_average_end"] = os.getloadavg()
     results["wall_seconds"] = time.time() - started
@@ -334,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare with transformers (default: on)")
     parser.add_argument("--default-model", action=argparse.BooleanOptionalAction, default=True,
                         help="also bench the default GGUF model against llama.cpp (default: on)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF file benched against llama.cpp (default: the "
+                        "default model): its weights as stored, and the bytes a decode step reads of them")
     parser.add_argument("--compile-decode", action="store_true",
                         help="add the default model in bfloat16 with compiled decode graphs (compiles for minutes)")
     parser.add_argument("--seed", type=int, default=0)
@@ -355,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = list(dict.fromkeys(args.dtype or DTYPES))
     results = run(model_path, dtypes, QUICK if args.quick else FULL, args.seed, args.transformers,
-                  args.default_model, args.compile_decode)
+                  args.default_model, args.compile_decode, args.gguf)
     results["quick"] = args.quick
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

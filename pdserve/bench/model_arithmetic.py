@@ -40,6 +40,7 @@ def decode_step_bytes(cfg: ArchConfig, element_size: int, batch: int, mean_conte
 
 def matmul_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every matmul weight (the layers' and the head), as held: what a decode step reads."""
+    from pdserve.layers.block_weight import BlockWeight
     from pdserve.layers.quant import Int4Weight, QuantizedWeight
     from pdserve.models.loader import matmul_weights
 
@@ -48,6 +49,8 @@ def matmul_weight_bytes(model: torch.nn.Module) -> int:
         w = getattr(module, attr)
         if isinstance(w, QuantizedWeight):
             total += w.qs.nbytes + w.scales.nbytes + (0 if w.mins is None else w.mins.nbytes)
+        elif isinstance(w, BlockWeight):
+            total += w.nbytes
         elif isinstance(w, Int4Weight):
             total += w.packed.nbytes + w.scales_and_zeros.nbytes
         else:

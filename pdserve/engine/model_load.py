@@ -35,8 +35,6 @@ class LoadedModel:
 
     def max_model_len(self, config: EngineConfig) -> int:
         limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:
-            limit = min(limit, self.arch.sliding_window)  # full attention is exact up to here
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
         return config.max_model_len or limit

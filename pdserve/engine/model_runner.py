@@ -313,7 +313,8 @@ class ModelRunner:
             valid = torch.arange(max_len, device=self.device) < torch.tensor(lens, device=self.device).unsqueeze(1)
             mask = valid.view(len(lens), 1, 1, max_len)
         return DecodeGroup(None if rows is None else torch.tensor(rows, device=self.device),
-                           torch.tensor(padded, device=self.device), max_len, mask)
+                           torch.tensor(padded, device=self.device), max_len, mask,
+                           torch.tensor(lens, device=self.device), min(lens))
 
     def _prefill_chunk(self, query_start: int, start: int, n: int, table: list[int]) -> PrefillChunk:
         context_len = start + n

@@ -16,6 +16,12 @@ for all rows, each over its own context (no padding, no gather); prefill chunks 
 where the CPU has AMX tiles or AVX512-BF16 dot products (bfloat16, blocks of 16 tokens or more:
 `prefill_attention`), as above elsewhere.
 
+A layer with a sliding window (`window`: Mistral's, Gemma 3's local layers) lets the query at
+position p see keys p - window + 1 .. p only: the decode kernel starts each row's context there,
+torch's paths mask the rest, and a prefill chunk whose context outgrows the window runs torch's
+path on just the keys its queries can see. The blocks before a window stay in the cache: every
+layer of a request shares one block table.
+
 Under `torch.compile` the attention is one opaque operator (`pdserve::paged_attention`) that reads
 the step's metadata from `step_metadata(...)`: a compiled graph then depends on the number of
 tokens only, not on context lengths or block tables, and one graph serves every decode step.
@@ -54,6 +60,8 @@ class DecodeGroup:
     blocks: torch.Tensor  # [g, max_blocks] block tables, padded
     context_len: int  # the group's longest context
     mask: torch.Tensor | None  # [g, 1, 1, context_len] bool; None if all equal
+    lens: torch.Tensor  # [g] each row's context length (a sliding layer masks by it)
+    shortest: int  # the group's shortest context
 
 
 @dataclass(slots=True)
@@ -75,9 +83,10 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # a sliding layer's: each query sees its last `window` tokens
 ) -> torch.Tensor:  # [tokens, heads * head_dim]
     kv_cache.index_copy_(0, meta.slot_mapping, kv)
-    return attend_cached(q, kv_cache, meta, scale)
+    return attend_cached(q, kv_cache, meta, scale, window)
 
 
 def attend_cached(
@@ -85,6 +94,7 @@ def attend_cached(
     kv_cache: torch.Tensor,  # [slots, 2, kv_heads, head_dim], the step's new K/V already in it
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [tokens, heads * head_dim]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
@@ -95,7 +105,7 @@ def attend_cached(
     blocks = kv_cache.view(-1, meta.block_size * kv_cache[0].numel())  # [num_blocks, block bytes]
     if nd and meta.kernels is not None:
         o = meta.kernels.decode_attention(q[:nd], kv_cache, meta.block_size, meta.decode_tables, meta.decode_lens,
-                                          scale)
+                                          scale, window)
         if not meta.prefills:
             return o
         out[:nd] = o.view(nd, num_heads, head_dim)
@@ -104,12 +114,12 @@ def attend_cached(
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
-            o = _decode_attention(blocks, qd, groups[0], kv_cache.shape[1:], scale)
+            o = _decode_attention(blocks, qd, groups[0], kv_cache.shape[1:], scale, window)
         else:
             o = torch.empty_like(qd)
             for g in groups:
                 o.index_copy_(0, g.rows, _decode_attention(blocks, qd.index_select(0, g.rows), g,
-                                                           kv_cache.shape[1:], scale))
+                                                           kv_cache.shape[1:], scale, window))
         if not meta.prefills:  # a decode-only step: no buffer to assemble
             return o.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = o.view(nd, num_heads, head_dim)
@@ -118,6 +128,9 @@ def attend_cached(
                    and head_dim % 32 == 0 and kernels.prefill_attention_available)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
+        if window is not None and chunk.context_len > window:
+            out[s : s + n] = _windowed_prefill(q[s : s + n], blocks, chunk, kv_cache.shape[1:], scale, window, gqa)
+            continue
         if own_prefill:
             kernels.prefill_attention(q[s : s + n], kv_cache, meta.block_size, chunk.context_blocks,
                                       chunk.context_len, scale, out[s : s + n])
@@ -136,11 +149,38 @@ def attend_cached(
 
 
 def _decode_attention(blocks: torch.Tensor, qd: torch.Tensor, group: DecodeGroup, slot_shape: torch.Size,
-                      scale: float) -> torch.Tensor:
-    ctx = _read_blocks(blocks, group.blocks, slot_shape)[:, : group.context_len]  # [g, ctx, 2, kv_heads, head_dim]
+                      scale: float, window: int | None) -> torch.Tensor:
+    mask = group.mask
+    first = 0  # the first key any row of the group sees
+    if window is not None and group.context_len > window:
+        first = max(0, group.shortest - window)
+        keys = torch.arange(first, group.context_len, device=qd.device)
+        lens = group.lens.unsqueeze(1)
+        mask = ((keys < lens) & (keys >= lens - window)).view(len(group.lens), 1, 1, -1)
+    ctx = _read_blocks(blocks, group.blocks, slot_shape)[:, first : group.context_len]  # [g, ctx, 2, kv_heads, head_dim]
     ctx_k = ctx[:, :, 0].transpose(1, 2)  # [g, kv_heads, ctx, head_dim]
     ctx_v = ctx[:, :, 1].transpose(1, 2)
-    return F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=group.mask, scale=scale)
+    return F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=mask, scale=scale)
+
+
+def _windowed_prefill(q: torch.Tensor, blocks: torch.Tensor, chunk: PrefillChunk, slot_shape: torch.Size,
+                      scale: float, window: int, gqa: bool) -> torch.Tensor:
+    """A chunk's attention ([n, heads, head_dim]) where its context is longer than the window: over
+    the keys its first query can see on, each query masked to its own window."""
+    n, ctx_len = chunk.query_len, chunk.context_len
+    first = max(0, ctx_len - n - window + 1)
+    block_size = blocks.shape[1] // (slot_shape.numel())
+    first_block = first // block_size
+    ctx = _read_blocks(blocks, chunk.context_blocks[first_block:], slot_shape)[0]
+    ctx = ctx[first - first_block * block_size : ctx_len - first_block * block_size]  # [keys, 2, kv_heads, head_dim]
+    q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(first, ctx_len, device=q.device).unsqueeze(0)
+    unseen = (k_pos > q_pos) | (k_pos <= q_pos - window)
+    mask = torch.zeros(unseen.shape, dtype=q.dtype, device=q.device).masked_fill_(unseen, -torch.inf)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), ctx[:, 0].transpose(0, 1).unsqueeze(0), ctx[:, 1].transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
 
 
 def _read_blocks(blocks: torch.Tensor, tables: torch.Tensor, slot_shape: torch.Size) -> torch.Tensor:
@@ -167,23 +207,23 @@ def step_metadata(meta: AttentionMetadata, kv_caches: torch.Tensor) -> Iterator[
 # A plain operator library, not `torch.library.custom_op`: that wrapper's checks cost ~35 us a
 # call, about half of a batch-1 decode's attention, thirty times a step.
 _library = torch.library.Library("pdserve", "DEF")
-_library.define("paged_attention(Tensor q, Tensor kv, int layer, float scale) -> Tensor")
+_library.define("paged_attention(Tensor q, Tensor kv, int layer, float scale, int window) -> Tensor")
 
 
-def _paged_attention_of_step(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _paged_attention_of_step(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int) -> torch.Tensor:
     """`paged_attention` of one layer with the metadata and cache of the step running on this thread.
     A step of no real token (the run that compiles a graph) gets zeros and writes no KV."""
     meta, kv_caches = _step.state
     if not meta.slot_mapping.numel():
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    return paged_attention(q, kv, kv_caches[layer], meta, scale)
+    return paged_attention(q, kv, kv_caches[layer], meta, scale, window or None)
 
 
 _library.impl("paged_attention", _paged_attention_of_step, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::paged_attention")
-def _(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

@@ -17,17 +17,18 @@ import torch.nn.functional as F
 
 from pdserve.layers.cpu import onednn_packs_bfloat16
 from pdserve.layers.packed import pack_weight, packed_linear, row_counts
+from pdserve.layers.block_weight import BlockWeight
 from pdserve.layers.quant import Int4Weight, QuantizedWeight
 
-__all__ = ["linear", "pack_weight", "warm_up"]
+__all__ = ["embedding_rows", "linear", "pack_weight", "warm_up"]
 
 _SPLIT_MAX_ROWS = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight,
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight | BlockWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [rows, in], weight: [out, in] (or packed by `pack_weight`, or quantized) -> [rows, out]
-    if isinstance(weight, (QuantizedWeight, Int4Weight)):
+    # x: [rows, in], weight: [out, in] (or packed by `pack_weight`, or quantized, or in blocks) -> [rows, out]
+    if isinstance(weight, (QuantizedWeight, Int4Weight, BlockWeight)):
         y = weight.matmul(x)
         return y if bias is None else y + bias
     if weight.is_mkldnn:
@@ -51,6 +52,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Int4Weight,
     return y if bias is None else y + bias
 
 
+def embedding_rows(table: torch.Tensor | QuantizedWeight | BlockWeight, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` ([tokens]) of a token embedding, [tokens, hidden] in `dtype`: a table held
+    quantized or in its file's blocks (the head's, when tied) expands only those rows."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    return table.embedding(ids, dtype)
+
+
 def warm_up(products: list[tuple[torch.Tensor | QuantizedWeight | Int4Weight, torch.Tensor | None, int]],
             dtype: torch.dtype) -> None:
     """Run each product (weight, bias, the most rows it will take) once at every row count the
@@ -59,7 +69,7 @@ def warm_up(products: list[tuple[torch.Tensor | QuantizedWeight | Int4Weight, to
     run: the others (plain float32 or bfloat16 weights, GPU ones, the quantized kernels' own rows)
     need no kernel per count."""
     for weight, bias, max_rows in products:
-        if isinstance(weight, QuantizedWeight):  # dense (on a packed expansion) from min_rows up
+        if isinstance(weight, (QuantizedWeight, BlockWeight)):  # dense (on a packed expansion) from min_rows up
             dense = weight.dense
             if dense.min_rows is None or not dense.keep or dtype != torch.bfloat16 or not onednn_packs_bfloat16():
                 continue

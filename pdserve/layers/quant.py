@@ -132,6 +132,13 @@ class QuantizedWeight:
                                                                              self.mins, into))
         return packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
 
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` ([tokens] int64) of a table held this way (a token embedding), [tokens, in]
+        in `dtype`: only those rows are expanded."""
+        picked = replace(self, qs=self.qs[ids], scales=self.scales[ids],
+                         mins=None if self.mins is None else self.mins[ids], panels=None, expanded={})
+        return picked.dequantize().to(dtype)
+
     def dequantize(self) -> torch.Tensor:
         """The weight these values stand for, [out, in] float32."""
         out = self.out_features
@@ -202,14 +209,14 @@ def quantize(weight: torch.Tensor, bits: int, dtype: torch.dtype,
             return dequantize_reference(weight, 4).to(dtype)
         groups = q.view(q.shape[0], -1, GROUP_SIZE).to(torch.uint8)
         packed = (groups[..., : GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2 :] << 4)).view(q.shape[0], -1)
-        return _with_panels(QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels))
+        return with_panels(QuantizedWeight(4, packed.contiguous(), scale.half(), low.half(), kernels))
     q, scale = quantize_8bit(weight)
     if kernels is None:
         return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(q.shape).to(dtype)
-    return _with_panels(QuantizedWeight(8, q.contiguous(), scale.half(), None, kernels))
+    return with_panels(QuantizedWeight(8, q.contiguous(), scale.half(), None, kernels))
 
 
-def _with_panels(weight: QuantizedWeight) -> QuantizedWeight:
+def with_panels(weight: QuantizedWeight) -> QuantizedWeight:
     """`weight` with its panel copy, where its kernels run panels of its bits and shape."""
     if weight.kernels.panels_available(weight.bits) and weight.out_features % 16 == 0:
         weight.panels = weight.kernels.panel_pack(weight.bits, weight.qs, weight.scales, weight.mins,

@@ -61,6 +61,14 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+def local_rotary(cfg) -> RotaryEmbedding | None:
+    """The sliding layers' own table where they rotate by a base of their own, unscaled (Gemma 3's
+    local layers); None where every layer shares the model's."""
+    if cfg.local_rope_theta is None:
+        return None
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, RopeScaling())
+
+
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     # x: [tokens, heads, head_dim] (q and k heads may come stacked: one pass for both)
     cos, sin = cos_sin

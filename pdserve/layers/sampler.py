@@ -113,9 +113,26 @@ def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    # Keep the smallest set of most likely tokens whose mass reaches top_p (the first always stays).
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = mass_before >= top_ps.unsqueeze(1) * sorted_probs.sum(dim=-1, keepdim=True)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the first always
+    stays). The set is sought among the `TOP_P_CANDIDATES` most likely tokens first: where every
+    row's reaches top_p there, the vocabulary is never sorted whole (a 262k-word vocabulary's sort
+    costs more than a small model's decode step); else the whole of it is."""
+    total = probs.sum(dim=-1, keepdim=True)
+    if probs.shape[-1] > TOP_P_CANDIDATES:
+        values, order = probs.topk(TOP_P_CANDIDATES, dim=-1)  # most likely first
+        if bool((values.sum(dim=-1, keepdim=True) >= top_ps.unsqueeze(1) * total).all()):
+            return _nucleus(probs, values, order, top_ps, total)
+    values, order = probs.sort(dim=-1, descending=True)
+    return _nucleus(probs, values, order, top_ps, total)
+
+
+TOP_P_CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, values: torch.Tensor, order: torch.Tensor, top_ps: torch.Tensor,
+             total: torch.Tensor) -> torch.Tensor:
+    """probs with every token zeroed but those of `order` (most likely first, `values` their
+    probabilities) before the mass reaches top_p."""
+    mass_before = values.cumsum(dim=-1) - values
+    kept = values.masked_fill(mass_before >= top_ps.unsqueeze(1) * total, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, kept)

@@ -1,8 +1,8 @@
 """Architecture hyper-parameters of a Llama-family model, read from a Hugging Face config.json.
 
-Llama, Mistral, Qwen2 and Qwen3 share one forward pass; they differ only by the flags below. Their
-mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP of some or all layers by
-routed experts (`experts`).
+Llama, Mistral, Qwen2, Qwen3 and Gemma 3 share one forward pass; they differ only by the flags
+below. Their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP of some or all
+layers by routed experts (`experts`).
 A config.json means what transformers' class for its architecture makes of it: a field left out
 takes that class's default, and the layouts of transformers 4 and 5 are both read (the rotary
 fields in `rope_config`, the sliding window here). What transformers would honour and we cannot
@@ -16,7 +16,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdserve.models.rope_config import RopeScaling, read_rope
+from pdserve.models.rope_config import RopeScaling, read_local_and_global_rope, read_rope
+from pdserve.models.sliding_config import read_sliding
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,10 +28,9 @@ class _Family:
     qkv_bias: bool = False  # hard-coded by the class: Qwen2 biases q/k/v (not o_proj) whatever the config says
     # Flags the class honours that need weights we do not implement (Llama's attention_bias biases o_proj too).
     unsupported_flags: tuple[str, ...] = ()
-    # "never" | "always" (every layer, when a window is set) | "opt_in" (Qwen's flags) |
-    # "opt_in_all" (every layer, with use_sliding_window)
-    sliding: str = "never"
+    sliding: str = "never"  # which layers slide: see `sliding_config`
     experts: str | None = None  # how its MoE config reads: "mixtral" | "qwen_moe"; None: dense
+    gemma: bool = False  # Gemma's layer: (1 + w) norms, norms after attention and MLP, scaled embeddings
     defaults: dict[str, Any] = field(default_factory=dict)  # the class's values for fields left out
 
 
@@ -58,7 +58,14 @@ _ARCHITECTURES: dict[str, _Family] = {
                                        num_key_value_heads=4, max_position_embeddings=32768, head_dim=128,
                                        sliding_window=4096, num_local_experts=128, num_experts_per_tok=8,
                                        moe_intermediate_size=768)),
+    "Gemma3ForCausalLM": _Family(qk_norm=True, sliding="pattern", gemma=True, defaults=dict(
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, sliding_window=4096,
+        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rms_norm_eps=1e-6)),
 }
+_GEMMA_ROPE = (1_000_000.0, 10_000.0)  # Gemma 3's default bases: global layers, sliding ones
+# transformers' names of the MLP's gate activation -> ours
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -81,6 +88,13 @@ class ArchConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # window of the layers that slide; None when none does
+    sliding_layers: tuple[int, ...] = ()  # the layers that see only their last `sliding_window` tokens
+    local_rope_theta: float | None = None  # the sliding layers' own rotary base, unscaled (Gemma 3)
+    attention_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+    activation: str = "silu"  # the MLP's gate: "silu" | "gelu_tanh" | "gelu"
+    norm_offset: float = 0.0  # every RMSNorm scales by norm_offset + weight (Gemma: 1 + w)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs normed before their residual add
+    embedding_multiplier: float | None = None  # embeddings times this, in their dtype (Gemma: sqrt(hidden))
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     experts: Experts | None = None  # the routed experts of a mixture-of-experts model; None: dense
@@ -100,6 +114,10 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def window(self, layer: int) -> int | None:
+        """The tokens a query of `layer` sees, its own included; None: every earlier one."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
     def sparse(self, layer: int) -> bool:
         """Whether the layer's MLP is routed experts (else the dense one of `intermediate_size`)."""
         return self.experts is not None and layer not in self.experts.dense_layers
@@ -110,7 +128,7 @@ class ArchConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         mlps = 0
         for layer in range(self.num_layers):
             if not self.sparse(layer):
@@ -140,7 +158,12 @@ class ArchConfig:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             num_layers = int(cfg["num_hidden_layers"])
-            rope_theta, rope_scaling = read_rope(cfg)
+            local_theta = None
+            if family.gemma:
+                rope_theta, rope_scaling, local_theta = read_local_and_global_rope(cfg, *_GEMMA_ROPE)
+            else:
+                rope_theta, rope_scaling = read_rope(cfg)
+            window, sliding_layers = read_sliding(cfg, family.sliding, num_layers)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -158,7 +181,14 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=family.qkv_bias,
                 qk_norm=family.qk_norm,
-                sliding_window=_sliding_window(cfg, family, num_layers),
+                sliding_window=window,
+                sliding_layers=sliding_layers,
+                local_rope_theta=local_theta if sliding_layers else None,
+                attention_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if family.gemma else None,
+                activation=_ACTIVATIONS[_activation_name(cfg, family)],
+                norm_offset=1.0 if family.gemma else 0.0,
+                sandwich_norms=family.gemma,
+                embedding_multiplier=hidden**0.5 if family.gemma else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
                 experts=_experts(cfg, family, num_layers),
@@ -203,44 +233,26 @@ def _experts(cfg: dict[str, Any], family: _Family, num_layers: int) -> Experts |
     return experts
 
 
+def _activation_name(cfg: dict[str, Any], family: _Family) -> str:
+    # Gemma's classes read `hidden_activation` and ignore `hidden_act`; the others read `hidden_act`
+    if family.gemma:
+        return cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    return cfg.get("hidden_act", "silu")
+
+
 def _refuse_unsupported(cfg: dict[str, Any], arch: str, family: _Family) -> None:
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # the same function under two names
-        raise ValueError(f"hidden_act {act!r} is not supported; pdserve's MLP is SiLU-gated")
+    act = _activation_name(cfg, family)
+    if act not in _ACTIVATIONS or (not family.gemma and _ACTIVATIONS[act] != "silu"):
+        field = "hidden_activation" if family.gemma else "hidden_act"
+        supported = ", ".join(_ACTIVATIONS) if family.gemma else "silu"
+        raise ValueError(f"{field} {act!r} is not supported for {arch}; supported: {supported}")
+    if family.gemma:
+        for flag in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(flag):
+                raise ValueError(f"{flag}={cfg[flag]} is not supported for {arch}")
     for flag in family.unsupported_flags:
         if cfg.get(flag):
             raise ValueError(f"{flag}=true is not supported for {arch}: pdserve has no weights for those biases")
-
-
-def _sliding_window(cfg: dict[str, Any], family: _Family, num_layers: int) -> int | None:
-    if family.sliding == "never":  # transformers' Llama ignores any window a config names
-        return None
-    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
-    if family.sliding == "always":  # Mistral, Mixtral: every layer slides (they ignore layer_types too)
-        return window
-    if family.sliding == "opt_in_all":  # Qwen3-MoE: every layer, with use_sliding_window
-        return window if cfg.get("use_sliding_window") else None
-    # Qwen2/Qwen3: only with use_sliding_window, and only the layers marked in layer_types
-    # (transformers 5 writes it; the window is then saved as null when the flag is off), or in
-    # older configs every layer from max_window_layers on.
-    if not cfg.get("use_sliding_window"):
-        window = None
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        return window if num_layers > int(cfg["max_window_layers"]) else None
-    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
-        raise ValueError(
-            f"layer_types {layer_types} is not supported: pdserve needs one entry per layer "
-            f"({num_layers}), each full_attention or sliding_attention"
-        )
-    if "sliding_attention" not in layer_types:
-        return None
-    if window is None:
-        raise ValueError(
-            "layer_types marks sliding_attention layers but no window is in force "
-            f"(use_sliding_window={cfg.get('use_sliding_window')}, sliding_window={cfg.get('sliding_window')})"
-        )
-    return window
 
 
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """A model checkpoint in memory: Hugging Face config, tensors under Hugging Face names, tokenizer.
 
 Every format pdserve reads (a Hugging Face directory, a GGUF file) is turned into a `Checkpoint`;
-the model is built from that alone, and `save` writes it back as a Hugging Face directory.
+the model is built from that alone, and `save` writes it back as a Hugging Face directory (a
+GGUF's blocks expanded to float32 there, its Q4_1 and Q8_0 ones marked to be served so again).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pdserve.layers.block_formats import StoredBlocks
 from pdserve.models.model_info import read_hf_info
 from pdserve.tokenizer import Tokenizer
 
 # Beside the weights: which tensors came quantized (GGUF), so they can be served that way again.
 QUANTIZED_BITS_FILE = "pdserve_quantized_bits.json"
+_REQUANTIZED = {"Q4_1": 4, "Q8_0": 8}  # block formats `layers/quant.py` reproduces from their values
 
 
 @dataclass(slots=True)
@@ -31,6 +34,16 @@ class Checkpoint:
     # tensor name -> 4 or 8: stored quantized by a rule `layers/quant.py` reproduces exactly from
     # the dequantized values (GGUF's Q4_1 and Q8_0), so quantizing it again loses nothing
     quantized_bits: dict[str, int] = field(default_factory=dict)
+    # tensor name -> its file's blocks (a GGUF's matmul weights, served as stored); not in `tensors`
+    blocks: dict[str, StoredBlocks] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        return set(self.tensors) | set(self.blocks)
+
+    def float_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor's values, blocks expanded to float32 by the reference rules (slow for a
+        large model: for export and tests)."""
+        return self.tensors | {name: b.dequantize() for name, b in self.blocks.items()}
 
     def save(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
         out = Path(out_dir)
@@ -38,9 +51,11 @@ class Checkpoint:
         (out / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
         self.tokenizer.save(out)
-        _save_sharded(self.tensors, out, max_shard_bytes)
-        if self.quantized_bits:
-            (out / QUANTIZED_BITS_FILE).write_text(json.dumps(self.quantized_bits, indent=1))
+        _save_sharded(self.float_tensors(), out, max_shard_bytes)
+        bits = self.quantized_bits | {name: _REQUANTIZED[b.format.name] for name, b in self.blocks.items()
+                                      if b.format.name in _REQUANTIZED}
+        if bits:
+            (out / QUANTIZED_BITS_FILE).write_text(json.dumps(bits, indent=1))
 
 
 def load_hf_dir(path: str | Path) -> Checkpoint:

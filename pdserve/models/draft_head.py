@@ -26,11 +26,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.attention import AttentionMetadata
-from pdserve.layers.linear import linear
+from pdserve.layers.linear import embedding_rows, linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import read_safetensors
@@ -70,7 +69,7 @@ class DraftHead(nn.Module):
         through the layer, whose KV goes to the rows' slots of `kv_cache` ([slots, 2, kv_heads,
         head_dim])."""
         kernels = meta.kernels
-        e = F.embedding(next_ids, embed).to(features.dtype)
+        e = embedding_rows(embed, next_ids, features.dtype).to(features.dtype)
         if self.style == "mtp":
             e, features = self.enorm(e, kernels), self.hnorm(features, kernels)
         x = linear(torch.cat([e, features], dim=-1), self.fc, self.fc_bias)

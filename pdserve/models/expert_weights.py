@@ -21,12 +21,20 @@ class TensorSource(Protocol):
     def has(self, name: str) -> bool: ...
 
 
+def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Weights stacked along their outputs (q/k/v, gate/up); a placeholder on the meta device where
+    any part is one (blocks the loader serves as stored, or expands whole where mixed)."""
+    if any(p.is_meta for p in parts):
+        return torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts)
+
+
 def take_mlp(tensors: TensorSource, h: int, inter: int, src: str, dst: str, params: dict[str, torch.Tensor],
              sources: dict[str, list[str]], names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
              ) -> None:
     """A gated MLP stored as separate gate, up and down weights under `src` (`names`)."""
     gate, up, down = (f"{src}{n}.weight" for n in names)
-    params[dst + "gate_up_proj"] = torch.cat([tensors.take(gate, (inter, h)), tensors.take(up, (inter, h))])
+    params[dst + "gate_up_proj"] = fuse([tensors.take(gate, (inter, h)), tensors.take(up, (inter, h))])
     params[dst + "down_proj"] = tensors.take(down, (h, inter))
     sources[dst + "gate_up_proj"], sources[dst + "down_proj"] = [gate, up], [down]
 

@@ -5,12 +5,10 @@ tokenizer and the generation config. No torch: the router reads this much and no
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from pdserve.models.gguf_file import GgufFile, GgufTensorInfo, float_values
 
 from pdserve.models.gguf_tokenizer import build_gguf_tokenizer
 from pdserve.models.model_info import ModelInfo
@@ -18,14 +16,18 @@ from pdserve.models.model_info import ModelInfo
 # GGUF `general.architecture` -> Hugging Face class (and model type); flags as in `arch_config`.
 # A "llama" file with experts is a Mixtral.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM"}
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                  "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# Tokens llama.cpp ends a generation on by their text, whatever the file names (`llama-vocab.cpp`).
+_END_OF_GENERATION = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+    "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"})
 # llama.cpp's precomputed Llama 3 rope factors; folded back into `rope_scaling` instead.
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def read_gguf_info(reader: GGUFReader, path: str | Path) -> ModelInfo:
-    meta = {key: field.contents() for key, field in reader.fields.items()}
+def read_gguf_info(gguf: GgufFile) -> ModelInfo:
+    meta, path = gguf.metadata, gguf.path
     arch = meta["general.architecture"]
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -34,14 +36,15 @@ def read_gguf_info(reader: GGUFReader, path: str | Path) -> ModelInfo:
     if arch.endswith("moe") and not meta.get(f"{arch}.expert_count", 0):
         raise ValueError(f"{path}: a {arch} GGUF file without {arch}.expert_count")
     tokenizer = build_gguf_tokenizer(meta)
-    hf_config = _hf_config(meta, arch, {t.name: t for t in reader.tensors})
+    hf_config = _hf_config(meta, arch, gguf)
     generation_config = {
         key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config
     }
     return ModelInfo(hf_config, tokenizer, generation_config)
 
 
-def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def _hf_config(meta: dict[str, Any], arch: str, gguf: GgufFile) -> dict[str, Any]:
+    tensors = {t.name: t for t in gguf.tensors}
     def key(name: str) -> Any:
         try:
             return meta[f"{arch}.{name}"]
@@ -77,20 +80,51 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch != "llama":
+    if arch == "gemma3":
+        cfg |= _gemma3(meta, key, hidden, heads, head_dim)
+    elif arch != "llama":
         cfg["use_sliding_window"] = False
     cfg |= _experts(meta, arch, key)
     # transformers 4's layout, as `synthetic` writes it: every transformers release reads it alike.
-    if (scaling := _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), head_dim)) is not None:
+    if (scaling := _rope_scaling(meta, arch, gguf, tensors.get(ROPE_FREQS), head_dim)) is not None:
         cfg["rope_scaling"] = scaling
     for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
             cfg[hf_key] = token_id
-    # llama.cpp also stops on end-of-turn / end-of-message tokens; Hugging Face lists them as eos ids.
+    # llama.cpp also stops on end-of-turn / end-of-message tokens, named or found by their text
+    # (Gemma's <end_of_turn>, whose file names none); Hugging Face lists them as eos ids.
     stops = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    tokens = meta["tokenizer.ggml.tokens"]
+    stops += [i for i, text in enumerate(tokens) if text in _END_OF_GENERATION]
     stops = list(dict.fromkeys(s for s in stops if s is not None))
     if len(stops) > 1:
         cfg["eos_token_id"] = stops
+    return cfg
+
+
+def _gemma3(meta: dict[str, Any], key, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's config fields, as llama.cpp runs the file: five sliding layers to each global one
+    unless the file says otherwise, the sliding layers rotated by a base of 10000, queries scaled
+    by head_dim ** -0.5 (the 27B model, 62 layers: hidden / heads)."""
+    layers = key("block_count")
+    scalar = hidden // heads if layers == 62 else head_dim
+    cfg: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                           "query_pre_attn_scalar": scalar,
+                           "rope_local_base_freq": _f32(meta.get("gemma3.rope.freq_base_swa", 10000.0))}
+    if window := meta.get("gemma3.attention.sliding_window"):
+        cfg["sliding_window"] = int(window)
+        pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # a flag a layer: true where it slides
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            cfg["sliding_window_pattern"] = int(pattern)
+            cfg["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                  for i in range(layers)]
+    else:
+        cfg["sliding_window"] = None
+        cfg["layer_types"] = ["full_attention"] * layers
+    if softcap := meta.get("gemma3.final_logit_softcapping"):
+        cfg["final_logit_softcapping"] = _f32(softcap)  # refused by the architecture config
     return cfg
 
 
@@ -114,7 +148,7 @@ def _experts(meta: dict[str, Any], arch: str, key) -> dict[str, Any]:
 
 
 def _rope_scaling(
-    meta: dict[str, Any], arch: str, rope_freqs: ReaderTensor | None, head_dim: int
+    meta: dict[str, Any], arch: str, gguf: GgufFile, rope_freqs: GgufTensorInfo | None, head_dim: int
 ) -> dict[str, Any] | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))
@@ -127,7 +161,7 @@ def _rope_scaling(
     if rope_freqs is None:
         return None
     theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
-    return _llama3_scaling(dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_dim, original)
+    return _llama3_scaling(float_values(gguf, rope_freqs), theta, head_dim, original)
 
 
 def _llama3_scaling(

@@ -1,5 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and with routed experts Mixtral, Qwen2-MoE,
-Qwen3-MoE) as one model; variants are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, and with routed experts Mixtral,
+Qwen2-MoE, Qwen3-MoE) as one model; variants are config flags (`ArchConfig`).
+
+Gemma 3's layer, by its flags: norms of the attention's and the MLP's outputs before each residual
+add (`sandwich_norms`), a GELU-gated MLP, query/key norms, embeddings scaled by sqrt(hidden), its
+own attention scale, and five local layers (a sliding window, rotated by a base of their own) to
+each global one. Its (1 + w) norms are folded into the weights when the model loads.
 
 Weights are stored fused: q/k/v projections as one `qkv_proj`, gate/up as one `gate_up_proj`, so
 a decode step issues two matmuls fewer per layer.
@@ -14,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.attention import AttentionMetadata, attend_cached, paged_attention, paged_attention_op
-from pdserve.layers.linear import linear
+from pdserve.layers.linear import embedding_rows, linear
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, local_rotary
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.mlp import GatedMLP, feed_forward, weight
 from pdserve.models.native_decode import NativeDecode
@@ -28,7 +33,9 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        self.window = cfg.window(layer)  # None: the whole context
+        self.local_rope = self.window is not None and cfg.local_rope_theta is not None
         self.qkv_proj = weight(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
         self.qkv_bias = weight(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
         self.o_proj = weight(cfg.hidden_size, cfg.q_size)
@@ -58,9 +65,9 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [tokens, heads, head_dim]
         kv = torch.cat([qk[:, self.num_heads :].unsqueeze(1), v], dim=1)  # [tokens, 2, kv_heads, head_dim]
         if meta is None:  # a compiled step: metadata and cache are the step's (`step_metadata`)
-            o = paged_attention_op(q, kv, self.layer, self.scale)
+            o = paged_attention_op(q, kv, self.layer, self.scale, self.window or 0)
         else:
-            o = paged_attention(q, kv, kv_cache, meta, self.scale)
+            o = paged_attention(q, kv, kv_cache, meta, self.scale, self.window)
         return linear(o, self.o_proj)
 
     def _attend_in_place(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -75,7 +82,8 @@ class LlamaAttention(nn.Module):
         cos, sin = cos_sin
         meta.kernels.rotary_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, kv_cache,
                                   meta.slot_mapping)
-        return attend_cached(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache, meta, self.scale)
+        return attend_cached(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache, meta, self.scale,
+                             self.window)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,8 +91,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
         self.mlp = feed_forward(cfg, layer)
+        # Gemma: the attention's and the MLP's outputs are normed before their residual adds
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums the ranks' partial outputs
 
     def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +107,13 @@ class LlamaDecoderLayer(nn.Module):
         attended = self.self_attn(h, cos_sin, kv_cache, meta)
         if self.all_reduce is not None:  # tensor parallel: each rank's heads gave a partial sum
             attended = self.all_reduce(attended)
+        if self.attn_output_norm is not None:
+            attended = self.attn_output_norm(attended, kernels)
         x, h = self.post_attention_layernorm.add_and_norm(x, attended, kernels)
         out = self.mlp(h, kernels)
-        return x, out if self.all_reduce is None else self.all_reduce(out)
+        if self.all_reduce is not None:
+            out = self.all_reduce(out)
+        return x, out if self.mlp_output_norm is None else self.mlp_output_norm(out, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weight(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = local_rotary(cfg)  # the sliding layers' own (Gemma 3); None: they share `rotary`
         self.use_decode_stack = True  # decode steps in one kernel call where they can (`native_decode`)
         self._decode_stack: NativeDecode | None = None
         self._decode_stack_built = False
@@ -134,19 +150,27 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata | None,  # None (with kv_caches): the step's, from `step_metadata` (compiled)
         on_layer: Callable[[int], None] | None = None,  # told each layer's index once its KV is written
     ) -> torch.Tensor:  # [tokens, hidden]
-        x, delta = F.embedding(input_ids, self.embed_tokens), None
+        x, delta = self.embed(input_ids), None
         cos_sin = self.rotary(positions)
+        local = cos_sin if self.rotary_local is None else self.rotary_local(positions)
         stack = self.decode_stack() if meta is not None and on_layer is None else None
         if stack is not None and stack.takes(x, meta):
             x, delta = stack(x, cos_sin, kv_caches, meta)
         else:
             for i, layer in enumerate(self.layers):
-                x, delta = layer(x, delta, cos_sin, None if kv_caches is None else kv_caches[i], meta)
+                rope = local if layer.self_attn.local_rope else cos_sin
+                x, delta = layer(x, delta, rope, None if kv_caches is None else kv_caches[i], meta)
                 if on_layer is not None:
                     on_layer(i)
         x, hidden = self.norm.add_and_norm(x, delta, None if meta is None else meta.kernels)
         self.residual = x if self.keep_residual else None
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [tokens] -> [tokens, hidden]
+        x = embedding_rows(self.embed_tokens, input_ids, self.norm.weight.dtype)
+        if self.cfg.embedding_multiplier is not None:  # rounded to the dtype first, as transformers does
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
+        return x
 
     def decode_stack(self) -> NativeDecode | None:
         """The layers as one kernel call takes them (built at the first step, once the weights are

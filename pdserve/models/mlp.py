@@ -1,4 +1,5 @@
-"""A decoder layer's feed-forward part: the SiLU-gated MLP, and routed experts made of them.
+"""A decoder layer's feed-forward part: the gated MLP (SiLU, or Gemma's GELU), and routed experts
+made of them.
 
 Expert weights stay one gated MLP each (fused gate/up, down), so quantization, packing and the
 CPU kernels treat an expert's products like any other layer's. A step's tokens are grouped by the
@@ -18,6 +19,9 @@ from pdserve.layers.linear import linear
 from pdserve.models.arch_config import ArchConfig, Experts
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -26,15 +30,16 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.intermediate = intermediate_size or cfg.intermediate_size
+        self.activation = cfg.activation
         self.gate_up_proj = weight(2 * self.intermediate, cfg.hidden_size)
         self.down_proj = weight(cfg.hidden_size, self.intermediate)
 
     def forward(self, x: torch.Tensor, kernels: NativeKernels | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
-        if kernels is not None:
+        if kernels is not None and self.activation == "silu":
             return linear(kernels.silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        return linear(_ACTIVATIONS[self.activation](gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):

@@ -6,8 +6,8 @@ the layers took 9.4 ms a token through the model's modules, 5.7 ms as the same c
 back, on a 2-vCPU Xeon. Where every matmul of the layers runs on pdserve's quantized kernels, a
 decode-only step hands the whole stack to one C call that makes those same calls in the same
 order: the hidden states come out identical, bit for bit (tested). Anything else runs the
-modules: prefill chunks, layer callbacks, query/key norms (Qwen3), routed experts, weights not
-quantized, and batches large enough for the dense products.
+modules: prefill chunks, layer callbacks, query/key norms (Qwen3), routed experts, sliding
+windows, Gemma's layers, weights not quantized, and batches large enough for the dense products.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class NativeDecode:
     @classmethod
     def of(cls, model) -> NativeDecode | None:
         cfg = model.cfg
-        if cfg.qk_norm or cfg.experts is not None:
+        if (cfg.qk_norm or cfg.experts is not None or cfg.sliding_layers or cfg.sandwich_norms
+                or cfg.activation != "silu"):
             return None
         structs, bits = [], set()
         for layer in model.layers:

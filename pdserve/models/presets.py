@@ -22,6 +22,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                   use_sliding_window=False),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
                   attention_bias=False, use_sliding_window=False),
+    # Gemma 3 (text): GELU-gated, (1 + w) norms around attention and MLP, local and global layers
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                   rope_local_base_freq=10000.0),
     # mixtures of experts, scaled to the preset: its intermediate size split among the top-k
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None,
                     tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),

@@ -45,6 +45,30 @@ def read_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
     return theta, scaling
 
 
+def read_local_and_global_rope(cfg: dict[str, Any], default_global: float,
+                               default_local: float) -> tuple[float, RopeScaling, float]:
+    """(theta, scaling, local theta) of a model whose sliding layers rotate by a base of their own,
+    unscaled (Gemma 3), as transformers 5 reads it: `rope_parameters` nested by layer type
+    ({"full_attention": {...}, "sliding_attention": {...}}), or transformers 4's `rope_theta`,
+    `rope_scaling` (the global layers') and `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json rope_parameters must be an object, got {params!r}")
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full = {"rope_theta": cfg.get("rope_theta", default_global), **(cfg.get("rope_scaling") or params)}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", default_local)}
+    for name, raw in (("full_attention", full), ("sliding_attention", local)):
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json rope parameters of {name} layers must be an object, got {raw!r}")
+    if _scaling(local, cfg) != RopeScaling():
+        raise ValueError(f"config.json scales the sliding layers' rotary embedding ({local}); pdserve scales "
+                         "only the global layers'")
+    return (float(full.get("rope_theta", default_global)), _scaling(full, cfg),
+            float(local.get("rope_theta", default_local)))
+
+
 def _refuse_per_layer_type(params: dict[str, Any], cfg: dict[str, Any]) -> None:
     # transformers 5 nests rope_parameters under layer type names when layers rotate differently
     # (e.g. {"full_attention": {...}, "sliding_attention": {...}}); we apply one rotary table to all.

@@ -103,8 +103,10 @@ def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
+    gemma = cfg["architectures"][0] == "Gemma3ForCausalLM"
+
     def norm_weight(size: int) -> torch.Tensor:  # near 1, but not exactly: a wrong norm shows
-        return 1.0 + 0.1 * torch.randn(size, generator=g)
+        return (0.0 if gemma else 1.0) + 0.1 * torch.randn(size, generator=g)  # Gemma scales by 1 + w
 
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h)}
     for i in range(cfg["num_hidden_layers"]):
@@ -117,12 +119,15 @@ def _random_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             t[p + "self_attn.q_proj.bias"] = normal(heads * hd)
             t[p + "self_attn.k_proj.bias"] = normal(kv_heads * hd)
             t[p + "self_attn.v_proj.bias"] = normal(kv_heads * hd)
-        if cfg["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if cfg["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
             t[p + "self_attn.q_norm.weight"] = norm_weight(hd)
             t[p + "self_attn.k_norm.weight"] = norm_weight(hd)
         t.update(_mlp_tensors(cfg, i, normal))
         t[p + "input_layernorm.weight"] = norm_weight(h)
         t[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        if gemma:
+            t[p + "pre_feedforward_layernorm.weight"] = norm_weight(h)
+            t[p + "post_feedforward_layernorm.weight"] = norm_weight(h)
     t["model.norm.weight"] = norm_weight(h)
     if not cfg.get("tie_word_embeddings"):
         t["lm_head.weight"] = normal(v, h)

@@ -78,7 +78,7 @@ def build_router(args: argparse.Namespace, api_key: str = "", token: str = ""):
     path = resolve_model(args.model)
     info = load_model_info(path)  # no tensors: the router computes nothing with the model
     arch = ArchConfig.from_hf_config(info.hf_config)
-    limit = arch.max_position_embeddings if not arch.sliding_window else min(arch.max_position_embeddings, arch.sliding_window)
+    limit = arch.max_position_embeddings
     name = args.served_model_name or (args.model or "default")
     config = RouterConfig(model_name=name, max_model_len=min(args.max_model_len or limit, limit), api_key=api_key,
                           admin_key=read_secret(args.admin_key_file, ADMIN_KEY_ENV), worker_token=token,

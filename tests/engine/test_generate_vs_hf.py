@@ -83,7 +83,7 @@ def test_prefix_cache_hits_give_identical_output(tiny_llama, reference):
     assert_engine_idle(llm)
 
 
-@pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_matches_transformers_other_architectures(tiny_models, hf_models, variant):
     llm = make_llm(tiny_models[variant], max_num_batched_tokens=16)
     prompts = mixed_prompts()[2:6]

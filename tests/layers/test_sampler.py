@@ -115,3 +115,21 @@ def test_cuts_never_draw_a_cut_token_and_keep_all_the_others():
     got = Sampler(seed=0)(LOGITS.repeat(len(settings), 1), batch)
     for i, (setting, allowed) in enumerate(cases):
         assert set(got[i * per_case:(i + 1) * per_case]) == allowed, setting
+
+
+def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps():
+    """Over a 262k-word vocabulary the nucleus is sought among the most likely tokens first: the
+    kept set equals the whole sort's, where it lies among them and where it does not (a flat row)."""
+    from pdserve.layers import sampler
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 262_144
+    peaked = torch.randn(3, vocab, generator=g) * 4  # nuclei of a few hundred tokens at most
+    flat = torch.randn(1, vocab, generator=g) * 0.01  # a nucleus of most of the vocabulary
+    for logits in (peaked, torch.cat([peaked[:1], flat])):
+        probs = logits.softmax(dim=-1)
+        top_ps = torch.tensor([0.9, 0.5, 0.99, 0.7][: len(probs)])
+        got = sampler._apply_top_p(probs, top_ps)
+        values, order = probs.sort(dim=-1, descending=True)
+        expected = sampler._nucleus(probs, values, order, top_ps, probs.sum(dim=-1, keepdim=True))
+        assert torch.equal(got > 0, expected > 0) and torch.equal(got, expected)

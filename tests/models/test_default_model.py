@@ -94,24 +94,23 @@ def test_export_writes_an_equivalent_hugging_face_directory(llm, tmp_path):
 
 
 def test_the_file_is_served_in_its_own_4_and_8_bits_and_answers():
-    from pdserve.layers.quant import QuantizedWeight, dequantize_reference
+    from pdserve.layers.quant import QuantizedWeight
     from pdserve.layers.kernels.native import load as load_kernels
     from pdserve.models.loader import load_checkpoint
 
     ckpt = load_checkpoint(default_model_path())
-    # the file stores its layers in Q4_1 and its (tied) embedding in Q8_0; re-quantizing the
-    # dequantized values gives them back: exact up to float32 rounding of scale * q + low (1e-5
-    # for the file's small weights)
-    assert ckpt.quantized_bits["model.layers.3.mlp.down_proj.weight"] == 4
-    assert ckpt.quantized_bits["model.embed_tokens.weight"] == 8
-    for name, bits in (("model.layers.3.mlp.down_proj.weight", 4), ("model.embed_tokens.weight", 8)):
-        w = ckpt.tensors[name]
-        torch.testing.assert_close(dequantize_reference(w, bits), w, atol=1e-5, rtol=0)
+    # the file stores its layers in Q4_1 and its (tied) embedding in Q8_0: kept in the file's bytes
+    down, table = ckpt.blocks["model.layers.3.mlp.down_proj.weight"], ckpt.blocks["model.embed_tokens.weight"]
+    assert (down.format.name, table.format.name) == ("Q4_1", "Q8_0")
     served = LLM(str(default_model_path()), kv_cache_memory="64MiB")  # quantization "auto": the default
     model = served.engine.runner.model
-    if load_kernels() is not None:
-        assert isinstance(model.layers[3].mlp.down_proj, QuantizedWeight) and model.layers[3].mlp.down_proj.bits == 4
+    if load_kernels() is not None:  # held for the 4- and 8-bit kernels, with exactly the file's values
+        held = model.layers[3].mlp.down_proj
+        assert isinstance(held, QuantizedWeight) and held.bits == 4
+        assert torch.equal(held.dequantize(), down.dequantize())
         assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.bits == 8
+        assert model.embed_tokens is model.lm_head  # one copy of the table: looked up and multiplied
+        assert torch.equal(model.lm_head.dequantize(), table.dequantize())
     out = served.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=20))
     assert out[0].outputs[0].text == "The capital of France is Paris."  # still right from the 4-bit kernels
     assert_engine_idle(served)

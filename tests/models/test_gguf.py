@@ -191,22 +191,27 @@ def test_config_matches_transformers(ours, hf_model):
     cfg = ours.hf_config
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id"):
+                "bos_token_id", "pad_token_id"):
         assert cfg[key] == hf_config[key], key
+    # transformers stops on the file's eos alone; llama.cpp also on <|endoftext|>, by its text
+    assert hf_config["eos_token_id"] == 2 and cfg["eos_token_id"] == [2, 0]
     assert np.float32(cfg["rms_norm_eps"]) == np.float32(hf_config["rms_norm_eps"])
     assert cfg["rope_theta"] == hf_config["rope_parameters"]["rope_theta"] == 100000.0
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "rope_scaling" not in cfg
-    assert ours.generation_config == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    assert ours.generation_config == {"bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 2}
     arch = ArchConfig.from_hf_config(cfg)
-    assert arch.num_parameters() == sum(t.numel() for t in ours.tensors.values())
+    assert arch.num_parameters() == sum(t.numel() for t in ours.float_tensors().values())
 
 
 def test_tensors_equal_transformers(ours, hf_model):
     _, state = hf_model
-    # A tied lm_head is the embedding itself; Hugging Face checkpoints do not store it twice.
-    assert set(ours.tensors) == set(state) - {"lm_head.weight"}
+    # A tied lm_head is the embedding itself; Hugging Face checkpoints do not store it twice. The
+    # matmul weights are kept in the file's blocks: their values are what transformers expands.
+    values = ours.float_tensors()
+    assert set(values) == set(state) - {"lm_head.weight"}
+    assert {b.format.name for b in ours.blocks.values()} == {"Q4_1", "Q8_0"}
     for name, ref in state.items():
-        ours_t = ours.tensors.get(name, ours.tensors["model.embed_tokens.weight"])
+        ours_t = values.get(name, values["model.embed_tokens.weight"])
         assert ours_t.dtype == torch.float32 and ours_t.shape == ref.shape, name
         assert torch.equal(ours_t, ref), f"{name}: max diff {(ours_t - ref).abs().max()}"
 
@@ -225,52 +230,6 @@ def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
     assert default_model.default_cache_dir() == tmp_path / "pdserve" / "gguf"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_model.default_cache_dir() == Path.home() / ".cache" / "pdserve" / "gguf"
-
-
-def test_cached_checkpoint_round_trips(monkeypatch, tmp_path, gguf_path, ours):
-    conversions = []
-
-    def convert(path):  # the real conversion is covered above; count calls instead of redoing it
-        conversions.append(path)
-        return ours
-
-    monkeypatch.setattr(gguf_reader, "load_gguf", convert)
-    first = default_model.load_checkpoint_cached(gguf_path, tmp_path)
-    cached = default_model.load_checkpoint_cached(gguf_path, tmp_path)
-
-    assert first is ours and conversions == [gguf_path]
-    stat = gguf_path.stat()
-    assert [p.name for p in tmp_path.iterdir()] == [default_model.cache_entry(gguf_path, tmp_path).name]
-    assert default_model.cache_entry(gguf_path, tmp_path).name.startswith(
-        f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-")
-    assert cached.hf_config == ours.hf_config and cached.generation_config == ours.generation_config
-    assert cached.quantized_bits == ours.quantized_bits
-    assert cached.tensors.keys() == ours.tensors.keys()
-    for name, t in ours.tensors.items():
-        assert cached.tensors[name].dtype == torch.float32 and torch.equal(cached.tensors[name], t), name
-    for text in CORPUS[:50]:
-        assert cached.tokenizer.encode(text) == ours.tokenizer.encode(text)
-    messages = _CONVERSATIONS[2]
-    assert cached.tokenizer.apply_chat_template(messages) == ours.tokenizer.apply_chat_template(messages)
-
-
-def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path, gguf_path, ours):
-    monkeypatch.setattr(gguf_reader, "load_gguf", lambda path: ours)
-    entry = default_model.cache_entry(gguf_path, tmp_path)
-    entry.mkdir()
-    (entry / "config.json").write_text("{")  # truncated
-    assert default_model.load_checkpoint_cached(gguf_path, tmp_path) is ours
-    assert (entry / "model.safetensors").is_file()
-
-
-def test_losing_a_conversion_race_keeps_the_winner(tmp_path, ours):
-    # Two workers converting the same file at once: the second rename finds the entry already there.
-    entry = tmp_path / "model-1-2"
-    for value in (1.0, 2.0):
-        ckpt = Checkpoint({"n": value}, {"w": torch.full((2,), value)}, ours.tokenizer)
-        default_model._save_atomically(ckpt, entry)
-    assert [p.name for p in tmp_path.iterdir()] == [entry.name]
-    assert json.loads((entry / "config.json").read_text()) == {"n": 1.0}
 
 
 # ---- tiny files: Qwen2, sentencepiece, rope factors, errors ----
@@ -376,8 +335,11 @@ def test_qwen2_tensors_match_transformers(tmp_path):
     ckpt = load_gguf(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     state = model.state_dict()
-    assert set(ckpt.tensors) == set(state)
-    for name, t in ckpt.tensors.items():
+    assert set(ckpt.names()) == set(state)
+    assert {name: b.format.name for name, b in ckpt.blocks.items()} == {
+        "model.layers.0.mlp.up_proj.weight": "Q8_0", "model.layers.1.self_attn.q_proj.weight": "Q4_1",
+        "model.layers.1.mlp.gate_proj.weight": "Q4_0"}
+    for name, t in ckpt.float_tensors().items():
         assert torch.equal(t, state[name]), name
     # Qwen2 is not permuted: a float32 tensor comes through as written.
     q = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
@@ -505,22 +467,14 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
         load_gguf(path)
 
 
-def test_model_info_is_the_checkpoint_without_weights(monkeypatch, tmp_path, gguf_path, ours):
-    """What the router reads (config, tokenizer, generation config) equals what a worker loads,
-    from the GGUF itself and from its converted copy in the cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_model_info_is_the_checkpoint_without_weights(gguf_path, ours):
+    """What the router reads (config, tokenizer, generation config) equals what a worker loads."""
     text = "Hello world, this is pdserve"
-    for source in ("gguf", "cache"):
-        info = load_model_info(gguf_path)
-        assert info.hf_config == ours.hf_config, source
-        assert info.generation_config == ours.generation_config, source
-        assert info.tokenizer.encode(text) == ours.tokenizer.encode(text), source
-        assert info.tokenizer.chat_template == ours.tokenizer.chat_template, source
-        if source == "gguf":
-            default_model.load_checkpoint_cached(gguf_path)  # writes the cache entry read next
-            assert (default_model.cache_entry(gguf_path) / "config.json").is_file()
-    (default_model.cache_entry(gguf_path) / "config.json").write_text("{")  # a damaged entry: read the GGUF
-    assert load_model_info(gguf_path).hf_config == ours.hf_config
+    info = load_model_info(gguf_path)
+    assert info.hf_config == ours.hf_config
+    assert info.generation_config == ours.generation_config
+    assert info.tokenizer.encode(text) == ours.tokenizer.encode(text)
+    assert info.tokenizer.chat_template == ours.tokenizer.chat_template
 
 
 # ---- mixtures of experts: a tiny checkpoint of each written as llama.cpp lays it out ----

@@ -1,0 +1,171 @@
+"""Matmul weights held in their GGUF file's own block formats (`block_formats.py`), multiplied by
+pdserve's kernels (`kernels/blocks.c`) without converting them at load.
+
+A fused weight (q/k/v, gate/up) is a stack of parts, each in its own format: llama.cpp's Q4_K_M
+mixes Q5_0, Q8_0, Q4_K and Q6_K, and may store a layer's q and v differently. A product runs each
+part into its own columns of one output. Its activations are quantized to int8 in groups of 32
+and multiplied a block at a time, so a decode step reads the file's bytes and nothing else.
+
+Where a product has rows enough that arithmetic, not the weight's bytes, is its cost (a prefill
+chunk), it runs dense: the weight expanded into a buffer the model's weights share (or an
+expanded copy kept, where the model's copies fit the memory set aside: `dense_memory_budget`),
+from `DenseProducts.min_rows` rows up, measured on this CPU when the model loads.
+
+A weight all of whose parts are Q4_1, or all Q8_0, is held as a `QuantizedWeight` instead
+(`hold_blocks`): the same values, whose kernels also run panels, AMX tiles and the one-call
+decode stack.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.layers.block_formats import StoredBlocks
+from pdserve.layers.kernels.native import NativeKernels
+from pdserve.layers.measured import machine_key
+from pdserve.layers.packed import pack_weight, packed_linear
+from pdserve.layers.quant import (
+    GROUP_SIZE, THRESHOLDS, DenseProducts, QuantizedWeight, with_panels,
+)
+from pdserve.layers.timing import best_seconds
+
+log = logging.getLogger("pdserve.kernels")
+
+_CALIBRATION_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)  # up to a default prefill chunk
+_Q4_1, _Q8_0 = 3, 8  # GGML type ids of the formats `QuantizedWeight` holds as they are
+
+
+@dataclass(slots=True)
+class BlockWeight:
+    """A weight [out, in] as stacked parts in their file's block formats."""
+
+    parts: list[StoredBlocks]  # along the outputs: each part's rows follow the one before
+    kernels: NativeKernels
+    dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's block weights
+    expanded: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # kept copies (`dense.keep`)
+
+    def __post_init__(self) -> None:
+        widths = {p.shape[1] for p in self.parts}
+        if len(widths) != 1:
+            raise ValueError(f"the parts of a fused weight take inputs of one size, not {sorted(widths)}")
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product of few rows reads: the file's."""
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return self.matmul(x.float()).to(x.dtype)
+        if self.dense.min_rows is not None and x.shape[0] >= self.dense.min_rows:
+            return self.matmul_dense(x)
+        return self.matmul_blocks(x)
+
+    def matmul_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if len(self.parts) == 1:
+            part = self.parts[0]
+            return self.kernels.block_matmul(x, part.format.type_id, part.data, part.shape[0])
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        column = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            self.kernels.block_matmul(x, part.format.type_id, part.data, rows, out=y[:, column : column + rows])
+            column += rows
+        return y
+
+    def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dense.keep:
+            return F.linear(x, self.expand_into(self.dense.buffer(self.out_features, self.in_features, x.dtype)))
+        w = self.expanded.get(x.dtype)
+        if w is None:  # expanded once, kept in the layout the dense kernel reads fastest
+            w = self.expanded[x.dtype] = pack_weight(
+                self.expand_into(torch.empty(self.out_features, self.in_features, dtype=x.dtype)))
+        return packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
+
+    def expand_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The weight's values into `out` ([out, in] float32 or bfloat16, contiguous)."""
+        row = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            self.kernels.block_dequantize(part.format.type_id, part.data, out[row : row + rows])
+            row += rows
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these blocks stand for, [out, in] float32."""
+        return self.expand_into(torch.empty(self.out_features, self.in_features))
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` ([tokens] int64) of a one-part table (a token embedding), [tokens, in] in `dtype`."""
+        if len(self.parts) != 1:
+            raise ValueError("an embedding table is one matrix, not a fused weight")
+        part = self.parts[0]
+        out = torch.empty(ids.shape[0], self.in_features, dtype=dtype)
+        return self.kernels.block_rows(part.format.type_id, part.data, ids.contiguous(), out)
+
+
+def hold_blocks(parts: list[StoredBlocks], kernels: NativeKernels) -> BlockWeight | QuantizedWeight:
+    """The holder that serves `parts` fastest: Q4_1 or Q8_0 throughout as a `QuantizedWeight` (its
+    layout is theirs, scales split off), anything else as a `BlockWeight`."""
+    types = {p.format.type_id for p in parts}
+    if types not in ({_Q4_1}, {_Q8_0}) or parts[0].shape[1] % GROUP_SIZE:
+        return BlockWeight(parts, kernels)
+    data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+    out, groups = data.shape[0], parts[0].shape[1] // GROUP_SIZE
+    blocks = data.view(out, groups, -1)  # per block: d (float16), [m (float16),] the quants
+    scales = blocks[..., 0:2].contiguous().view(torch.float16).view(out, groups)
+    if types == {_Q8_0}:
+        qs = blocks[..., 2:].contiguous().view(torch.int8).view(out, groups * GROUP_SIZE)
+        return with_panels(QuantizedWeight(8, qs, scales, None, kernels))
+    mins = blocks[..., 2:4].contiguous().view(torch.float16).view(out, groups)
+    qs = blocks[..., 4:].contiguous().view(out, groups * GROUP_SIZE // 2)  # Q4_1's nibbles: QuantizedWeight's order
+    return with_panels(QuantizedWeight(4, qs, scales, mins, kernels))
+
+
+def calibrate_blocks(weights: list[BlockWeight], dtype: torch.dtype) -> int | None:
+    """The fewest rows from which products of these weights (a model's layers) run faster dense
+    than on their blocks, measured now over all of them in turn (as a step reads them); None: at no
+    size measured. Kept per machine and shape in `THRESHOLDS`, as the quantized weights' are."""
+    first = weights[0]
+    key = machine_key("calibrate-blocks", sorted({p.format.name for w in weights for p in w.parts}),
+                      [first.out_features, first.in_features], len(weights), str(dtype), torch.get_num_threads(),
+                      first.dense.keep, list(_CALIBRATION_ROWS))
+    with THRESHOLDS.locked():
+        entry = THRESHOLDS.read().get(key)
+        rows = entry.get("min_rows", 0) if isinstance(entry, dict) else 0
+        if rows is None or (isinstance(rows, int) and rows > 0):
+            log.info("block weights: products of %s rows or more run dense, as measured before on this CPU (%s)",
+                     rows, THRESHOLDS.path)
+            return rows
+        rows = _measure_dense_rows(weights, dtype)
+        THRESHOLDS.write(key, {"min_rows": rows, "weights": len(weights), "dtype": str(dtype),
+                               "threads": torch.get_num_threads()})
+    return rows
+
+
+def _measure_dense_rows(weights: list[BlockWeight], dtype: torch.dtype) -> int | None:
+    sweep = lambda product, x: best_seconds(lambda: [product(w, x) for w in weights])  # noqa: E731
+    probes = [replace(w, dense=DenseProducts(keep=w.dense.keep), expanded={}) for w in weights]
+    for rows in _CALIBRATION_ROWS:
+        x = torch.randn(rows, weights[0].in_features).to(dtype)
+        blocks, dense = sweep(BlockWeight.matmul_blocks, x), best_seconds(
+            lambda: [BlockWeight.matmul_dense(w, x) for w in probes])
+        if dense < blocks:
+            log.info("block weights: products of %d rows or more run dense (%.2f ms against %.2f ms for %d weights)",
+                     rows, dense * 1e3, blocks * 1e3, len(weights))
+            return rows
+    log.info("block weights: no product measured runs faster dense (up to %d rows)", _CALIBRATION_ROWS[-1])
+    return None
