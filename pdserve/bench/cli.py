@@ -6,6 +6,8 @@
 - `pdserve bench soak`     hours of valid and hostile traffic, audited for leaks
 - `pdserve bench prefix`   a burst on one hot prefix: routing by load, by prefix, with copies
 - `pdserve bench upgrade`  a live cluster moved to a new version through shadow traffic and a canary
+- `pdserve bench perplexity`  a model's perplexity on a text, as llama.cpp's llama-perplexity computes it
+- `pdserve bench agreement`  greedy tokens of a file against llama.cpp's server on the same file
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.hot_prefix import main as run
     elif name == "upgrade":
         from pdserve.bench.upgrade import main as run
+    elif name == "perplexity":
+        from pdserve.bench.perplexity import main as run
+    elif name == "agreement":
+        from pdserve.bench.agreement import main as run
     else:
         from pdserve.bench.serving import main as run
         rest = argv

@@ -2,7 +2,8 @@
 
 Every format pdserve reads (a Hugging Face directory, a GGUF file) is turned into a `Checkpoint`;
 the model is built from that alone, and `save` writes it back as a Hugging Face directory (a
-GGUF's blocks expanded to float32 there, its Q4_1 and Q8_0 ones marked to be served so again).
+GGUF's blocks expanded to float32 there; its Q4_1 and Q8_0 ones, in `quantized_bits`, served in
+those bits again).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pdserve.tokenizer import Tokenizer
 
 # Beside the weights: which tensors came quantized (GGUF), so they can be served that way again.
 QUANTIZED_BITS_FILE = "pdserve_quantized_bits.json"
-_REQUANTIZED = {"Q4_1": 4, "Q8_0": 8}  # block formats `layers/quant.py` reproduces from their values
 
 
 @dataclass(slots=True)
@@ -52,10 +52,8 @@ class Checkpoint:
         (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
         self.tokenizer.save(out)
         _save_sharded(self.float_tensors(), out, max_shard_bytes)
-        bits = self.quantized_bits | {name: _REQUANTIZED[b.format.name] for name, b in self.blocks.items()
-                                      if b.format.name in _REQUANTIZED}
-        if bits:
-            (out / QUANTIZED_BITS_FILE).write_text(json.dumps(bits, indent=1))
+        if self.quantized_bits:
+            (out / QUANTIZED_BITS_FILE).write_text(json.dumps(self.quantized_bits, indent=1))
 
 
 def load_hf_dir(path: str | Path) -> Checkpoint:

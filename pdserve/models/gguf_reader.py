@@ -66,7 +66,8 @@ _MATMUL_TENSORS = {"token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_o
                    "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}
 
 # Quantization types whose values `layers/quant.py` reproduces exactly from the dequantized weights:
-# the stacked experts' (expanded at load) are quantized again by that rule.
+# the stacked experts' (expanded at load), and any expanded for tensor parallel ranks, are quantized
+# again by that rule.
 _SERVED_AS_STORED = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 
 
@@ -80,8 +81,10 @@ def load_gguf(path: str | Path) -> Checkpoint:
         expanded = [t for t in gguf.tensors if t.name in names and not _kept_in_blocks(t)]
         blocks = {names[t.name]: _blocks(gguf, t, names[t.name], arch, info.hf_config) for t in kept}
         tensors = _read_tensors(gguf, expanded, names, arch, info.hf_config)
-    stored: dict[str, set] = {}  # HF name -> the bits of its expanded GGUF tensors (stacked gate and up: two)
-    for t in expanded:
+    # HF name -> the bits its GGUF tensors' values re-quantize to exactly (stacked gate and up: two);
+    # blocks too, for where they are expanded (tensor parallel ranks serve those bits)
+    stored: dict[str, set] = {}
+    for t in kept + expanded:
         stored.setdefault(names[t.name], set()).add(_SERVED_AS_STORED.get(t.type))
     bits = {name: next(iter(b)) for name, b in stored.items() if len(b) == 1 and None not in b}
     return Checkpoint(info.hf_config, tensors, info.tokenizer, info.generation_config, bits, blocks)

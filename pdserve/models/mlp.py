@@ -38,6 +38,8 @@ class GatedMLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj)
         if kernels is not None and self.activation == "silu":
             return linear(kernels.silu_mul(gate_up), self.down_proj)
+        if kernels is not None and self.activation == "gelu_tanh":
+            return linear(kernels.gelu_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return linear(_ACTIVATIONS[self.activation](gate) * up, self.down_proj)
 

@@ -5,7 +5,8 @@ module calls, the new tensors, the argument conversions) cost more than the kern
 the layers took 9.4 ms a token through the model's modules, 5.7 ms as the same calls made back to
 back, on a 2-vCPU Xeon. Where every matmul of the layers runs on pdserve's quantized kernels, a
 decode-only step hands the whole stack to one C call that makes those same calls in the same
-order: the hidden states come out identical, bit for bit (tested). Anything else runs the
+order: the hidden states come out identical, bit for bit (tested). Weights in a GGUF file's block
+formats (`BlockWeight`) run there too, part by part. Anything else runs the
 modules: prefill chunks, layer callbacks, query/key norms (Qwen3), routed experts, sliding
 windows, Gemma's layers, weights not quantized, and batches large enough for the dense products.
 """
@@ -17,13 +18,18 @@ import ctypes
 import torch
 
 from pdserve.layers.attention import AttentionMetadata
+from pdserve.layers.block_weight import BlockWeight
 from pdserve.layers.quant import QuantizedWeight
 
 
-class _QWeight(ctypes.Structure):
+class _BlockPart(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int64), ("rows", ctypes.c_int64), ("data", ctypes.c_void_p)]
+
+
+class _QWeight(ctypes.Structure):  # ops.c's pd_qweight; bits 0: `nparts` block parts
     _fields_ = [("bits", ctypes.c_int64), ("qs", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("panels", ctypes.c_void_p), ("panel_scales", ctypes.c_void_p),
-                ("panel_mins", ctypes.c_void_p)]
+                ("panel_mins", ctypes.c_void_p), ("parts", ctypes.POINTER(_BlockPart)), ("nparts", ctypes.c_int64)]
 
 _BYTES, _TILES, _PANELS = 0, 1, 2  # where the stack's products run (ops.c's STACK_*)
 
@@ -33,21 +39,29 @@ class _Layer(ctypes.Structure):
                 ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
 
 
-def _qweight(w: QuantizedWeight) -> _QWeight:
+def _qweight(w: QuantizedWeight | BlockWeight, keep: list) -> _QWeight:
+    """The struct for `w`; `keep` holds what its pointers point into (a block weight's parts array)."""
+    if isinstance(w, BlockWeight):
+        parts = (_BlockPart * len(w.parts))(*(_BlockPart(p.format.type_id, p.shape[0], p.data.data_ptr())
+                                              for p in w.parts))
+        keep.append(parts)
+        return _QWeight(0, None, None, None, None, None, None, parts, len(w.parts))
     panels = (None, None, None) if w.panels is None else tuple(t.data_ptr() for t in w.panels)
     return _QWeight(w.bits, w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-                    *panels)
+                    *panels, None, 0)
 
 
 class NativeDecode:
     """The model's layers as `pd_decode_stack` takes them, built once; None from `of` where the
     model's layers cannot run there (see the module's docstring)."""
 
-    def __init__(self, model, layers: ctypes.Array, bits: set[int]) -> None:
+    def __init__(self, model, layers: ctypes.Array, bits: set[int], denses: list, keep: list) -> None:
         self.model = model
         self.layers = layers  # the structs hold pointers into the model's weights, which it keeps
-        self.bits = bits  # of the layers' weights
-        self.dense = model.layers[0].mlp.gate_up_proj.dense
+        self.bits = bits  # of the layers' quantized weights (block weights: none)
+        self.denses = denses  # every `DenseProducts` the layers' weights follow
+        self.dense = next((d for d in denses if d.tile_rows is not None or d.panel_rows is not None), denses[0])
+        self._keep = keep  # the block parts' arrays the structs point to
 
     @classmethod
     def of(cls, model) -> NativeDecode | None:
@@ -55,26 +69,27 @@ class NativeDecode:
         if (cfg.qk_norm or cfg.experts is not None or cfg.sliding_layers or cfg.sandwich_norms
                 or cfg.activation != "silu"):
             return None
-        structs, bits = [], set()
+        structs, bits, denses, keep = [], set(), {}, []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(w, QuantizedWeight) for w in weights):
+            if not all(isinstance(w, (QuantizedWeight, BlockWeight)) for w in weights):
                 return None
-            bits.update(w.bits for w in weights)
+            bits.update(w.bits for w in weights if isinstance(w, QuantizedWeight))
+            denses.update((id(w.dense), w.dense) for w in weights)
             bias = attn.qkv_bias
             norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
-            structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(), *(_qweight(w) for w in weights)))
-        return cls(model, (_Layer * len(structs))(*structs), bits)
+            structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(),
+                                  *(_qweight(w, keep) for w in weights)))
+        return cls(model, (_Layer * len(structs))(*structs), bits, list(denses.values()), keep)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers can run here: a decode-only step on pdserve's kernels whose
         products all run on the quantized kernels at its number of rows."""
         rows = x.shape[0]
-        dense = self.dense
         return (meta.kernels is not None and not meta.prefills and meta.num_decode_tokens == rows
                 and meta.decode_tables is not None and x.dtype in (torch.float32, torch.bfloat16)
-                and (dense.min_rows is None or rows < dense.min_rows))
+                and all(d.min_rows is None or rows < d.min_rows for d in self.denses))
 
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

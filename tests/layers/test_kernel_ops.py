@@ -66,6 +66,18 @@ def test_silu_times_up(kernels, dtype, width):
 
 
 @DTYPES
+@pytest.mark.parametrize("width", [80, 37])
+def test_gelu_times_up(kernels, dtype, width):
+    """Gemma's MLP: GELU's tanh form, as torch's `gelu(approximate="tanh")` (in bfloat16 rounded
+    before the product, as transformers computes it)."""
+    gate_up = (torch.randn(3, 2 * width) * 3).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, -60.0, -5.0, 1e-4, 60.0, 100.0])  # tails, and near zero
+    gate, up = gate_up.split(width, dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(kernels.gelu_mul(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-6, rtol=tol)
+
+
+@DTYPES
 def test_rotary_in_place_then_k_and_v_into_their_slots(kernels, dtype):
     t = 4
     qkv = torch.randn(t, (H + 2 * KV) * D).to(dtype)

@@ -112,3 +112,35 @@ def test_every_kernel_variant_runs_the_stack_as_the_modules_do(tiny_llama, isa):
     assert count == 3
     for a, b in zip(modules, stacked):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_runs_a_gguf_files_blocks_as_the_modules_do(tiny_llama, tmp_path, dtype):
+    """A file's weights in block formats (a fused q/k/v of two formats in three parts, gate and up of one,
+    Q4_1 held as a 4-bit `QuantizedWeight`) run in the stack part by part, bit for bit."""
+    from gguf import GGMLQuantizationType as T
+
+    from pdserve.layers.block_weight import BlockWeight
+    from pdserve.layers.quant import QuantizedWeight
+    from tests.gguf_files import write_llama_gguf
+
+    quant = {}
+    for i in range(2):
+        quant |= {f"blk.{i}.attn_q.weight": T.Q8_0, f"blk.{i}.attn_k.weight": T.Q5_0, f"blk.{i}.attn_v.weight": T.Q5_0,
+                  f"blk.{i}.attn_output.weight": T.Q4_1, f"blk.{i}.ffn_gate.weight": T.Q4_0,
+                  f"blk.{i}.ffn_up.weight": T.Q4_0, f"blk.{i}.ffn_down.weight": T.Q5_1}
+    write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", quant)
+    llm = make_llm(tmp_path / "tiny.gguf", dtype=dtype, quantization="auto", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, BlockWeight) and len(layer.self_attn.qkv_proj.parts) == 3
+    assert isinstance(layer.self_attn.o_proj, QuantizedWeight) and isinstance(layer.mlp.down_proj, BlockWeight)
+    for d in model.decode_stack().denses:
+        d.min_rows = None  # every product on the blocks
+    model.use_decode_stack = False
+    modules, _ = _steps(llm, PROMPTS[:3], 3)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS[:3], 3)
+    assert count == len(stacked) == len(modules) == 3
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)

@@ -244,11 +244,18 @@ class NativeKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * inter] (gate | up) -> silu(gate) * up, [rows, inter]."""
+        return self._gated_mul(gate_up, self.lib.pd_silu_mul, "silu_mul")
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] (gate | up) -> gelu(gate) * up (GELU's tanh form), [rows, inter]."""
+        return self._gated_mul(gate_up, self.lib.pd_gelu_mul, "gelu_mul")
+
+    def _gated_mul(self, gate_up: torch.Tensor, kernel, name: str) -> torch.Tensor:
         _contiguous(gate_up)
         rows, width = gate_up.shape
         out = activation_buffer(rows, width // 2, gate_up.dtype)  # a product's input
-        _check(self.lib.pd_silu_mul(self.isa, torch.get_num_threads(), gate_up.data_ptr(), rows, width // 2,
-                                    out.data_ptr(), gate_up.dtype == torch.bfloat16), "silu_mul")
+        _check(kernel(self.isa, torch.get_num_threads(), gate_up.data_ptr(), rows, width // 2, out.data_ptr(),
+                      gate_up.dtype == torch.bfloat16), name)
         return out
 
     def rotary_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -354,7 +361,7 @@ def load() -> NativeKernels | None:
     lib.pd_dequantize.argtypes = [i32, i32, i32, ptr, ptr, ptr, i64, i64, ptr, i32]
     f32 = ctypes.c_float
     lib.pd_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, i64, i64, ptr, i32]
-    lib.pd_silu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
+    lib.pd_silu_mul.argtypes = lib.pd_gelu_mul.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     lib.pd_rotary_store.argtypes = [i32, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.pd_decode_attention.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, f32, ptr,
                                         i32]
@@ -376,7 +383,7 @@ def load() -> NativeKernels | None:
                  "pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
                  "pd_panel_matmul", "pd_panels_available",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
-                 "pd_silu_mul", "pd_rotary_store", "pd_decode_attention"):
+                 "pd_silu_mul", "pd_gelu_mul", "pd_rotary_store", "pd_decode_attention"):
         getattr(lib, name).restype = i32
     lib.pd_openmp_serial_here.argtypes, lib.pd_openmp_serial_here.restype = [], None
     lib.pd_bind_team.argtypes, lib.pd_bind_team.restype = [i32], i32

@@ -112,7 +112,13 @@ int pd_rms_norm(int isa, int threads, void *x, const void *delta, const void *w,
 
 int pd_silu_mul(int isa, int threads, const void *gate_up, int64_t T, int64_t I, void *out, int bf16) {
     if (T < 0 || I < 1 || threads < 1) return -1;
-    DISPATCH(isa, silu_mul, threads, gate_up, T, I, out, bf16);
+    DISPATCH(isa, gated_mul, threads, gate_up, T, I, out, bf16, 0);
+}
+
+/* GELU (its tanh form, as Gemma's MLP) times up. */
+int pd_gelu_mul(int isa, int threads, const void *gate_up, int64_t T, int64_t I, void *out, int bf16) {
+    if (T < 0 || I < 1 || threads < 1) return -1;
+    DISPATCH(isa, gated_mul, threads, gate_up, T, I, out, bf16, 1);
 }
 
 int pd_rotary_store(int isa, int threads, void *qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const void *cos,
@@ -212,14 +218,26 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
 int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
                     const uint16_t *pd, const void *pm, int64_t N, void *y);
 
-/* A quantized weight (qmatmul.c's format, and its panel copy or NULLs) and one decoder layer's
- * weights, for pd_decode_stack. */
+int pd_block_matmul(int isa, int threads, int format, const void *x, int x_bf16, int64_t M, int64_t K, const void *w,
+                    int64_t N, void *y, int64_t ldy);
+
+/* One part of a weight in a GGUF block format (blocks.c): `rows` output rows of `format`. */
+struct pd_block_part {
+    int64_t format, rows;
+    const void *data;
+};
+
+/* A quantized weight (qmatmul.c's format, and its panel copy or NULLs; or, with bits 0, `nparts`
+ * parts in GGUF block formats stacked along the outputs) and one decoder layer's weights, for
+ * pd_decode_stack. */
 struct pd_qweight {
     int64_t bits;
     const void *qs, *scales, *mins;
     const void *panels;
     const uint16_t *panel_scales; /* float16 */
     const void *panel_mins;       /* 4-bit: float16 minimums; 8-bit: int16 corrections */
+    const struct pd_block_part *parts;
+    int64_t nparts;
 };
 struct pd_layer {
     const void *input_norm, *post_norm; /* in the activations' dtype */
@@ -231,6 +249,17 @@ enum { STACK_BYTES = 0, STACK_TILES = 1, STACK_PANELS = 2 }; /* where a stack's 
 
 static int stack_product(int isa, int threads, int on, const struct pd_qweight *w, const void *x, int bf16,
                          int64_t M, int64_t K, int64_t N, void *y) {
+    if (w->bits == 0) { /* block parts, each into its columns of y */
+        int64_t column = 0;
+        for (int64_t i = 0; i < w->nparts; i++) {
+            const struct pd_block_part *p = w->parts + i;
+            const int rc = pd_block_matmul(isa, threads, (int)p->format, x, bf16, M, K, p->data, p->rows,
+                                           (char *)y + column * (bf16 ? 2 : 4), N);
+            if (rc) return rc;
+            column += p->rows;
+        }
+        return column == N ? 0 : -1;
+    }
     if (on == STACK_TILES) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
     if (on == STACK_PANELS && w->panels)
         return pd_panel_matmul(isa, threads, (int)w->bits, x, bf16, M, K, w->panels, w->panel_scales, w->panel_mins,

@@ -229,10 +229,13 @@ static void FN(rms_norm)(int threads, void *x, const void *delta, const void *w,
     }
 }
 
-/* out = silu(gate) * up for gate_up = [gate | up] rows of 2I (bfloat16: silu rounded before the
- * product, as transformers computes it). */
-static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void *out, int bf16) {
+/* out = act(gate) * up for gate_up = [gate | up] rows of 2I, act SiLU (gelu 0) or GELU's tanh
+ * form (gelu 1: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 +
+ * e^-2y), the same value without 1 + tanh's cancellation in the negative tail); bfloat16: act
+ * rounded before the product, as transformers computes it. */
+static void FN(gated_mul)(int threads, const void *gu, int64_t T, int64_t I, void *out, int bf16, int gelu) {
     const int64_t es = bf16 ? 2 : 4;
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
 #pragma omp parallel for num_threads(T > 1 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const char *gate = (const char *)gu + t * 2 * I * es, *up = gate + I * es;
@@ -241,7 +244,9 @@ static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void
 #if VEC_LANES
         for (; i + VEC_LANES <= I; i += VEC_LANES) {
             const VEC g = FN(load_row)(gate, i, bf16);
-            VEC s = VMUL(g, FN(vrecip)(VADD(VSET1(1.0f), FN(vexp)(VSUB(VZERO(), g)))));
+            const VEC e = gelu ? VMUL(VSET1(-2.0f * c), VFMA(VMUL(VSET1(0.044715f), VMUL(g, g)), g, g))
+                               : VSUB(VZERO(), g); /* silu: -g; gelu: -2y */
+            VEC s = VMUL(g, FN(vrecip)(VADD(VSET1(1.0f), FN(vexp)(e))));
             if (bf16) s = FN(round_vec)(s);
             FN(store_row)(o, i, VMUL(s, FN(load_row)(up, i, bf16)), bf16);
         }
@@ -249,7 +254,8 @@ static void FN(silu_mul)(int threads, const void *gu, int64_t T, int64_t I, void
         for (; i < I; i++) {
             const float g = bf16 ? bf16_to_f32(((const uint16_t *)gate)[i]) : ((const float *)gate)[i];
             const float u = bf16 ? bf16_to_f32(((const uint16_t *)up)[i]) : ((const float *)up)[i];
-            float s = g / (1.0f + pd_expf(-g));
+            const float e = gelu ? -2.0f * c * (g + 0.044715f * g * g * g) : -g;
+            float s = g / (1.0f + pd_expf(e));
             if (bf16) s = bf16_to_f32(f32_to_bf16(s));
             if (bf16) ((uint16_t *)o)[i] = f32_to_bf16(s * u);
             else ((float *)o)[i] = s * u;
