@@ -1,8 +1,10 @@
 """`pdserve bench agreement`: greedy tokens of a model file, ours against llama.cpp's server on the
 same file, prompt by prompt.
 
-Both get the same token ids (ours tokenizes; llama-server takes ids), generate `--max-tokens`
-greedily, and report their two most likely tokens at every step. A prompt agrees when every token
+Both get the same token ids (ours tokenizes; llama-server takes ids), generate up to
+`--max-tokens` greedily, each stopping at its end-of-generation tokens (llama-server's
+`ignore_eos` would forbid them rather than pass them by, as ours does), and report their two most
+likely tokens at every step. A prompt agrees when every token
 is the same; where they first differ the report gives the position and each side's margin there
 (the log-probability of its first choice minus its second's): a difference both sides see as a
 near-tie (a margin under `--tie` nats on either side) is rounding, two arithmetics landing either
@@ -44,7 +46,7 @@ PROMPTS = [
 def _server_greedy(url: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """llama-server's greedy tokens and, at each, its first choice's log-probability minus its second's."""
     body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "n_probs": 2, "cache_prompt": False,
-            "ignore_eos": True, "return_tokens": True, "post_sampling_probs": False}
+            "return_tokens": True, "post_sampling_probs": False}
     r = httpx.post(url.rstrip("/") + "/completion", json=body, timeout=600)
     r.raise_for_status()
     data = r.json()
@@ -84,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         for text in PROMPTS:
             ids = llm.engine.tokenizer.encode(text)
             out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
-                temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2))[0].outputs[0]
+                temperature=0, max_tokens=args.max_tokens, logprobs=2))[0].outputs[0]
             ours = list(out.token_ids)
             our_margins = [e.top[0][1] - e.top[1][1] if len(e.top) > 1 else math.inf for e in out.logprobs]
             theirs, their_margins = _server_greedy(args.llama_server, ids, args.max_tokens)
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if first is None and len(ours) != len(theirs):  # one stopped (its end-of-generation token) first
+                first = min(len(ours), len(theirs))
             row = {"prompt": text, "prompt_tokens": len(ids), "agree": first is None, "first_difference": first}
             if first is not None:
                 row |= {"ours_margin": our_margins[first], "llama_cpp_margin": their_margins[first]

@@ -2,14 +2,16 @@
 pdserve's kernels (`kernels/blocks.c`) without converting them at load.
 
 A fused weight (q/k/v, gate/up) is a stack of parts, each in its own format: llama.cpp's Q4_K_M
-mixes Q5_0, Q8_0, Q4_K and Q6_K, and may store a layer's q and v differently. A product runs each
-part into its own columns of one output. Its activations are quantized to int8 in groups of 32
+mixes Q5_0, Q8_0, Q4_K and Q6_K, and may store a layer's q and v differently. A product runs
+every part in one kernel call, each into its own columns of one output. Its activations are quantized to int8 in groups of 32
 and multiplied a block at a time, so a decode step reads the file's bytes and nothing else.
 
-Where a product has rows enough that arithmetic, not the weight's bytes, is its cost (a prefill
-chunk), it runs dense: the weight expanded into a buffer the model's weights share (or an
-expanded copy kept, where the model's copies fit the memory set aside: `dense_memory_budget`),
-from `DenseProducts.min_rows` rows up, measured on this CPU when the model loads.
+Where a product has rows enough that arithmetic, not the weight's bytes, is its cost, it runs on
+AMX tiles where the CPU has them (bfloat16 rows from `DenseProducts.tile_rows` up: the weight
+expanded a block at a time as it is read, `kernels/blocks_amx.h`), or dense (a prefill chunk):
+the weight expanded into a buffer the model's weights share (or an expanded copy kept, where the
+model's copies fit the memory set aside: `dense_memory_budget`), from `DenseProducts.min_rows`
+rows up; both measured on this CPU when the model loads.
 
 A weight all of whose parts are Q4_1, or all Q8_0, is held as a `QuantizedWeight` instead
 (`hold_blocks`): the same values, whose kernels also run panels, AMX tiles and the one-call
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.block_formats import StoredBlocks
-from pdserve.layers.kernels.native import NativeKernels
+from pdserve.layers.kernels.native import BlockParts, NativeKernels
 from pdserve.layers.measured import machine_key
 from pdserve.layers.packed import pack_weight, packed_linear
 from pdserve.layers.quant import (
@@ -47,6 +49,7 @@ class BlockWeight:
     kernels: NativeKernels
     dense: DenseProducts = field(default_factory=DenseProducts)  # shared by a model's block weights
     expanded: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # kept copies (`dense.keep`)
+    plan: BlockParts | None = field(default=None, repr=False)  # the parts as the kernels take them
 
     def __post_init__(self) -> None:
         widths = {p.shape[1] for p in self.parts}
@@ -69,22 +72,23 @@ class BlockWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
         if x.dtype not in (torch.float32, torch.bfloat16):
             return self.matmul(x.float()).to(x.dtype)
-        if self.dense.min_rows is not None and x.shape[0] >= self.dense.min_rows:
+        rows = x.shape[0]
+        if self.dense.min_rows is not None and rows >= self.dense.min_rows:
             return self.matmul_dense(x)
+        if self.dense.tile_rows is not None and rows >= self.dense.tile_rows and x.dtype == torch.bfloat16:
+            return self.matmul_tiles(x)
         return self.matmul_blocks(x)
 
-    def matmul_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if len(self.parts) == 1:
-            part = self.parts[0]
-            return self.kernels.block_matmul(x, part.format.type_id, part.data, part.shape[0])
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        column = 0
-        for part in self.parts:
-            rows = part.shape[0]
-            self.kernels.block_matmul(x, part.format.type_id, part.data, rows, out=y[:, column : column + rows])
-            column += rows
-        return y
+    def matmul_blocks(self, x: torch.Tensor) -> torch.Tensor:  # every part in one kernel call
+        return self.kernels.block_matmul_parts(x.contiguous(), self.kernel_parts())
+
+    def matmul_tiles(self, x: torch.Tensor) -> torch.Tensor:  # bfloat16 rows, on AMX tiles
+        return self.kernels.block_matmul_amx(x.contiguous(), self.kernel_parts())
+
+    def kernel_parts(self) -> BlockParts:
+        if self.plan is None:
+            self.plan = self.kernels.block_parts([(p.format.type_id, p.data) for p in self.parts], self.in_features)
+        return self.plan
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
         if not self.dense.keep:
@@ -135,37 +139,59 @@ def hold_blocks(parts: list[StoredBlocks], kernels: NativeKernels) -> BlockWeigh
     return with_panels(QuantizedWeight(4, qs, scales, mins, kernels))
 
 
-def calibrate_blocks(weights: list[BlockWeight], dtype: torch.dtype) -> int | None:
-    """The fewest rows from which products of these weights (a model's layers) run faster dense
-    than on their blocks, measured now over all of them in turn (as a step reads them); None: at no
-    size measured. Kept per machine and shape in `THRESHOLDS`, as the quantized weights' are."""
+def calibrate_blocks(weights: list[BlockWeight], dtype: torch.dtype) -> tuple[int | None, int | None]:
+    """(tile_rows, min_rows) for these weights (every block weight of a model's layers, in the
+    order a step runs them): the fewest rows from which their products run faster on AMX tiles than
+    on byte dot products (None: no tiles here, or never faster), and from which they run faster
+    dense than on either (None: at no size measured), measured now over all of them in turn. All of
+    them, not one shape's: timed alone, a shape's expanded copies stay in a large cache that a whole
+    step's weights overflow, which flatters dense products (a 135M model's calibration on one shape
+    sent 8-row decode steps dense at half the speed of its blocks). Kept per machine and model in
+    `THRESHOLDS`."""
     first = weights[0]
+    tiles = dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available
     key = machine_key("calibrate-blocks", sorted({p.format.name for w in weights for p in w.parts}),
-                      [first.out_features, first.in_features], len(weights), str(dtype), torch.get_num_threads(),
-                      first.dense.keep, list(_CALIBRATION_ROWS))
+                      sum(w.nbytes for w in weights), len(weights), str(dtype), torch.get_num_threads(),
+                      first.dense.keep, tiles, list(_CALIBRATION_ROWS), list(_TILE_CALIBRATION_ROWS))
     with THRESHOLDS.locked():
         entry = THRESHOLDS.read().get(key)
-        rows = entry.get("min_rows", 0) if isinstance(entry, dict) else 0
-        if rows is None or (isinstance(rows, int) and rows > 0):
-            log.info("block weights: products of %s rows or more run dense, as measured before on this CPU (%s)",
-                     rows, THRESHOLDS.path)
-            return rows
-        rows = _measure_dense_rows(weights, dtype)
-        THRESHOLDS.write(key, {"min_rows": rows, "weights": len(weights), "dtype": str(dtype),
+        found = entry.get("rows") if isinstance(entry, dict) else None
+        if isinstance(found, list) and len(found) == 2 and all(r is None or (isinstance(r, int) and r > 0)
+                                                               for r in found):
+            log.info("block weights: (tiles, dense) from %s rows, as measured before on this CPU (%s)", found,
+                     THRESHOLDS.path)
+            return tuple(found)
+        found = _measure(weights, dtype, tiles)
+        THRESHOLDS.write(key, {"rows": list(found), "weights": len(weights), "dtype": str(dtype),
                                "threads": torch.get_num_threads()})
-    return rows
+    return found
 
 
-def _measure_dense_rows(weights: list[BlockWeight], dtype: torch.dtype) -> int | None:
-    sweep = lambda product, x: best_seconds(lambda: [product(w, x) for w in weights])  # noqa: E731
+_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
+
+
+def _measure(weights: list[BlockWeight], dtype: torch.dtype, tiles: bool) -> tuple[int | None, int | None]:
+    widths = sorted({w.in_features for w in weights})
+    inputs = lambda rows: {width: torch.randn(rows, width).to(dtype) for width in widths}  # noqa: E731
+    sweep = lambda product, x: best_seconds(lambda: [product(w, x[w.in_features]) for w in weights])  # noqa: E731
+    tile_rows = None
+    for rows in _TILE_CALIBRATION_ROWS if tiles else ():
+        x = inputs(rows)
+        on_tiles, on_bytes = sweep(BlockWeight.matmul_tiles, x), sweep(BlockWeight.matmul_blocks, x)
+        if on_tiles < on_bytes:
+            log.info("block weights: products of %d rows or more run on AMX tiles (%.2f ms against %.2f ms for %d "
+                     "weights)", rows, on_tiles * 1e3, on_bytes * 1e3, len(weights))
+            tile_rows = rows
+            break
     probes = [replace(w, dense=DenseProducts(keep=w.dense.keep), expanded={}) for w in weights]
+    quantized = lambda w, x: w.matmul_tiles(x) if tile_rows and x.shape[0] >= tile_rows else w.matmul_blocks(x)  # noqa: E731
     for rows in _CALIBRATION_ROWS:
-        x = torch.randn(rows, weights[0].in_features).to(dtype)
-        blocks, dense = sweep(BlockWeight.matmul_blocks, x), best_seconds(
-            lambda: [BlockWeight.matmul_dense(w, x) for w in probes])
+        x = inputs(rows)
+        blocks = sweep(quantized, x)
+        dense = best_seconds(lambda: [w.matmul_dense(x[w.in_features]) for w in probes])
         if dense < blocks:
             log.info("block weights: products of %d rows or more run dense (%.2f ms against %.2f ms for %d weights)",
                      rows, dense * 1e3, blocks * 1e3, len(weights))
-            return rows
+            return tile_rows, rows
     log.info("block weights: no product measured runs faster dense (up to %d rows)", _CALIBRATION_ROWS[-1])
-    return None
+    return tile_rows, None

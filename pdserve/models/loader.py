@@ -159,14 +159,13 @@ def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
         layers = [w for name, w in compact if isinstance(w, kind) and name != "lm_head"]
         if not layers:
             continue
-        size = lambda w: w.out_features * w.in_features  # noqa: E731
-        largest = max(size(w) for w in layers)
-        alike = [w for w in layers if size(w) == largest]
-        if kind is QuantizedWeight:
-            dense.tile_rows, dense.panel_rows, dense.min_rows = calibrated(
-                [w for w in alike if w.qs.shape == alike[0].qs.shape], dtype)
-        else:
-            dense.min_rows = calibrate_blocks(alike, dtype)
+        if kind is BlockWeight:
+            dense.tile_rows, dense.min_rows = calibrate_blocks(layers, dtype)
+            continue
+        largest = max(w.out_features * w.in_features for w in layers)
+        alike = [w for w in layers if w.out_features * w.in_features == largest]
+        dense.tile_rows, dense.panel_rows, dense.min_rows = calibrated(
+            [w for w in alike if w.qs.shape == alike[0].qs.shape], dtype)
 
 
 def _held_as_stored(ckpt: Checkpoint, sources: dict[str, list[str]], params: dict[str, torch.Tensor],

@@ -51,6 +51,11 @@ def _qweight(w: QuantizedWeight | BlockWeight, keep: list) -> _QWeight:
                     *panels, None, 0)
 
 
+def _layer_weights(model):
+    for layer in model.layers:
+        yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
 class NativeDecode:
     """The model's layers as `pd_decode_stack` takes them, built once; None from `of` where the
     model's layers cannot run there (see the module's docstring)."""
@@ -60,7 +65,10 @@ class NativeDecode:
         self.layers = layers  # the structs hold pointers into the model's weights, which it keeps
         self.bits = bits  # of the layers' quantized weights (block weights: none)
         self.denses = denses  # every `DenseProducts` the layers' weights follow
-        self.dense = next((d for d in denses if d.tile_rows is not None or d.panel_rows is not None), denses[0])
+        quantized = [w.dense for w in _layer_weights(model) if isinstance(w, QuantizedWeight)]
+        blocks = [w.dense for w in _layer_weights(model) if isinstance(w, BlockWeight)]
+        self.dense = quantized[0] if quantized else denses[0]  # the quantized weights' (or the blocks')
+        self.blocks_dense = blocks[0] if blocks else None
         self._keep = keep  # the block parts' arrays the structs point to
 
     @classmethod
@@ -111,6 +119,9 @@ class NativeDecode:
         elif (dense.panel_rows is not None and rows >= dense.panel_rows
               and all(kernels.panels_available(b) for b in self.bits)):
             on = _PANELS
+        blocks = self.blocks_dense  # as BlockWeight.matmul chooses: the high bits
+        if blocks is not None and blocks.tile_rows is not None and rows >= blocks.tile_rows and dtype == torch.bfloat16:
+            on |= _TILES << 4
         first = self.model.layers[0]
         rc = kernels.lib.pd_decode_stack(
             kernels.isa, torch.get_num_threads(), ctypes.addressof(self.layers), len(self.layers), rows,

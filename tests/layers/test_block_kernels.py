@@ -159,3 +159,46 @@ def test_weights_that_are_not_whole_blocks_of_the_format_are_refused():
         kernels.block_matmul(x, int(T.Q4_K), w, 4, out=torch.empty(4, 2).t())
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         kernels.block_rows(int(T.Q4_K), w, torch.tensor([4]), torch.empty(1, 512))
+
+
+@pytest.mark.parametrize("isa", kernel_isa_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_weights_parts_in_one_call_give_each_parts_own_product(isa, dtype):
+    """q in Q8_0, k and v in Q5_0 (as llama.cpp's Q4_K_M stores a layer), and a K-quant part: one
+    call gives, column for column, what each part gives alone."""
+    kernels = native.load().with_isa(isa)
+    k = 512
+    spec = [(T.Q8_0, 24), (T.Q5_0, 8), (T.Q5_0, 8), (T.Q4_K, 5)]
+    weights = [torch.from_numpy(block_weight(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(spec)]
+    plan = kernels.block_parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    fused = kernels.block_matmul_parts(x, plan)
+    alone = torch.cat([kernels.block_matmul(x, int(fmt), w, n) for (fmt, n), w in zip(spec, weights)], dim=1)
+    assert fused.shape == (3, sum(n for _, n in spec)) and torch.equal(fused, alone)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 37, 70])
+def test_amx_tiles_give_the_weights_bfloat16_values_product(rows):
+    """On AMX tiles, a fused weight of three formats (K a whole number of 256-element blocks and a
+    32-element tail) gives the float product of its expanded bfloat16 values with the rows, each
+    sum rounded once to bfloat16."""
+    kernels = native.load()
+    if kernels is None or not kernels.qmatmul_amx_available:
+        pytest.skip("this CPU (or build) has no AMX with AVX-512 BF16")
+    k = 544  # two super-blocks and a group: the 32-element formats' tail
+    spec = [(T.Q5_0, 24), (T.Q8_0, 8), (T.Q4_1, 21)]
+    weights = [torch.from_numpy(block_weight(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(spec)]
+    plan = kernels.block_parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
+    expanded = torch.cat([kernels.block_dequantize(int(fmt), w, torch.empty(n, k, dtype=torch.bfloat16))
+                          for (fmt, n), w in zip(spec, weights)])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = kernels.block_matmul_amx(x, plan)
+    expected = (x.float() @ expanded.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    K4 = T.Q4_K  # a K-quant alone, K of whole super-blocks
+    w = torch.from_numpy(block_weight(K4, 40, 512, seed=9))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    expanded = kernels.block_dequantize(int(K4), w, torch.empty(40, 512, dtype=torch.bfloat16))
+    got = kernels.block_matmul_amx(x, kernels.block_parts([(int(K4), w)], 512))
+    torch.testing.assert_close(got.float(), (x.float() @ expanded.float().T).to(torch.bfloat16).float(),
+                               atol=1e-2, rtol=1e-2)

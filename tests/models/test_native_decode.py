@@ -144,3 +144,28 @@ def test_the_stack_runs_a_gguf_files_blocks_as_the_modules_do(tiny_llama, tmp_pa
     assert count == len(stacked) == len(modules) == 3
     for a, b in zip(modules, stacked):
         assert torch.equal(a, b)
+
+
+def test_the_stack_runs_block_weights_on_amx_tiles_as_the_modules_do(tiny_llama, tmp_path):
+    """Block weights' products of a bfloat16 decode batch on AMX tiles, in the stack and in the
+    modules alike: the same hidden states, bit for bit."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.gguf_files import write_llama_gguf
+
+    if not native.load().qmatmul_amx_available:
+        pytest.skip("this CPU (or build) has no AMX with AVX-512 BF16")
+    quant = {f"blk.{i}.{name}.weight": T.Q5_0 for i in range(2)
+             for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", quant)
+    llm = make_llm(tmp_path / "tiny.gguf", dtype="bfloat16", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    blocks = model.layers[0].mlp.down_proj.dense
+    blocks.tile_rows, blocks.min_rows = 2, None
+    model.use_decode_stack = False
+    modules, _ = _steps(llm, PROMPTS, 3)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, PROMPTS, 3)
+    assert count == 3
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)

@@ -126,10 +126,15 @@ static void dot_rows_portable(const struct bmm *a, int64_t n, int64_t m, int R) 
     for (int r = 0; r < R; r++) store_value(a->y, (m + r) * a->ldy + n, acc[r], a->x_bf16);
 }
 
-static void gemm_portable(const struct bmm *a) {
-#pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (int64_t n = 0; n < a->N; n++)
-        for (int64_t m = 0; m < a->M; m += ROWS) dot_rows_portable(a, n, m, a->M - m < ROWS ? (int)(a->M - m) : ROWS);
+/* Every part's rows (`nparts` weights sharing one quantized activation buffer) in one parallel region. */
+static void gemm_portable(const struct bmm *parts, int64_t nparts) {
+#pragma omp parallel num_threads(parts[0].threads)
+    for (int64_t p = 0; p < nparts; p++) {
+        const struct bmm *a = parts + p;
+#pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < a->N; n++)
+            for (int64_t m = 0; m < a->M; m += ROWS) dot_rows_portable(a, n, m, a->M - m < ROWS ? (int)(a->M - m) : ROWS);
+    }
 }
 
 /* ---- the SIMD variants (blocks_simd.h, with blocks_k.h for the 256-element formats) ---- */
@@ -172,27 +177,86 @@ static void gemm_portable(const struct bmm *a) {
 
 int pd_block_format_supported(int format) { return block_bytes(format) != 0; }
 
-int pd_block_matmul(int isa, int threads, int format, const void *x, int x_bf16, int64_t M, int64_t K,
-                    const void *w, int64_t N, void *y, int64_t ldy) {
-    if (!block_bytes(format) || K < 1 || K % block_elements(format) || M < 0 || N < 0 || ldy < N || threads < 1 ||
-        !pd_isa_supported(isa))
-        return -1;
+#define MAX_PARTS 8
+
+/* The variant `isa`'s activation layout for `format` (0 for the portable one: one layout). */
+static int x_key(int isa, int format) {
+    switch (isa) {
+    case ISA_AVX512VNNI: return x_key_avx512vnni(format);
+    case ISA_AVXVNNI: return x_key_avxvnni(format);
+    case ISA_AVX2: return x_key_avx2(format);
+    default: return 0;
+    }
+}
+
+static void quantize(int isa, const struct bmm *a) {
+    switch (isa) {
+    case ISA_AVX512VNNI: quantize_avx512vnni(a); break;
+    case ISA_AVXVNNI: quantize_avxvnni(a); break;
+    case ISA_AVX2: quantize_avx2(a); break;
+    default: quantize_portable(a);
+    }
+}
+
+static void gemm(int isa, const struct bmm *parts, int64_t nparts) {
+    switch (isa) {
+    case ISA_AVX512VNNI: gemm_avx512vnni(parts, nparts); break;
+    case ISA_AVXVNNI: gemm_avxvnni(parts, nparts); break;
+    case ISA_AVX2: gemm_avx2(parts, nparts); break;
+    default: gemm_portable(parts, nparts);
+    }
+}
+
+/* A weight of `nparts` parts stacked along its outputs, part i `rows[i]` rows of `formats[i]` at
+ * `data[i]` (a fused q/k/v a file stores in two formats): the activations quantized once, every
+ * part's rows in one parallel region, y [M, ldy] holding the parts' columns side by side. */
+int pd_block_matmul_parts(int isa, int threads, int64_t nparts, const int64_t *formats, const int64_t *rows,
+                          const void *const *data, const void *x, int x_bf16, int64_t M, int64_t K, void *y,
+                          int64_t ldy) {
+    if (nparts < 1 || nparts > MAX_PARTS || K < 1 || M < 0 || threads < 1 || !pd_isa_supported(isa)) return -1;
+    int64_t N = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int format = (int)formats[p];
+        if (!block_bytes(format) || K % block_elements(format) || rows[p] < 0) return -1;
+        N += rows[p];
+    }
+    if (ldy < N) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t G = K / GROUP;
-    struct bmm a = {format, threads, x_bf16, M, K, N, ldy, x, w, K / block_elements(format) * block_bytes(format), y,
-                    malloc(M * K), malloc(M * G * sizeof(float)), malloc(M * G * sizeof(float)),
-                    malloc(M * 2 * G * sizeof(float))};
-    const int rc = a.xq && a.xd && a.xs && a.xh ? 0 : -2;
-    if (!rc) {
-        switch (isa) {
-        case ISA_AVX512VNNI: quantize_avx512vnni(&a), gemm_avx512vnni(&a); break;
-        case ISA_AVXVNNI: quantize_avxvnni(&a), gemm_avxvnni(&a); break;
-        case ISA_AVX2: quantize_avx2(&a), gemm_avx2(&a); break;
-        default: quantize_portable(&a), gemm_portable(&a);
+    struct bmm parts[MAX_PARTS];
+    int owner[MAX_PARTS]; /* the part whose quantized activations part p reads (its own, or an earlier one's) */
+    int64_t column = 0;
+    int rc = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int format = (int)formats[p];
+        parts[p] = (struct bmm){format, threads, x_bf16, M, K, rows[p], ldy, x, data[p],
+                                K / block_elements(format) * block_bytes(format), (char *)y + column * (x_bf16 ? 2 : 4),
+                                NULL, NULL, NULL, NULL};
+        column += rows[p];
+        owner[p] = (int)p;
+        for (int64_t q = 0; q < p; q++)
+            if (owner[q] == q && x_key(isa, (int)formats[q]) == x_key(isa, format)) owner[p] = (int)q;
+        if (owner[p] != p) {
+            const struct bmm *o = parts + owner[p];
+            parts[p].xq = o->xq, parts[p].xd = o->xd, parts[p].xs = o->xs, parts[p].xh = o->xh;
+            continue;
         }
+        parts[p].xq = malloc(M * K), parts[p].xd = malloc(M * G * sizeof(float));
+        parts[p].xs = malloc(M * G * sizeof(float)), parts[p].xh = malloc(M * 2 * G * sizeof(float));
+        if (!parts[p].xq || !parts[p].xd || !parts[p].xs || !parts[p].xh) rc = -2;
+        else quantize(isa, parts + p);
     }
-    free(a.xq), free(a.xd), free(a.xs), free(a.xh);
+    if (!rc) gemm(isa, parts, nparts);
+    for (int64_t p = 0; p < nparts; p++)
+        if (owner[p] == p) free(parts[p].xq), free(parts[p].xd), free(parts[p].xs), free(parts[p].xh);
     return rc;
+}
+
+int pd_block_matmul(int isa, int threads, int format, const void *x, int x_bf16, int64_t M, int64_t K,
+                    const void *w, int64_t N, void *y, int64_t ldy) {
+    const int64_t formats[1] = {format}, rows[1] = {N};
+    const void *data[1] = {w};
+    return pd_block_matmul_parts(isa, threads, 1, formats, rows, data, x, x_bf16, M, K, y, ldy);
 }
 
 static void dequantize_row(int isa, int format, const uint8_t *w, int64_t K, void *out, int bf16) {
@@ -202,6 +266,23 @@ static void dequantize_row(int isa, int format, const uint8_t *w, int64_t K, voi
     case ISA_AVX2: dequantize_row_avx2(format, w, K, out, bf16); break;
     default: dequantize_row_portable(format, w, K, out, bf16);
     }
+}
+
+/* Weight rows [0, rows) (at most 16, `row_bytes` apart from `w`), elements [k0, k0 + len) of each
+ * (whole blocks, len <= 256), expanded to bfloat16 into out [16, 256], the rows past `rows` zero:
+ * how the AMX products expand a block weight as they read it (ops.c's blocks_amx.h). */
+void pd_block_expand(int isa, int format, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k0, int64_t len,
+                     uint16_t *out) {
+    const uint8_t *at = w + k0 / block_elements(format) * block_bytes(format);
+    for (int64_t r = 0; r < 16; r++) {
+        if (r < rows) dequantize_row(isa, format, at + r * row_bytes, len, out + r * 256, 1);
+        else memset(out + r * 256, 0, len * sizeof(uint16_t));
+    }
+}
+
+/* A row's bytes in `format` (0 where K is not whole blocks of it). */
+int64_t pd_block_row_bytes(int format, int64_t K) {
+    return block_bytes(format) && K % block_elements(format) == 0 ? K / block_elements(format) * block_bytes(format) : 0;
 }
 
 int pd_block_dequantize(int isa, int threads, int format, const void *w, int64_t N, int64_t K, void *out,

@@ -65,6 +65,9 @@ static inline int FN(x_layout)(int format) {
 
 #define X_BIASED(format) (AVX512 && signed_codes(format))
 
+/* Formats of equal keys take the same quantized activations: one quantization serves them all. */
+static inline int FN(x_key)(int format) { return FN(x_layout)(format) * 2 + (X_BIASED(format) ? 1 : 0); }
+
 #if AVX512
 /* Two groups' 32 bytes (natural order) as the AVX-512 kernels take them: 4-byte runs alternating
  * between the groups, or (`halves`) between the first and last halves of each group in turn
@@ -303,16 +306,21 @@ static void FN(dot_rows)(const struct bmm *a, const uint8_t *w, int64_t m, int R
 
 /* Each thread a range of weight rows, each row read from memory once: activation rows XROWS at a
  * time (a row of a few kB stays in L1 for the next ones). */
-static void FN(gemm)(const struct bmm *a) {
-#pragma omp parallel for num_threads(a->threads) schedule(static)
-    for (int64_t n = 0; n < a->N; n++) {
-        const uint8_t *w = a->w + n * a->row_bytes;
-        float out[XROWS];
-        for (int64_t m = 0; m < a->M;) {
-            const int R = a->M - m >= XROWS ? XROWS : a->M - m >= 4 ? 4 : a->M - m >= 2 ? 2 : 1;
-            FN(dot_rows)(a, w, m, R, out);
-            for (int r = 0; r < R; r++) store_value(a->y, (m + r) * a->ldy + n, out[r], a->x_bf16);
-            m += R;
+/* Every part's rows (`nparts` weights sharing one quantized activation buffer) in one parallel region. */
+static void FN(gemm)(const struct bmm *parts, int64_t nparts) {
+#pragma omp parallel num_threads(parts[0].threads)
+    for (int64_t p = 0; p < nparts; p++) {
+        const struct bmm *a = parts + p;
+#pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < a->N; n++) {
+            const uint8_t *w = a->w + n * a->row_bytes;
+            float out[XROWS];
+            for (int64_t m = 0; m < a->M;) {
+                const int R = a->M - m >= XROWS ? XROWS : a->M - m >= 4 ? 4 : a->M - m >= 2 ? 2 : 1;
+                FN(dot_rows)(a, w, m, R, out);
+                for (int r = 0; r < R; r++) store_value(a->y, (m + r) * a->ldy + n, out[r], a->x_bf16);
+                m += R;
+            }
         }
     }
 }

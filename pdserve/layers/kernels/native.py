@@ -37,7 +37,7 @@ log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "qmatmul_panel.h", "dequant.c", "ops.c", "ops_body.h",
             "attention_bf16.h", "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h", "blocks.c",
-            "blocks_format.h", "blocks_simd.h", "blocks_k.h", "blocks_dot.h")
+            "blocks_format.h", "blocks_simd.h", "blocks_k.h", "blocks_dot.h", "blocks_amx.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c", "blocks.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
@@ -47,6 +47,22 @@ PREFILL_ATTENTION_KINDS = {"tiles": 2, "vectors": 1}  # the C bits, the faster f
 
 def cache_dir() -> Path:
     return cache_path("kernels")
+
+
+MAX_BLOCK_PARTS = 8  # blocks.c's MAX_PARTS
+
+
+@dataclass(frozen=True, slots=True)
+class BlockParts:
+    """A fused weight's parts in GGUF block formats, as `pd_block_matmul_parts` takes them."""
+
+    formats: ctypes.Array  # int64 [count]: GGML type ids
+    rows: ctypes.Array  # int64 [count]
+    data: ctypes.Array  # pointers [count] to each part's bytes
+    count: int
+    in_features: int
+    out_features: int
+    tensors: list  # the parts' bytes, kept alive while `data` points into them
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +201,48 @@ class NativeKernels:
             raise RuntimeError(f"pd_block_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
                                f"format {format}, x {tuple(x.shape)}, {out_features} outputs")
         return out
+
+    def block_parts(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> BlockParts:
+        """A fused weight's parts, (format, bytes [rows, row bytes] uint8) each, checked once and
+        held as `block_matmul_parts` takes them (at most 8)."""
+        if not 1 <= len(parts) <= MAX_BLOCK_PARTS:
+            raise ValueError(f"a weight has 1 to {MAX_BLOCK_PARTS} parts, not {len(parts)}")
+        for format, w in parts:
+            self._check_blocks(format, w, w.shape[0], in_features)
+        n = len(parts)
+        return BlockParts((ctypes.c_int64 * n)(*(f for f, _ in parts)), (ctypes.c_int64 * n)(*(w.shape[0] for _, w in parts)),
+                          (ctypes.c_void_p * n)(*(w.data_ptr() for _, w in parts)), n, in_features,
+                          sum(w.shape[0] for _, w in parts), [w for _, w in parts])
+
+    def block_matmul_parts(self, x: torch.Tensor, parts: BlockParts) -> torch.Tensor:
+        """x [rows, in] float32 or bfloat16 (contiguous) @ the fused weight's transpose -> [rows, out]
+        in x's dtype: the activations quantized once for every part, one parallel region."""
+        rows, in_features = x.shape
+        _contiguous(x)
+        if x.dtype not in (torch.float32, torch.bfloat16) or in_features != parts.in_features:
+            raise ValueError(f"block_matmul_parts takes float32 or bfloat16 [rows, {parts.in_features}], not "
+                             f"{tuple(x.shape)} {x.dtype}")
+        y = torch.empty(rows, parts.out_features, dtype=x.dtype)
+        rc = self.lib.pd_block_matmul_parts(self.isa, torch.get_num_threads(), parts.count, parts.formats, parts.rows,
+                                            parts.data, x.data_ptr(), x.dtype == torch.bfloat16, rows, in_features,
+                                            y.data_ptr(), parts.out_features)
+        if rc:
+            raise RuntimeError(f"pd_block_matmul_parts failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
+                               f"x {tuple(x.shape)}, {parts.out_features} outputs in {parts.count} parts")
+        return y
+
+    def block_matmul_amx(self, x: torch.Tensor, parts: BlockParts) -> torch.Tensor:
+        """`block_matmul_parts` of bfloat16 rows on AMX tiles (where `qmatmul_amx_available`): the
+        weight expanded to bfloat16 a block at a time as it is read, every row multiplied at once."""
+        rows, in_features = x.shape
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or in_features != parts.in_features:
+            raise ValueError(f"block_matmul_amx takes contiguous bfloat16 [rows, {parts.in_features}], not "
+                             f"{tuple(x.shape)} {x.dtype}")
+        y = activation_buffer(rows, parts.out_features, x.dtype)
+        _check(self.lib.pd_block_matmul_amx(self.isa, torch.get_num_threads(), parts.count, parts.formats, parts.rows,
+                                            parts.data, x.data_ptr(), rows, in_features, y.data_ptr(),
+                                            parts.out_features), "block_matmul_amx")
+        return y
 
     def block_dequantize(self, format: int, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The whole weight (w: [out, row bytes] uint8) into `out` ([out, in] float32 or bfloat16,
@@ -377,9 +435,13 @@ def load() -> NativeKernels | None:
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
     lib.pd_block_format_supported.argtypes = [i32]
     lib.pd_block_matmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, i64, ptr, i64]
+    lib.pd_block_matmul_parts.argtypes = [i32, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, i64]
+    lib.pd_block_matmul_amx.argtypes = [i32, i32, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]
     lib.pd_block_dequantize.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i32]
     lib.pd_block_rows.argtypes = [i32, i32, i32, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_block_format_supported", "pd_block_matmul", "pd_block_dequantize", "pd_block_rows",
+    for name in ("pd_block_format_supported", "pd_block_matmul", "pd_block_matmul_parts", "pd_block_matmul_amx",
+                 "pd_block_dequantize",
+                 "pd_block_rows",
                  "pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
                  "pd_panel_matmul", "pd_panels_available",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",

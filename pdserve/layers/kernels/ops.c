@@ -90,6 +90,7 @@ static int64_t attention_parts(int64_t R, int64_t row_tasks, const int64_t *lens
 #define PD_AMX 1
 #include "prefill_amx.h"
 #include "qmatmul_amx.h"
+#include "blocks_amx.h"
 #include "decode_amx.h"
 #endif
 
@@ -210,6 +211,28 @@ int pd_qmatmul_amx(int isa, int threads, int bits, const void *x, int64_t M, int
 #endif
 }
 
+/* y [M, ldy] = x [M, K] @ w^T for a weight of block parts (blocks.c's formats), bfloat16 rows on
+ * AMX tiles: -1 where this CPU, build or shape does not take it, -2 when memory is short. */
+int pd_block_matmul_amx(int isa, int threads, int64_t nparts, const int64_t *formats, const int64_t *rows,
+                        const void *const *data, const void *x, int64_t M, int64_t K, void *y, int64_t ldy) {
+#ifdef PD_AMX
+    if (!amx_available(isa) || threads < 1 || nparts < 1 || nparts > BAMX_MAX_PARTS || K < 32 || K % 32 || M < 0)
+        return -1;
+    int64_t N = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        if (rows[p] < 0 || !pd_block_row_bytes((int)formats[p], K)) return -1;
+        N += rows[p];
+    }
+    if (ldy < N) return -1;
+    if (M == 0 || N == 0) return 0;
+    return bamx_matmul(isa, threads, nparts, formats, rows, data, x, M, K, y, ldy);
+#else
+    (void)isa, (void)threads, (void)nparts, (void)formats, (void)rows, (void)data, (void)x, (void)M, (void)K, (void)y;
+    (void)ldy;
+    return -1;
+#endif
+}
+
 /* ---- a decode step's decoder layers in one call ---- */
 
 int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *qs,
@@ -218,8 +241,10 @@ int pd_qmatmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_
 int pd_panel_matmul(int isa, int threads, int bits, const void *x, int x_bf16, int64_t M, int64_t K, const void *packed,
                     const uint16_t *pd, const void *pm, int64_t N, void *y);
 
-int pd_block_matmul(int isa, int threads, int format, const void *x, int x_bf16, int64_t M, int64_t K, const void *w,
-                    int64_t N, void *y, int64_t ldy);
+int pd_block_matmul_parts(int isa, int threads, int64_t nparts, const int64_t *formats, const int64_t *rows,
+                          const void *const *data, const void *x, int x_bf16, int64_t M, int64_t K, void *y,
+                          int64_t ldy);
+#define MAX_BLOCK_PARTS 8 /* blocks.c's MAX_PARTS */
 
 /* One part of a weight in a GGUF block format (blocks.c): `rows` output rows of `format`. */
 struct pd_block_part {
@@ -247,19 +272,23 @@ struct pd_layer {
 
 enum { STACK_BYTES = 0, STACK_TILES = 1, STACK_PANELS = 2 }; /* where a stack's products run */
 
+/* `on`: where quantized weights' products run (its low 4 bits) and block weights' (the next 4). */
 static int stack_product(int isa, int threads, int on, const struct pd_qweight *w, const void *x, int bf16,
                          int64_t M, int64_t K, int64_t N, void *y) {
-    if (w->bits == 0) { /* block parts, each into its columns of y */
-        int64_t column = 0;
+    if (w->bits == 0) { /* block parts, each into its columns of y, in one call */
+        on >>= 4;
+        int64_t formats[MAX_BLOCK_PARTS], rows[MAX_BLOCK_PARTS], total = 0;
+        const void *data[MAX_BLOCK_PARTS];
+        if (w->nparts < 1 || w->nparts > MAX_BLOCK_PARTS) return -1;
         for (int64_t i = 0; i < w->nparts; i++) {
-            const struct pd_block_part *p = w->parts + i;
-            const int rc = pd_block_matmul(isa, threads, (int)p->format, x, bf16, M, K, p->data, p->rows,
-                                           (char *)y + column * (bf16 ? 2 : 4), N);
-            if (rc) return rc;
-            column += p->rows;
+            formats[i] = w->parts[i].format, rows[i] = w->parts[i].rows, data[i] = w->parts[i].data;
+            total += rows[i];
         }
-        return column == N ? 0 : -1;
+        if (total != N) return -1;
+        if (on == STACK_TILES) return pd_block_matmul_amx(isa, threads, w->nparts, formats, rows, data, x, M, K, y, N);
+        return pd_block_matmul_parts(isa, threads, w->nparts, formats, rows, data, x, bf16, M, K, y, N);
     }
+    on &= 15;
     if (on == STACK_TILES) return pd_qmatmul_amx(isa, threads, (int)w->bits, x, M, K, w->qs, w->scales, w->mins, N, y);
     if (on == STACK_PANELS && w->panels)
         return pd_panel_matmul(isa, threads, (int)w->bits, x, bf16, M, K, w->panels, w->panel_scales, w->panel_mins,
@@ -284,9 +313,9 @@ static void add_bias(void *y, const void *bias, int64_t T, int64_t N, int bf16) 
  * same order as the model's layers run them one call at a time: input x [T, H] (the embeddings;
  * the final x and delta, whose sum the final norm takes, are left in x and delta), scratch h
  * [T, H], qkv [T, (heads + 2 kv_heads) D], att [T, heads D], gu [T, 2 I], s [T, I]. Each layer's
- * cache is `layer_bytes` after the one before. Products where `on` says (STACK_*: a weight without
- * panels runs byte products). At batch 1 the model's calls cost more than its arithmetic: this is
- * one call. */
+ * cache is `layer_bytes` after the one before. Products where `on` says (STACK_*: quantized
+ * weights' in its low 4 bits, block weights' in the next 4; a weight without panels runs byte
+ * products). At batch 1 the model's calls cost more than its arithmetic: this is one call. */
 int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t L, int64_t T, int64_t H,
                     int64_t heads, int64_t kv_heads, int64_t D, int64_t I, float eps, float scale, int on, void *x,
                     void *delta, void *h, void *qkv, void *att, void *gu, void *s, const void *cos, const void *sin,
