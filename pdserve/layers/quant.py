@@ -241,11 +241,13 @@ def dequantize_reference(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.view(q.shape[0], -1, GROUP_SIZE).float() * scale.unsqueeze(-1)).view(weight.shape)
 
 
-def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None, int | None]:
+def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype,
+              dense: bool = True) -> tuple[int | None, int | None, int | None]:
     """`DenseProducts`' thresholds on this CPU now, for weights of one shape (a model's layers): the
-    fewest rows from which products run faster on AMX tiles, and on panels, than on byte dot
-    products (None: no tiles or panels here, or never faster), and from which they run faster
-    dense than on any of those (None: at no size measured). Each candidate is timed over all
+    fewest rows from which products run faster on panels than on byte dot products, and on AMX
+    tiles than on whichever of those would run there (None: no tiles or panels here, or never
+    faster), and from which they run faster dense than on any of those (None: at no size
+    measured). Each candidate is timed over all
     `weights` in turn, as a step reads them (one weight timed again and again sits in the cache,
     which flatters the larger dense copy), best of a few runs: about a second for a small model."""
     first = weights[0]
@@ -253,21 +255,26 @@ def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int |
     sweep = lambda product, x, held=weights: best_seconds(lambda: [product(w, x) for w in held])  # noqa: E731
 
     def overtakes(product: Callable[[QuantizedWeight, torch.Tensor], torch.Tensor], name: str,
-                  candidates: tuple[int, ...]) -> int | None:
+                  candidates: tuple[int, ...], otherwise: Callable[[int], Callable]) -> int | None:
         for rows in candidates:
             x = x_of(rows)
-            faster, dot = sweep(product, x), sweep(QuantizedWeight.matmul_bytes, x)
-            if faster < dot:
+            faster, other = sweep(product, x), sweep(otherwise(rows), x)
+            if faster < other:
                 log.info("quantized weights: products of %d rows or more run on %s (%.2f ms against %.2f ms for %d "
-                         "weights)", rows, name, faster * 1e3, dot * 1e3, len(weights))
+                         "weights)", rows, name, faster * 1e3, other * 1e3, len(weights))
                 return rows
         return None
 
     tile_rows = panel_rows = None
-    if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:
-        tile_rows = overtakes(QuantizedWeight.matmul_tiles, "AMX tiles", _TILE_CALIBRATION_ROWS)
     if all(w.panels is not None for w in weights):
-        panel_rows = overtakes(QuantizedWeight.matmul_panels, "panels", _PANEL_CALIBRATION_ROWS)
+        panel_rows = overtakes(QuantizedWeight.matmul_panels, "panels", _PANEL_CALIBRATION_ROWS,
+                               lambda rows: QuantizedWeight.matmul_bytes)
+    if dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available:  # tiles go first where they qualify
+        tile_rows = overtakes(QuantizedWeight.matmul_tiles, "AMX tiles", _TILE_CALIBRATION_ROWS, lambda rows: (
+            QuantizedWeight.matmul_panels if panel_rows is not None and rows >= panel_rows
+            else QuantizedWeight.matmul_bytes))
+    if not dense:  # a vocabulary's head alone: it multiplies the few rows a step samples
+        return tile_rows, panel_rows, None
     probe = DenseProducts(tile_rows=tile_rows, panel_rows=panel_rows)  # the products without dense ones
     probes = [replace(w, dense=probe) for w in weights]
     for rows in _CALIBRATION_ROWS:
@@ -282,21 +289,22 @@ def calibrate(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int |
     return tile_rows, panel_rows, None
 
 
-def calibrated(weights: list[QuantizedWeight], dtype: torch.dtype) -> tuple[int | None, int | None, int | None]:
+def calibrated(weights: list[QuantizedWeight], dtype: torch.dtype,
+               dense: bool = True) -> tuple[int | None, int | None, int | None]:
     """`calibrate`'s answer for these weights, measured once per machine and kept (`THRESHOLDS`)
     under what it depends on: the machine, the weights' bits, shape and count, the dtype, the
     threads, whether panels and expanded copies are held. A restarted worker loads without the
     second or so of timing."""
     first = weights[0]
-    key = machine_key("calibrate", first.bits, list(first.qs.shape), len(weights), str(dtype),
+    key = machine_key("calibrate-tiles-after-panels", first.bits, list(first.qs.shape), len(weights), str(dtype),
                       torch.get_num_threads(), all(w.panels is not None for w in weights), first.dense.keep,
-                      [_CALIBRATION_ROWS, _TILE_CALIBRATION_ROWS, _PANEL_CALIBRATION_ROWS])
+                      [_CALIBRATION_ROWS if dense else [], _TILE_CALIBRATION_ROWS, _PANEL_CALIBRATION_ROWS])
     with THRESHOLDS.locked():
         entry = THRESHOLDS.read().get(key)
         thresholds = entry.get("rows") if isinstance(entry, dict) else None
         if not (isinstance(thresholds, list) and len(thresholds) == 3
                 and all(t is None or (isinstance(t, int) and t > 0) for t in thresholds)):
-            thresholds = list(calibrate(weights, dtype))
+            thresholds = list(calibrate(weights, dtype, dense))
             THRESHOLDS.write(key, {"rows": thresholds, "weights": len(weights), "shape": list(first.qs.shape),
                                    "dtype": str(dtype), "threads": torch.get_num_threads()})
         else:

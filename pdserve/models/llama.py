@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         local = cos_sin if self.rotary_local is None else self.rotary_local(positions)
         stack = self.decode_stack() if meta is not None and on_layer is None else None
         if stack is not None and stack.takes(x, meta):
-            x, delta = stack(x, cos_sin, kv_caches, meta)
+            x, delta = stack(x, cos_sin, local, kv_caches, meta)
         else:
             for i, layer in enumerate(self.layers):
                 rope = local if layer.self_attn.local_rope else cos_sin

@@ -143,8 +143,9 @@ def build_model(
 def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """A `DenseProducts` for the model's quantized weights and one for its block weights, keeping
     their expanded copies where all of those fit the memory set aside for them, their row
-    thresholds measured on the layers' largest weights of each kind (the head only ever multiplies
-    the few rows a step samples: a model whose layers are not of a kind keeps the defaults)."""
+    thresholds measured on the layers' largest weights of each kind. The head only ever multiplies
+    the few rows a step samples: where it is the only quantized weight (a GGUF file's Q8_0 table,
+    its layers in other formats), only its panels and tiles are measured, on itself."""
     held = [(name, getattr(module, attr)) for name, module, attr in matmul_weights(model)]
     held = list({id(w): (name, w) for name, w in held}.values())  # a tied head counted once
     compact = [(name, w) for name, w in held if isinstance(w, (QuantizedWeight, BlockWeight))]
@@ -157,6 +158,9 @@ def _share_dense_products(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             if isinstance(w, kind):
                 w.dense = dense
         layers = [w for name, w in compact if isinstance(w, kind) and name != "lm_head"]
+        head = [w for name, w in compact if isinstance(w, kind) and name == "lm_head"]
+        if not layers and kind is QuantizedWeight and head:
+            dense.tile_rows, dense.panel_rows, _ = calibrated(head, dtype, dense=False)
         if not layers:
             continue
         if kind is BlockWeight:

@@ -7,8 +7,9 @@ back, on a 2-vCPU Xeon. Where every matmul of the layers runs on pdserve's quant
 decode-only step hands the whole stack to one C call that makes those same calls in the same
 order: the hidden states come out identical, bit for bit (tested). Weights in a GGUF file's block
 formats (`BlockWeight`) run there too, part by part. Anything else runs the
-modules: prefill chunks, layer callbacks, query/key norms (Qwen3), routed experts, sliding
-windows, Gemma's layers, weights not quantized, and batches large enough for the dense products.
+modules: prefill chunks, layer callbacks, routed experts, weights not quantized, and batches
+large enough for the dense products. Query/key norms, sliding windows and Gemma's layer (its
+output norms, local rotary tables, GELU) run there.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ class _QWeight(ctypes.Structure):  # ops.c's pd_qweight; bits 0: `nparts` block 
 _BYTES, _TILES, _PANELS = 0, 1, 2  # where the stack's products run (ops.c's STACK_*)
 
 
-class _Layer(ctypes.Structure):
+class _Layer(ctypes.Structure):  # ops.c's pd_layer
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
-                ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+                ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
+                ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int64), ("local_rope", ctypes.c_int64)]
+
+
+def _pointer(norm) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
 
 
 def _qweight(w: QuantizedWeight | BlockWeight, keep: list) -> _QWeight:
@@ -74,8 +81,7 @@ class NativeDecode:
     @classmethod
     def of(cls, model) -> NativeDecode | None:
         cfg = model.cfg
-        if (cfg.qk_norm or cfg.experts is not None or cfg.sliding_layers or cfg.sandwich_norms
-                or cfg.activation != "silu"):
+        if cfg.experts is not None or cfg.activation not in ("silu", "gelu_tanh"):
             return None
         structs, bits, denses, keep = [], set(), {}, []
         for layer in model.layers:
@@ -88,7 +94,9 @@ class NativeDecode:
             bias = attn.qkv_bias
             norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
             structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(),
-                                  *(_qweight(w, keep) for w in weights)))
+                                  *(_qweight(w, keep) for w in weights),
+                                  _pointer(attn.q_norm), _pointer(attn.k_norm), _pointer(layer.attn_output_norm),
+                                  _pointer(layer.mlp_output_norm), attn.window or 0, int(attn.local_rope)))
         return cls(model, (_Layer * len(structs))(*structs), bits, list(denses.values()), keep)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -99,10 +107,11 @@ class NativeDecode:
                 and meta.decode_tables is not None and x.dtype in (torch.float32, torch.bfloat16)
                 and all(d.min_rows is None or rows < d.min_rows for d in self.denses))
 
-    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: torch.Tensor,
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 local: tuple[torch.Tensor, torch.Tensor], kv_caches: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's (x, delta) for the final norm, from the embeddings x ([rows, hidden],
-        overwritten)."""
+        overwritten); `local`: the sliding layers' rotary tables where they have their own."""
         cfg, kernels, dense = self.model.cfg, meta.kernels, self.dense
         rows, dtype = x.shape[0], x.dtype
         new = lambda width: torch.empty(rows, width, dtype=dtype)  # noqa: E731
@@ -110,6 +119,8 @@ class NativeDecode:
         qkv, att = new(cfg.q_size + 2 * cfg.kv_size), new(cfg.q_size)
         gate_up, act = new(2 * cfg.intermediate_size), new(cfg.intermediate_size)
         cos, sin = (t.contiguous() for t in cos_sin)
+        cos_local, sin_local = (t.contiguous() for t in local)
+        scratch = new(max(cfg.hidden_size, cfg.q_size))
         slots, tables, lens = meta.slot_mapping, meta.decode_tables, meta.decode_lens
         if not all(t.is_contiguous() for t in (x, slots, tables, lens, kv_caches)):
             raise ValueError("pd_decode_stack takes contiguous tensors")
@@ -127,7 +138,8 @@ class NativeDecode:
             kernels.isa, torch.get_num_threads(), ctypes.addressof(self.layers), len(self.layers), rows,
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             first.input_layernorm.eps, first.self_attn.scale, on,
-            *(t.data_ptr() for t in (x, delta, h, qkv, att, gate_up, act, cos, sin, kv_caches)),
+            *(t.data_ptr() for t in (x, delta, h, qkv, att, gate_up, act, cos, sin, cos_local, sin_local)),
+            int(cfg.activation == "gelu_tanh"), scratch.data_ptr(), kv_caches.data_ptr(),
             kv_caches[0].numel() * kv_caches.element_size(), slots.data_ptr(), meta.block_size, tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), int(dtype == torch.bfloat16))
         if rc:

@@ -221,7 +221,7 @@ def test_calibrated_thresholds_are_measured_once_per_machine_and_kernel_set(monk
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measured = []
-    monkeypatch.setattr(quant, "calibrate", lambda weights, dtype: measured.append(len(weights)) or (None, 2, 64))
+    monkeypatch.setattr(quant, "calibrate", lambda weights, dtype, dense=True: measured.append(len(weights)) or (None, 2, 64))
     held = quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)), 4, torch.float32, native.load())
     assert quant.calibrated([held, held], torch.float32) == (None, 2, 64)
     assert quant.calibrated([held, held], torch.float32) == (None, 2, 64) and measured == [2]

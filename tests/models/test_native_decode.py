@@ -40,7 +40,8 @@ def _steps(llm, prompts: list[list[int]], decode_steps: int) -> tuple[list[torch
     return hidden, stacked[0]
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])  # GQA; one KV head; q/k/v biases
+# GQA; one KV head; q/k/v biases; q/k norms; Gemma 3 (sliding windows, local rotary tables, output norms, GELU)
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_models, variant, dtype, rows):
@@ -83,8 +84,8 @@ def test_the_stack_runs_batch_products_where_the_model_would(tiny_llama, on, bit
 
 
 def test_the_modules_run_where_the_stack_cannot(tiny_models):
-    # query/key norms (Qwen3), and weights not quantized: no stack at all
-    assert make_llm(tiny_models["qwen3"], quantization="int4").engine.runner.model.decode_stack() is None
+    # routed experts, and weights not quantized: no stack at all
+    assert make_llm(tiny_models["qwen3_moe"], quantization="int4").engine.runner.model.decode_stack() is None
     assert make_llm(tiny_models["llama"]).engine.runner.model.decode_stack() is None
     # dense products at this many rows: the modules run the step
     llm = make_llm(tiny_models["llama"], quantization="int4", enable_prefix_caching=False)

@@ -432,7 +432,8 @@ def load() -> NativeKernels | None:
     lib.pd_qmatmul_amx.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pd_qmatmul_amx_available.argtypes = [i32]
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
+                                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
+                                    i32]
     lib.pd_block_format_supported.argtypes = [i32]
     lib.pd_block_matmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, i64, ptr, i64]
     lib.pd_block_matmul_parts.argtypes = [i32, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, i64]

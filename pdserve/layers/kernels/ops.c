@@ -268,7 +268,34 @@ struct pd_layer {
     const void *input_norm, *post_norm; /* in the activations' dtype */
     const void *qkv_bias;               /* NULL: none */
     struct pd_qweight qkv, o, gate_up, down;
+    const void *q_norm, *k_norm;               /* per head, before rotary (Qwen3, Gemma); NULL: none */
+    const void *attn_out_norm, *mlp_out_norm;  /* of the attention's and the MLP's outputs (Gemma); NULL: none */
+    int64_t window;                            /* a sliding layer's window; 0: the whole context */
+    int64_t local_rope;                        /* rotated by the local table (Gemma 3's sliding layers) */
 };
+
+/* Each of T rows' `heads` heads of D values at `at` (rows `stride` elements apart) normed in place
+ * (rms_norm over D, through `scratch` [heads, D]): a query/key norm, row by row as the model's
+ * norm runs its [T * heads, D] rows. */
+static int head_norms(int isa, int threads, char *at, int64_t stride, int64_t T, int64_t heads, int64_t D,
+                      const void *w, float eps, void *scratch, int bf16) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        char *row = at + t * stride * es;
+        const int rc = pd_rms_norm(isa, threads, row, NULL, w, eps, heads, D, scratch, bf16);
+        if (rc) return rc;
+        memcpy(row, scratch, heads * D * es);
+    }
+    return 0;
+}
+
+/* `v` [T, H] replaced by its norm (through `scratch` [T, H]): Gemma's norm of a sublayer's output. */
+static int norm_in_place(int isa, int threads, void *v, const void *w, float eps, int64_t T, int64_t H, void *scratch,
+                         int bf16) {
+    const int rc = pd_rms_norm(isa, threads, v, NULL, w, eps, T, H, scratch, bf16);
+    if (!rc) memcpy(v, scratch, T * H * (bf16 ? 2 : 4));
+    return rc;
+}
 
 enum { STACK_BYTES = 0, STACK_TILES = 1, STACK_PANELS = 2 }; /* where a stack's products run */
 
@@ -312,31 +339,41 @@ static void add_bias(void *y, const void *bias, int64_t T, int64_t N, int bf16) 
 /* The decoder layers of a decode-only step (T rows, one new token each), the same operations in the
  * same order as the model's layers run them one call at a time: input x [T, H] (the embeddings;
  * the final x and delta, whose sum the final norm takes, are left in x and delta), scratch h
- * [T, H], qkv [T, (heads + 2 kv_heads) D], att [T, heads D], gu [T, 2 I], s [T, I]. Each layer's
- * cache is `layer_bytes` after the one before. Products where `on` says (STACK_*: quantized
+ * [T, H], qkv [T, (heads + 2 kv_heads) D], att [T, heads D], gu [T, 2 I], s [T, I], scratch
+ * [T, max(H, heads D)]. Each layer's cache is `layer_bytes` after the one before. A layer's
+ * query/key norms, output norms, window and local rotary table (cos_local, sin_local) where it has
+ * them; the MLP's gate SiLU, or GELU with `gelu`. Products where `on` says (STACK_*: quantized
  * weights' in its low 4 bits, block weights' in the next 4; a weight without panels runs byte
  * products). At batch 1 the model's calls cost more than its arithmetic: this is one call. */
 int pd_decode_stack(int isa, int threads, const struct pd_layer *layers, int64_t L, int64_t T, int64_t H,
                     int64_t heads, int64_t kv_heads, int64_t D, int64_t I, float eps, float scale, int on, void *x,
                     void *delta, void *h, void *qkv, void *att, void *gu, void *s, const void *cos, const void *sin,
-                    void *cache, int64_t layer_bytes, const int64_t *slots, int64_t block_size, const int64_t *tables,
+                    const void *cos_local, const void *sin_local, int gelu, void *scratch, void *cache,
+                    int64_t layer_bytes, const int64_t *slots, int64_t block_size, const int64_t *tables,
                     int64_t max_blocks, const int64_t *lens, int bf16) {
-    const int64_t width = (heads + 2 * kv_heads) * D, q_size = heads * D;
+    const int64_t width = (heads + 2 * kv_heads) * D, q_size = heads * D, es = bf16 ? 2 : 4;
     if (L < 1 || T < 1 || H < 1 || I < 1 || kv_heads < 1 || heads % kv_heads) return -1;
     for (int64_t i = 0; i < L; i++) {
         const struct pd_layer *w = layers + i;
         char *layer_cache = (char *)cache + i * layer_bytes;
+        const int local = w->local_rope && cos_local && sin_local;
         int rc = pd_rms_norm(isa, threads, x, i ? delta : NULL, w->input_norm, eps, T, H, h, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->qkv, h, bf16, T, H, width, qkv);
         if (!rc && w->qkv_bias) add_bias(qkv, w->qkv_bias, T, width, bf16);
-        if (!rc) rc = pd_rotary_store(isa, threads, qkv, T, heads, kv_heads, D, cos, sin, layer_cache, slots, bf16);
+        if (!rc && w->q_norm) rc = head_norms(isa, threads, qkv, width, T, heads, D, w->q_norm, eps, scratch, bf16);
+        if (!rc && w->k_norm)
+            rc = head_norms(isa, threads, (char *)qkv + q_size * es, width, T, kv_heads, D, w->k_norm, eps, scratch, bf16);
+        if (!rc) rc = pd_rotary_store(isa, threads, qkv, T, heads, kv_heads, D, local ? cos_local : cos,
+                                      local ? sin_local : sin, layer_cache, slots, bf16);
         if (!rc) rc = pd_decode_attention(isa, threads, qkv, width, T, heads, kv_heads, D, layer_cache, block_size,
-                                          tables, max_blocks, lens, 0, scale, att, bf16);
+                                          tables, max_blocks, lens, w->window, scale, att, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->o, att, bf16, T, q_size, H, delta);
+        if (!rc && w->attn_out_norm) rc = norm_in_place(isa, threads, delta, w->attn_out_norm, eps, T, H, scratch, bf16);
         if (!rc) rc = pd_rms_norm(isa, threads, x, delta, w->post_norm, eps, T, H, h, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->gate_up, h, bf16, T, H, 2 * I, gu);
-        if (!rc) rc = pd_silu_mul(isa, threads, gu, T, I, s, bf16);
+        if (!rc) rc = (gelu ? pd_gelu_mul : pd_silu_mul)(isa, threads, gu, T, I, s, bf16);
         if (!rc) rc = stack_product(isa, threads, on, &w->down, s, bf16, T, I, H, delta);
+        if (!rc && w->mlp_out_norm) rc = norm_in_place(isa, threads, delta, w->mlp_out_norm, eps, T, H, scratch, bf16);
         if (rc) return rc;
     }
     return 0;
