@@ -265,7 +265,7 @@ def bench_default_model(limits: dict[str, MachineLimits], sizes: Sizes, seed: in
         }
     for dtype in [d for d in seconds if d != "llama_cpp"]:
         ours = result[dtype]["ours"]
-        line = f"smollm2 {dtype} decode batch 1: ours {ours['tokens_per_s']:.1f} tok/s (MBU {ours['mbu_pct']:.0f}%)"
+        line = f"{path.stem} {dtype} decode batch 1: ours {ours['tokens_per_s']:.1f} tok/s (MBU {ours['mbu_pct']:.0f}%)"
         if "llama_cpp" in seconds:
             theirs = result["llama_cpp"]["tokens_per_s"]
             ratio = result[dtype]["ours_over_llama_cpp"] = ours["tokens_per_s"] / theirs
