@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.block_formats import StoredBlocks
-from pdserve.layers.kernels.native import BlockParts, NativeKernels
+from pdserve.layers.kernels.block_kernels import BlockParts
+from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.measured import machine_key
 from pdserve.layers.packed import pack_weight, packed_linear
 from pdserve.layers.quant import (
@@ -84,14 +85,14 @@ class BlockWeight:
         return self.matmul_blocks(x)
 
     def matmul_blocks(self, x: torch.Tensor) -> torch.Tensor:  # every part in one kernel call
-        return self.kernels.block_matmul_parts(x.contiguous(), self.kernel_parts())
+        return self.kernels.blocks.matmul_parts(x.contiguous(), self.kernel_parts())
 
     def matmul_tiles(self, x: torch.Tensor) -> torch.Tensor:  # bfloat16 rows, on AMX tiles
-        return self.kernels.block_matmul_amx(x.contiguous(), self.kernel_parts())
+        return self.kernels.blocks.matmul_amx(x.contiguous(), self.kernel_parts())
 
     def kernel_parts(self) -> BlockParts:
         if self.plan is None:
-            self.plan = self.kernels.block_parts([(p.format.type_id, p.data) for p in self.parts], self.in_features)
+            self.plan = self.kernels.blocks.parts([(p.format.type_id, p.data) for p in self.parts], self.in_features)
         return self.plan
 
     def matmul_dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class BlockWeight:
         row = 0
         for part in self.parts:
             rows = part.shape[0]
-            self.kernels.block_dequantize(part.format.type_id, part.data, out[row : row + rows])
+            self.kernels.blocks.dequantize(part.format.type_id, part.data, out[row : row + rows])
             row += rows
         return out
 
@@ -122,7 +123,7 @@ class BlockWeight:
             raise ValueError("an embedding table is one matrix, not a fused weight")
         part = self.parts[0]
         out = torch.empty(ids.shape[0], self.in_features, dtype=dtype)
-        return self.kernels.block_rows(part.format.type_id, part.data, ids.contiguous(), out)
+        return self.kernels.blocks.rows(part.format.type_id, part.data, ids.contiguous(), out)
 
 
 def hold_blocks(parts: list[StoredBlocks], kernels: NativeKernels) -> BlockWeight | QuantizedWeight:
@@ -153,7 +154,7 @@ def calibrate_blocks(weights: list[BlockWeight], dtype: torch.dtype) -> tuple[in
     sent 8-row decode steps dense at half the speed of its blocks). Kept per machine and model in
     `THRESHOLDS`."""
     first = weights[0]
-    tiles = dtype == torch.bfloat16 and first.kernels.qmatmul_amx_available
+    tiles = dtype == torch.bfloat16 and first.kernels.blocks.amx
     key = machine_key("calibrate-blocks", sorted({p.format.name for w in weights for p in w.parts}),
                       sum(w.nbytes for w in weights), len(weights), str(dtype), torch.get_num_threads(),
                       first.dense.keep, tiles, list(_CALIBRATION_ROWS), list(_TILE_CALIBRATION_ROWS))

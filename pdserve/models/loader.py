@@ -252,10 +252,10 @@ class _TensorSource:
         they run, else by the reference rules)."""
         blocks = self._blocks[name]
         kernels = self._kernels or load_kernels()
-        if kernels is None or not kernels.block_format_supported(blocks.format.type_id):
+        if kernels is None or not kernels.blocks.format_supported(blocks.format.type_id):
             return blocks.dequantize().to(self._dtype)
         out = torch.empty(blocks.shape, dtype=self._dtype if self._dtype == torch.bfloat16 else torch.float32)
-        kernels.block_dequantize(blocks.format.type_id, blocks.data, out)
+        kernels.blocks.dequantize(blocks.format.type_id, blocks.data, out)
         return out.to(self._dtype)
 
     def has(self, name: str) -> bool:

@@ -60,7 +60,7 @@ def in_features_of(fmt: T) -> int:
 @needs_kernels
 def test_the_family_serves_exactly_its_twelve_formats():
     kernels = native.load()
-    assert {f for f in T if kernels.block_format_supported(int(f))} == set(FORMATS)
+    assert {f for f in T if kernels.blocks.format_supported(int(f))} == set(FORMATS)
 
 
 @pytest.mark.parametrize("isa", kernel_isa_params())
@@ -71,14 +71,14 @@ def test_every_variant_expands_a_weight_to_ggufs_values_bit_for_bit(isa, fmt):
     w = block_weight(fmt, 13, K, seed=int(fmt))
     expected = torch.from_numpy(quants.dequantize(w, fmt))
     held = torch.from_numpy(w)
-    f32 = kernels.block_dequantize(int(fmt), held, torch.empty(13, K))
+    f32 = kernels.blocks.dequantize(int(fmt), held, torch.empty(13, K))
     assert torch.equal(f32.view(torch.int32), expected.view(torch.int32))  # -0 stays -0
-    bf16 = kernels.block_dequantize(int(fmt), held, torch.empty(13, K, dtype=torch.bfloat16))
+    bf16 = kernels.blocks.dequantize(int(fmt), held, torch.empty(13, K, dtype=torch.bfloat16))
     assert torch.equal(bf16.view(torch.int16), expected.bfloat16().view(torch.int16))
     ids = torch.tensor([12, 0, 5, 5])
-    rows = kernels.block_rows(int(fmt), held, ids, torch.empty(4, K))
+    rows = kernels.blocks.rows(int(fmt), held, ids, torch.empty(4, K))
     assert torch.equal(rows.view(torch.int32), expected[ids].view(torch.int32))
-    rows = kernels.block_rows(int(fmt), held, ids, torch.empty(4, K, dtype=torch.bfloat16))
+    rows = kernels.blocks.rows(int(fmt), held, ids, torch.empty(4, K, dtype=torch.bfloat16))
     assert torch.equal(rows.view(torch.int16), expected[ids].bfloat16().view(torch.int16))
 
 
@@ -96,7 +96,7 @@ def test_products_are_int8_activations_against_the_weights_values(isa, dtype, fm
     for rows in (1, 3, 8, 33):
         x = torch.randn(rows, K, generator=g).to(dtype)
         wide = torch.full((rows, N + 7), 7.0, dtype=dtype)
-        y = kernels.block_matmul(x, int(fmt), torch.from_numpy(w), N, out=wide[:, 3:3 + N])
+        y = kernels.blocks.matmul(x, int(fmt), torch.from_numpy(w), N, out=wide[:, 3:3 + N])
         assert y.data_ptr() == wide[:, 3:].data_ptr()
         assert (wide[:, :3] == 7).all() and (wide[:, 3 + N:] == 7).all()  # the other columns untouched
         exact = torch.from_numpy(emulated(x, values)).float()
@@ -114,7 +114,7 @@ def test_rows_shorter_than_a_batch_of_eight_blocks_go_a_block_at_a_time(isa, fmt
     kernels = native.load().with_isa(isa)
     w = block_weight(fmt, 6, 96, seed=9)  # 3 blocks
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(10))
-    y = kernels.block_matmul(x, int(fmt), torch.from_numpy(w), 6)
+    y = kernels.blocks.matmul(x, int(fmt), torch.from_numpy(w), 6)
     exact = torch.from_numpy(emulated(x, quants.dequantize(w, fmt))).float()
     assert ((y - exact).norm() / exact.norm()).item() < 1e-4
 
@@ -128,8 +128,8 @@ def test_a_rows_product_does_not_depend_on_its_batch_mates(isa, fmt):
     K = in_features_of(fmt)
     w = torch.from_numpy(block_weight(fmt, 9, K, seed=7))
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(8))  # 8 + 2 + 1, or 4 + 4 + 2 + 1
-    together = kernels.block_matmul(x, int(fmt), w, 9)
-    alone = torch.cat([kernels.block_matmul(x[i:i + 1].contiguous(), int(fmt), w, 9) for i in range(11)])
+    together = kernels.blocks.matmul(x, int(fmt), w, 9)
+    alone = torch.cat([kernels.blocks.matmul(x[i:i + 1].contiguous(), int(fmt), w, 9) for i in range(11)])
     assert torch.equal(together, alone)
 
 
@@ -138,9 +138,9 @@ def test_a_row_of_nan_or_inf_spoils_only_its_own_outputs(isa):
     kernels = native.load().with_isa(isa)
     w = torch.from_numpy(block_weight(T.Q4_K, 8, 512, seed=3))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
-    clean = kernels.block_matmul(x, int(T.Q4_K), w, 8)
+    clean = kernels.blocks.matmul(x, int(T.Q4_K), w, 8)
     x[1, 5], x[1, 300] = float("nan"), float("inf")
-    spoiled = kernels.block_matmul(x, int(T.Q4_K), w, 8)
+    spoiled = kernels.blocks.matmul(x, int(T.Q4_K), w, 8)
     assert torch.equal(spoiled[0::2], clean[0::2])
 
 
@@ -150,15 +150,15 @@ def test_weights_that_are_not_whole_blocks_of_the_format_are_refused():
     w = torch.from_numpy(block_weight(T.Q4_K, 4, 512, seed=5))
     x = torch.randn(2, 512)
     with pytest.raises(ValueError, match="uint8"):  # the row bytes of another format
-        kernels.block_matmul(x, int(T.Q6_K), w, 4)
+        kernels.blocks.matmul(x, int(T.Q6_K), w, 4)
     with pytest.raises(ValueError, match="whole blocks of 256"):
-        kernels.block_matmul(torch.randn(2, 480), int(T.Q4_K), w, 4)
+        kernels.blocks.matmul(torch.randn(2, 480), int(T.Q4_K), w, 4)
     with pytest.raises(ValueError, match="do not serve"):
-        kernels.block_matmul(x, int(T.IQ2_XXS), w, 4)
+        kernels.blocks.matmul(x, int(T.IQ2_XXS), w, 4)
     with pytest.raises(ValueError, match="cannot take"):  # rows of the output overlap
-        kernels.block_matmul(x, int(T.Q4_K), w, 4, out=torch.empty(4, 2).t())
+        kernels.blocks.matmul(x, int(T.Q4_K), w, 4, out=torch.empty(4, 2).t())
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        kernels.block_rows(int(T.Q4_K), w, torch.tensor([4]), torch.empty(1, 512))
+        kernels.blocks.rows(int(T.Q4_K), w, torch.tensor([4]), torch.empty(1, 512))
 
 
 @pytest.mark.parametrize("isa", kernel_isa_params())
@@ -170,10 +170,10 @@ def test_a_fused_weights_parts_in_one_call_give_each_parts_own_product(isa, dtyp
     k = 512
     spec = [(T.Q8_0, 24), (T.Q5_0, 8), (T.Q5_0, 8), (T.Q4_K, 5)]
     weights = [torch.from_numpy(block_weight(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(spec)]
-    plan = kernels.block_parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
+    plan = kernels.blocks.parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5)).to(dtype)
-    fused = kernels.block_matmul_parts(x, plan)
-    alone = torch.cat([kernels.block_matmul(x, int(fmt), w, n) for (fmt, n), w in zip(spec, weights)], dim=1)
+    fused = kernels.blocks.matmul_parts(x, plan)
+    alone = torch.cat([kernels.blocks.matmul(x, int(fmt), w, n) for (fmt, n), w in zip(spec, weights)], dim=1)
     assert fused.shape == (3, sum(n for _, n in spec)) and torch.equal(fused, alone)
 
 
@@ -188,17 +188,17 @@ def test_amx_tiles_give_the_weights_bfloat16_values_product(rows):
     k = 544  # two super-blocks and a group: the 32-element formats' tail
     spec = [(T.Q5_0, 24), (T.Q8_0, 8), (T.Q4_1, 21)]
     weights = [torch.from_numpy(block_weight(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(spec)]
-    plan = kernels.block_parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
-    expanded = torch.cat([kernels.block_dequantize(int(fmt), w, torch.empty(n, k, dtype=torch.bfloat16))
+    plan = kernels.blocks.parts([(int(fmt), w) for (fmt, _), w in zip(spec, weights)], k)
+    expanded = torch.cat([kernels.blocks.dequantize(int(fmt), w, torch.empty(n, k, dtype=torch.bfloat16))
                           for (fmt, n), w in zip(spec, weights)])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    got = kernels.block_matmul_amx(x, plan)
+    got = kernels.blocks.matmul_amx(x, plan)
     expected = (x.float() @ expanded.float().T).to(torch.bfloat16)
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
     K4 = T.Q4_K  # a K-quant alone, K of whole super-blocks
     w = torch.from_numpy(block_weight(K4, 40, 512, seed=9))
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    expanded = kernels.block_dequantize(int(K4), w, torch.empty(40, 512, dtype=torch.bfloat16))
-    got = kernels.block_matmul_amx(x, kernels.block_parts([(int(K4), w)], 512))
+    expanded = kernels.blocks.dequantize(int(K4), w, torch.empty(40, 512, dtype=torch.bfloat16))
+    got = kernels.blocks.matmul_amx(x, kernels.blocks.parts([(int(K4), w)], 512))
     torch.testing.assert_close(got.float(), (x.float() @ expanded.float().T).to(torch.bfloat16).float(),
                                atol=1e-2, rtol=1e-2)

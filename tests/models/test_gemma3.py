@@ -7,19 +7,17 @@ tests/engine/test_generate_vs_hf.py, which run every tiny architecture."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType
 
 from pdserve import SamplingParams
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.checkpoint import load_hf_dir
 from tests.factories import make_llm, paged_logits
+from tests.gguf_files import write_gemma3_gguf
 from tests.worker.cluster import CASES, Cluster, prompt
 
 LENGTHS = [3, 7, 8, 9, 15, 23, 40, 61]  # around the window of 8 and its blocks
@@ -64,64 +62,8 @@ def test_disaggregated_equals_colocated(gemma, hf_models, backend):
 
 # ---- the same checkpoint as a gemma3 GGUF file ----
 
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _QUANTIZED = {"blk.0.attn_q.weight": GGMLQuantizationType.Q8_0, "blk.1.ffn_up.weight": GGMLQuantizationType.Q5_0,
               "blk.2.attn_output.weight": GGMLQuantizationType.Q4_0, "token_embd.weight": GGMLQuantizationType.Q8_0}
-
-
-def _gemma_gguf(model_dir: Path, path: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint as llama.cpp's convert script writes it (norms as 1 + w, pattern and window
-    in metadata; the tokenizer as a gpt2 vocabulary); returns the values the file holds, in
-    Hugging Face names and form."""
-    ckpt = load_hf_dir(model_dir)
-    cfg, hf = ArchConfig.from_hf_config(ckpt.hf_config), ckpt.hf_config
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_rope_scaling_type(RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(cfg.rope_scaling.factor)
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_uint32("gemma3.attention.sliding_window_pattern", 3)
-    w.add_float32("gemma3.rope.freq_base_swa", cfg.local_rope_theta)
-    vocab = ckpt.tokenizer.backend.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges([" ".join(m) for m in json.loads(ckpt.tokenizer.backend.to_str())["model"]["merges"]])
-    w.add_eos_token_id(hf["eos_token_id"])
-    values: dict[str, torch.Tensor] = {}
-    for name, t in ckpt.tensors.items():
-        layer, _, rest = name.removeprefix("model.layers.").partition(".")
-        if name.startswith("model.layers."):
-            gguf_name = f"blk.{layer}.{_NAMES[rest.removesuffix('.weight')]}.weight"
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        data = t.numpy() + (np.float32(1.0) if name.endswith("norm.weight") else 0)
-        if gguf_name in _QUANTIZED:
-            kind = _QUANTIZED[gguf_name]
-            blocks = quantize(data, kind)
-            w.add_tensor(gguf_name, blocks, raw_dtype=kind)
-            values[name] = torch.from_numpy(dequantize(blocks, kind).astype(np.float32))
-        else:
-            w.add_tensor(gguf_name, data)
-            values[name] = t
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return values
 
 
 def test_a_gemma3_gguf_computes_as_its_values(gemma, tmp_path):
@@ -130,7 +72,7 @@ def test_a_gemma3_gguf_computes_as_its_values(gemma, tmp_path):
     window, pattern and both rotary bases read as llama.cpp reads them."""
     from pdserve.models.gguf_reader import load_gguf
 
-    values = _gemma_gguf(gemma, tmp_path / "tiny.gguf")
+    values = write_gemma3_gguf(gemma, tmp_path / "tiny.gguf", _QUANTIZED, pattern=3)
     ckpt = load_gguf(tmp_path / "tiny.gguf")
     ours, theirs = ArchConfig.from_hf_config(ckpt.hf_config), ArchConfig.from_hf_config(load_hf_dir(gemma).hf_config)
     for field in ("sliding_window", "sliding_layers", "local_rope_theta", "rope_theta", "rope_scaling",

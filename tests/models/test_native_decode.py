@@ -40,6 +40,18 @@ def _steps(llm, prompts: list[list[int]], decode_steps: int) -> tuple[list[torch
     return hidden, stacked[0]
 
 
+def assert_stack_as_modules(llm, prompts: list[list[int]], decode_steps: int) -> None:
+    """Every decode step runs the stack, and gives the hidden states the modules give, bit for bit."""
+    model = llm.engine.runner.model
+    model.use_decode_stack = False
+    modules, none = _steps(llm, prompts, decode_steps)
+    model.use_decode_stack = True
+    stacked, count = _steps(llm, prompts, decode_steps)
+    assert none == 0 and count == len(stacked) == len(modules) == decode_steps
+    for a, b in zip(modules, stacked):
+        assert torch.equal(a, b)
+
+
 # GQA; one KV head; q/k/v biases; q/k norms; Gemma 3 (sliding windows, local rotary tables, output norms, GELU)
 @pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -48,13 +60,7 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_models, vari
     llm = make_llm(tiny_models[variant], dtype=dtype, quantization="int4", enable_prefix_caching=False)
     model = llm.engine.runner.model
     model.layers[0].mlp.down_proj.dense.min_rows = None  # every product on the quantized kernels
-    model.use_decode_stack = False
-    modules, none = _steps(llm, PROMPTS[:rows], 4)
-    model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS[:rows], 4)
-    assert none == 0 and count == len(stacked) == len(modules) == 4
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
+    assert_stack_as_modules(llm, PROMPTS[:rows], 4)
 
 
 # AMX tiles (bfloat16 rows), and panels of 4- and 8-bit weights in either dtype
@@ -74,13 +80,7 @@ def test_the_stack_runs_batch_products_where_the_model_would(tiny_llama, on, bit
     dense.min_rows = None
     if on == "panels":
         assert all(w.panels is not None for w in (model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj))
-    model.use_decode_stack = False
-    modules, _ = _steps(llm, PROMPTS, 3)
-    model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS, 3)
-    assert count == 3
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
+    assert_stack_as_modules(llm, PROMPTS, 3)
 
 
 def test_the_modules_run_where_the_stack_cannot(tiny_models):
@@ -106,13 +106,7 @@ def test_every_kernel_variant_runs_the_stack_as_the_modules_do(tiny_llama, isa):
     dense = runner.model.layers[0].mlp.down_proj.dense
     dense.tile_rows = dense.panel_rows = None  # AMX tiles and panels only with the AVX-512 variant
     runner.model.layers[0].mlp.down_proj.dense.min_rows = None
-    runner.model.use_decode_stack = False
-    modules, _ = _steps(llm, PROMPTS[:2], 3)
-    runner.model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS[:2], 3)
-    assert count == 3
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
+    assert_stack_as_modules(llm, PROMPTS[:2], 3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -138,13 +132,7 @@ def test_the_stack_runs_a_gguf_files_blocks_as_the_modules_do(tiny_llama, tmp_pa
     assert isinstance(layer.self_attn.o_proj, QuantizedWeight) and isinstance(layer.mlp.down_proj, BlockWeight)
     for d in model.decode_stack().denses:
         d.min_rows = None  # every product on the blocks
-    model.use_decode_stack = False
-    modules, _ = _steps(llm, PROMPTS[:3], 3)
-    model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS[:3], 3)
-    assert count == len(stacked) == len(modules) == 3
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
+    assert_stack_as_modules(llm, PROMPTS[:3], 3)
 
 
 def test_the_stack_runs_block_weights_on_amx_tiles_as_the_modules_do(tiny_llama, tmp_path):
@@ -163,10 +151,4 @@ def test_the_stack_runs_block_weights_on_amx_tiles_as_the_modules_do(tiny_llama,
     model = llm.engine.runner.model
     blocks = model.layers[0].mlp.down_proj.dense
     blocks.tile_rows, blocks.min_rows = 2, None
-    model.use_decode_stack = False
-    modules, _ = _steps(llm, PROMPTS, 3)
-    model.use_decode_stack = True
-    stacked, count = _steps(llm, PROMPTS, 3)
-    assert count == 3
-    for a, b in zip(modules, stacked):
-        assert torch.equal(a, b)
+    assert_stack_as_modules(llm, PROMPTS, 3)

@@ -1,7 +1,7 @@
-"""pdserve's own CPU kernels (`qmatmul.c`: quantized matmuls; `ops.c`: the per-token operations of
-a decoder layer, decode attention, and prefill attention on AMX tiles or in AVX512-BF16 dot
-products where the CPU has them): built
-with the system's C compiler on first use, cached on disk, and loaded with ctypes.
+"""pdserve's own CPU kernels (`qmatmul.c`: quantized matmuls; `blocks.c`: weights in GGUF's block
+formats, `block_kernels.py`; `ops.c`: the per-token operations of a decoder layer, decode
+attention, and prefill attention on AMX tiles or in AVX512-BF16 dot products where the CPU has
+them): built with the system's C compiler on first use, cached on disk, and loaded with ctypes.
 
 The library holds a variant per instruction set (portable C, AVX2, AVX-512 VNNI, AVX-VNNI) and
 reports which this CPU runs; the fastest is used unless `PDSERVE_CPU_ISA` names a lower one (the
@@ -9,8 +9,8 @@ tests run every variant the CPU has this way), or `none`: torch's kernels throug
 `load()` returns None once, with the reason logged, and callers use torch's own kernels instead.
 
 The build is keyed by the sources, the compiler's version and this module's flags, so an upgrade
-rebuilds; it takes about a second, and several processes starting at once each build into a file
-of their own and rename it into place.
+rebuilds; it takes about 25 s on 2 cores (once a machine: a worker's first start), and several
+processes starting at once each build into a file of their own and rename it into place.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from pathlib import Path
 
 import torch  # first: the library's OpenMP runtime must resolve to the one torch loaded
 
-from gguf import GGML_QUANT_SIZES
-
 from pdserve.cache import cache_path
+from pdserve.layers.kernels.block_kernels import BlockKernels, declare_block_kernels
+from pdserve.layers.kernels.checks import check as _check, contiguous as _contiguous
 from pdserve.layers.packed import activation_buffer
 
 log = logging.getLogger("pdserve.kernels")
 
 _SOURCES = ("common.h", "qmatmul.c", "qmatmul_simd.h", "qmatmul_panel.h", "dequant.c", "ops.c", "ops_body.h",
             "attention_bf16.h", "prefill_bf16.h", "prefill_amx.h", "qmatmul_amx.h", "decode_amx.h", "blocks.c",
-            "blocks_format.h", "blocks_simd.h", "blocks_k.h", "blocks_dot.h", "blocks_amx.h")
+            "blocks_format.h", "blocks_simd.h", "blocks_k.h", "blocks_dot.h", "blocks_amx.h", "vec8.h")
 _COMPILED = ("qmatmul.c", "dequant.c", "ops.c", "blocks.c")
 _CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 ISA_NAMES = ("portable", "avx2", "avx512_vnni", "avx_vnni")  # the C enum's order
@@ -47,22 +47,6 @@ PREFILL_ATTENTION_KINDS = {"tiles": 2, "vectors": 1}  # the C bits, the faster f
 
 def cache_dir() -> Path:
     return cache_path("kernels")
-
-
-MAX_BLOCK_PARTS = 8  # blocks.c's MAX_PARTS
-
-
-@dataclass(frozen=True, slots=True)
-class BlockParts:
-    """A fused weight's parts in GGUF block formats, as `pd_block_matmul_parts` takes them."""
-
-    formats: ctypes.Array  # int64 [count]: GGML type ids
-    rows: ctypes.Array  # int64 [count]
-    data: ctypes.Array  # pointers [count] to each part's bytes
-    count: int
-    in_features: int
-    out_features: int
-    tensors: list  # the parts' bytes, kept alive while `data` points into them
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,117 +155,12 @@ class NativeKernels:
         return out
 
 
-    # -- weights in GGUF's block formats (blocks.c), by ggml type id -------------------------------
+    # -- weights in GGUF's block formats (blocks.c): their own composed object ----------------------
 
-    def block_format_supported(self, format: int) -> bool:
-        """Whether the block kernels serve ggml type `format` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K,
-        IQ4_NL, IQ4_XS)."""
-        return _block_format_supported(self.lib, format)
-
-    def block_matmul(self, x: torch.Tensor, format: int, w: torch.Tensor, out_features: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] float32 or bfloat16 (contiguous) @ w^T, w the file's bytes ([out_features,
-        row bytes] uint8) -> [rows, out_features] in x's dtype; or into `out` ([rows, >= out_features],
-        x's dtype, rows may be strided: a column slice of a wider output), which is returned."""
-        rows, in_features = x.shape
-        _contiguous(x)
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"block_matmul takes float32 or bfloat16 activations, not {x.dtype}")
-        self._check_blocks(format, w, out_features, in_features)
-        if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype)
-        elif (out.dtype != x.dtype or out.dim() != 2 or out.shape[0] != rows or out.shape[1] < out_features
-              or out.stride(1) != 1 or (rows > 1 and out.stride(0) < out_features)):
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} strides {out.stride()} cannot take "
-                             f"[{rows}, {out_features}] {x.dtype} outputs in rows of its own")
-        rc = self.lib.pd_block_matmul(self.isa, torch.get_num_threads(), format, x.data_ptr(),
-                                      x.dtype == torch.bfloat16, rows, in_features, w.data_ptr(), out_features,
-                                      out.data_ptr(), out.stride(0) if rows > 1 else max(out_features, 1))
-        if rc:
-            raise RuntimeError(f"pd_block_matmul failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
-                               f"format {format}, x {tuple(x.shape)}, {out_features} outputs")
-        return out
-
-    def block_parts(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> BlockParts:
-        """A fused weight's parts, (format, bytes [rows, row bytes] uint8) each, checked once and
-        held as `block_matmul_parts` takes them (at most 8)."""
-        if not 1 <= len(parts) <= MAX_BLOCK_PARTS:
-            raise ValueError(f"a weight has 1 to {MAX_BLOCK_PARTS} parts, not {len(parts)}")
-        for format, w in parts:
-            self._check_blocks(format, w, w.shape[0], in_features)
-        n = len(parts)
-        return BlockParts((ctypes.c_int64 * n)(*(f for f, _ in parts)), (ctypes.c_int64 * n)(*(w.shape[0] for _, w in parts)),
-                          (ctypes.c_void_p * n)(*(w.data_ptr() for _, w in parts)), n, in_features,
-                          sum(w.shape[0] for _, w in parts), [w for _, w in parts])
-
-    def block_matmul_parts(self, x: torch.Tensor, parts: BlockParts) -> torch.Tensor:
-        """x [rows, in] float32 or bfloat16 (contiguous) @ the fused weight's transpose -> [rows, out]
-        in x's dtype: the activations quantized once for every part, one parallel region."""
-        rows, in_features = x.shape
-        _contiguous(x)
-        if x.dtype not in (torch.float32, torch.bfloat16) or in_features != parts.in_features:
-            raise ValueError(f"block_matmul_parts takes float32 or bfloat16 [rows, {parts.in_features}], not "
-                             f"{tuple(x.shape)} {x.dtype}")
-        y = torch.empty(rows, parts.out_features, dtype=x.dtype)
-        rc = self.lib.pd_block_matmul_parts(self.isa, torch.get_num_threads(), parts.count, parts.formats, parts.rows,
-                                            parts.data, x.data_ptr(), x.dtype == torch.bfloat16, rows, in_features,
-                                            y.data_ptr(), parts.out_features)
-        if rc:
-            raise RuntimeError(f"pd_block_matmul_parts failed ({'bad arguments' if rc == -1 else 'out of memory'}): "
-                               f"x {tuple(x.shape)}, {parts.out_features} outputs in {parts.count} parts")
-        return y
-
-    def block_matmul_amx(self, x: torch.Tensor, parts: BlockParts) -> torch.Tensor:
-        """`block_matmul_parts` of bfloat16 rows on AMX tiles (where `qmatmul_amx_available`): the
-        weight expanded to bfloat16 a block at a time as it is read, every row multiplied at once."""
-        rows, in_features = x.shape
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or in_features != parts.in_features:
-            raise ValueError(f"block_matmul_amx takes contiguous bfloat16 [rows, {parts.in_features}], not "
-                             f"{tuple(x.shape)} {x.dtype}")
-        y = activation_buffer(rows, parts.out_features, x.dtype)
-        _check(self.lib.pd_block_matmul_amx(self.isa, torch.get_num_threads(), parts.count, parts.formats, parts.rows,
-                                            parts.data, x.data_ptr(), rows, in_features, y.data_ptr(),
-                                            parts.out_features), "block_matmul_amx")
-        return y
-
-    def block_dequantize(self, format: int, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The whole weight (w: [out, row bytes] uint8) into `out` ([out, in] float32 or bfloat16,
-        contiguous): gguf's values, bit for bit in float32."""
-        _contiguous(out)
-        self._check_blocks(format, w, out.shape[0], out.shape[1])
-        _check_expansion(out)
-        _check(self.lib.pd_block_dequantize(self.isa, torch.get_num_threads(), format, w.data_ptr(), out.shape[0],
-                                            out.shape[1], out.data_ptr(), out.dtype == torch.bfloat16),
-               "block_dequantize")
-        return out
-
-    def block_rows(self, format: int, w: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (int64 [count]) of the weight expanded into `out` ([count, in] float32 or bfloat16,
-        contiguous): an embedding lookup from a quantized table."""
-        _contiguous(out, ids)
-        if ids.dtype != torch.int64 or ids.dim() != 1 or out.shape[0] != ids.shape[0]:
-            raise ValueError(f"ids must be int64 [count] with out [count, in]; got ids {tuple(ids.shape)} "
-                             f"{ids.dtype}, out {tuple(out.shape)}")
-        self._check_blocks(format, w, w.shape[0], out.shape[1])
-        _check_expansion(out)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
-            raise ValueError(f"ids must lie in [0, {w.shape[0]}): got {int(ids.min())}..{int(ids.max())}")
-        _check(self.lib.pd_block_rows(self.isa, torch.get_num_threads(), format, w.data_ptr(), out.shape[1],
-                                      ids.data_ptr(), ids.shape[0], out.data_ptr(), out.dtype == torch.bfloat16),
-               "block_rows")
-        return out
-
-    def _check_blocks(self, format: int, w: torch.Tensor, out_features: int, in_features: int) -> None:
-        """w must be out_features rows of in_features elements of `format`, as the file stores them."""
-        if not self.block_format_supported(format):
-            raise ValueError(f"the block kernels do not serve ggml type {format}")
-        elements, size = GGML_QUANT_SIZES[format]
-        if in_features < 1 or in_features % elements:
-            raise ValueError(f"ggml type {format} takes rows of whole blocks of {elements}, not {in_features} elements")
-        row_bytes = in_features // elements * size
-        if w.dtype != torch.uint8 or tuple(w.shape) != (out_features, row_bytes) or not w.is_contiguous():
-            raise ValueError(f"w must be contiguous uint8 [{out_features}, {row_bytes}] (ggml type {format}, "
-                             f"{in_features} inputs); got {w.dtype} {tuple(w.shape)}")
+    @property
+    def blocks(self) -> BlockKernels:
+        """The block-format kernels of this library and variant (`block_kernels.py`)."""
+        return _block_kernels(self.lib, self.isa)
 
     # -- the per-token operations (ops.c); tensors are float32 or bfloat16, contiguous rows --------
 
@@ -370,13 +249,8 @@ def _prefill_attention_kinds(lib: ctypes.CDLL, isa: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _block_format_supported(lib: ctypes.CDLL, format: int) -> bool:
-    return bool(lib.pd_block_format_supported(format))
-
-
-def _check_expansion(out: torch.Tensor) -> None:
-    if out.dim() != 2 or out.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"expands into [rows, in] float32 or bfloat16, not {tuple(out.shape)} {out.dtype}")
+def _block_kernels(lib: ctypes.CDLL, isa: int) -> BlockKernels:
+    return BlockKernels(lib, isa, bool(lib.pd_qmatmul_amx_available(isa)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -387,16 +261,6 @@ def _panels_available(lib: ctypes.CDLL, isa: int, bits: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _qmatmul_amx_available(lib: ctypes.CDLL, isa: int) -> bool:
     return bool(lib.pd_qmatmul_amx_available(isa))
-
-
-def _contiguous(*tensors: torch.Tensor) -> None:
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("pdserve's kernels take contiguous tensors")
-
-
-def _check(rc: int, name: str) -> None:
-    if rc:
-        raise RuntimeError(f"pdserve's {name} kernel refused its arguments")
 
 
 @functools.cache
@@ -434,16 +298,8 @@ def load() -> NativeKernels | None:
     lib.pd_decode_stack.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
                                     i32]
-    lib.pd_block_format_supported.argtypes = [i32]
-    lib.pd_block_matmul.argtypes = [i32, i32, i32, ptr, i32, i64, i64, ptr, i64, ptr, i64]
-    lib.pd_block_matmul_parts.argtypes = [i32, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, i64]
-    lib.pd_block_matmul_amx.argtypes = [i32, i32, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]
-    lib.pd_block_dequantize.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i32]
-    lib.pd_block_rows.argtypes = [i32, i32, i32, ptr, i64, ptr, i64, ptr, i32]
-    for name in ("pd_block_format_supported", "pd_block_matmul", "pd_block_matmul_parts", "pd_block_matmul_amx",
-                 "pd_block_dequantize",
-                 "pd_block_rows",
-                 "pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
+    declare_block_kernels(lib)
+    for name in ("pd_prefill_attention", "pd_prefill_attention_kinds", "pd_qmatmul_amx", "pd_panel_pack",
                  "pd_panel_matmul", "pd_panels_available",
                  "pd_qmatmul_amx_available", "pd_decode_stack", "pd_dequantize", "pd_rms_norm",
                  "pd_silu_mul", "pd_gelu_mul", "pd_rotary_store", "pd_decode_attention"):
