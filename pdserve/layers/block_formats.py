@@ -42,13 +42,6 @@ FORMATS: dict[int, BlockFormat] = {f.type_id: f for f in (
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGUF's F32, F16, BF16
 
 
-def format_named(type_id: int) -> BlockFormat:
-    try:
-        return FORMATS[type_id]
-    except KeyError:
-        raise ValueError(f"GGML type {type_id} is not a block format pdserve serves") from None
-
-
 @dataclass(slots=True)
 class StoredBlocks:
     """A matrix in its file's block format: `data` [out, in / elements * bytes] uint8, the file's

@@ -32,7 +32,7 @@ from pdserve.layers.kernels.native import NativeKernels
 from pdserve.layers.measured import machine_key
 from pdserve.layers.packed import pack_weight, packed_linear
 from pdserve.layers.quant import (
-    GROUP_SIZE, THRESHOLDS, DenseProducts, QuantizedWeight, with_panels,
+    _TILE_CALIBRATION_ROWS, GROUP_SIZE, THRESHOLDS, DenseProducts, QuantizedWeight, with_panels,
 )
 from pdserve.layers.timing import best_seconds
 
@@ -170,9 +170,6 @@ def calibrate_blocks(weights: list[BlockWeight], dtype: torch.dtype) -> tuple[in
         THRESHOLDS.write(key, {"rows": list(found), "weights": len(weights), "dtype": str(dtype),
                                "threads": torch.get_num_threads()})
     return found
-
-
-_TILE_CALIBRATION_ROWS = (2, 4, 8, 16)  # where AMX tiles may overtake byte dot products
 
 
 def _measure(weights: list[BlockWeight], dtype: torch.dtype, tiles: bool) -> tuple[int | None, int | None]:

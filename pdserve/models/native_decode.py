@@ -67,14 +67,15 @@ class NativeDecode:
     """The model's layers as `pd_decode_stack` takes them, built once; None from `of` where the
     model's layers cannot run there (see the module's docstring)."""
 
-    def __init__(self, model, layers: ctypes.Array, bits: set[int], denses: list, keep: list) -> None:
+    def __init__(self, model, layers: ctypes.Array, keep: list) -> None:
         self.model = model
         self.layers = layers  # the structs hold pointers into the model's weights, which it keeps
-        self.bits = bits  # of the layers' quantized weights (block weights: none)
-        self.denses = denses  # every `DenseProducts` the layers' weights follow
-        quantized = [w.dense for w in _layer_weights(model) if isinstance(w, QuantizedWeight)]
-        blocks = [w.dense for w in _layer_weights(model) if isinstance(w, BlockWeight)]
-        self.dense = quantized[0] if quantized else denses[0]  # the quantized weights' (or the blocks')
+        weights = list(_layer_weights(model))
+        self.bits = {w.bits for w in weights if isinstance(w, QuantizedWeight)}  # (block weights: none)
+        self.denses = list({id(w.dense): w.dense for w in weights}.values())  # every `DenseProducts` they follow
+        quantized = [w.dense for w in weights if isinstance(w, QuantizedWeight)]
+        blocks = [w.dense for w in weights if isinstance(w, BlockWeight)]
+        self.dense = quantized[0] if quantized else self.denses[0]  # the quantized weights' (or the blocks')
         self.blocks_dense = blocks[0] if blocks else None
         self._keep = keep  # the block parts' arrays the structs point to
 
@@ -83,21 +84,19 @@ class NativeDecode:
         cfg = model.cfg
         if cfg.experts is not None or cfg.activation not in ("silu", "gelu_tanh"):
             return None
-        structs, bits, denses, keep = [], set(), {}, []
+        structs, keep = [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(w, (QuantizedWeight, BlockWeight)) for w in weights):
                 return None
-            bits.update(w.bits for w in weights if isinstance(w, QuantizedWeight))
-            denses.update((id(w.dense), w.dense) for w in weights)
             bias = attn.qkv_bias
             norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
             structs.append(_Layer(*norms, None if bias is None else bias.data_ptr(),
                                   *(_qweight(w, keep) for w in weights),
                                   _pointer(attn.q_norm), _pointer(attn.k_norm), _pointer(layer.attn_output_norm),
                                   _pointer(layer.mlp_output_norm), attn.window or 0, int(attn.local_rope)))
-        return cls(model, (_Layer * len(structs))(*structs), bits, list(denses.values()), keep)
+        return cls(model, (_Layer * len(structs))(*structs), keep)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers can run here: a decode-only step on pdserve's kernels whose
